@@ -1,0 +1,17 @@
+"""mamba_train: pretrain and finetune Mamba-2 (SSD) language models in JAX."""
+
+from mamba_train.config import Mamba2Config, SIZES, config_for
+from mamba_train.model import Mamba2LM
+
+__all__ = ["Mamba2Config", "Mamba2LM", "SIZES", "config_for", "load_model"]
+
+
+def __getattr__(name):
+  # Lazy: loading pulls in safetensors and the checkpoint stack only when used.
+  if name == "load_model":
+    from mamba_train.load import load_model
+    return load_model
+  if name == "generate":
+    from mamba_train.generate import generate
+    return generate
+  raise AttributeError(name)

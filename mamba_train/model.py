@@ -1,0 +1,322 @@
+"""The Mamba-2 language model in Flax NNX: the same function as mamba_ssm's
+MambaLMHeadModel with Mamba2 mixers, and as transformers' Mamba2ForCausalLM.
+
+Layers are stored stacked (a leading `layers` axis on every block parameter) and
+run with `jax.lax.scan`, so compile time does not grow with depth. The per-layer
+math is written as pure functions of a dict of that layer's arrays.
+
+Precision policy: parameters float32; the three projections and the LM head run
+in `config.compute_dtype` with float32 accumulation and float32 results; the
+residual stream, dt / A / decay, convolution, norms and logits are float32.
+
+Shapes: b batch, l length, d d_model, i d_inner (= h * p), h heads, p headdim,
+g groups, n d_state, k conv kernel, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mamba_train import sharding
+from mamba_train.config import Mamba2Config
+from mamba_train.ssd import ssd_chunked, ssd_step
+
+F32 = jnp.float32
+Array = jax.Array
+
+# The parameters of one block, with their logical axes (the stacked `layers`
+# axis is prepended). The in_proj of mamba_ssm is stored split into z|x, B|C and
+# dt so that tensor parallelism cuts whole heads and never mixes the pieces.
+BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "norm": ("embed",),
+    "in_proj_zx": ("embed", None, "inner"),  # (d, 2, i): z then x
+    "in_proj_bc": ("embed", None, "state"),  # (d, 2, g*n): B then C
+    "in_proj_dt": ("embed", "heads"),  # (d, h)
+    "conv_x": ("conv", "inner"),  # (k, i)
+    "conv_x_bias": ("inner",),
+    "conv_bc": ("conv", None, "state"),  # (k, 2, g*n)
+    "conv_bc_bias": (None, "state"),
+    "dt_bias": ("heads",),
+    "A_log": ("heads",),
+    "D": ("heads",),
+    "gate_norm": ("inner",),
+    "out_proj": ("inner", "embed"),  # (i, d)
+}
+
+
+def _param(value, axes):
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def _uniform(key, shape, bound):
+  return jax.random.uniform(key, shape, F32, -bound, bound)
+
+
+def init_block_params(cfg: Mamba2Config, key) -> dict[str, Array]:
+  """One block's parameters, initialised as mamba_ssm does."""
+  d, i, h, gn, k = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.ngroups * cfg.d_state, cfg.d_conv
+  ks = jax.random.split(key, 10)
+  lin = 1.0 / math.sqrt(d)  # torch nn.Linear default: kaiming_uniform(a=sqrt(5))
+  conv = 1.0 / math.sqrt(k)  # depthwise conv: fan_in = kernel size
+  # dt log-uniform in [dt_min, dt_max], floored, stored through an inverse softplus.
+  dt = jnp.exp(jax.random.uniform(ks[5], (h,), F32) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
+               + math.log(cfg.dt_min))
+  dt = jnp.maximum(dt, cfg.dt_init_floor)
+  dt_bias = dt + jnp.log(-jnp.expm1(-dt))
+  lo, hi = cfg.A_init_range
+  A = jax.random.uniform(ks[6], (h,), F32, lo, hi)
+  return {
+      "norm": jnp.ones((d,), F32),
+      "in_proj_zx": _uniform(ks[0], (d, 2, i), lin),
+      "in_proj_bc": _uniform(ks[1], (d, 2, gn), lin),
+      "in_proj_dt": _uniform(ks[2], (d, h), lin),
+      "conv_x": _uniform(ks[3], (k, i), conv),
+      "conv_x_bias": _uniform(ks[7], (i,), conv),
+      "conv_bc": _uniform(ks[4], (k, 2, gn), conv),
+      "conv_bc_bias": _uniform(ks[8], (2, gn), conv),
+      "dt_bias": dt_bias,
+      "A_log": jnp.log(A),
+      "D": jnp.ones((h,), F32),
+      "gate_norm": jnp.ones((i,), F32),
+      # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (one residual per block).
+      "out_proj": _uniform(ks[9], (i, d), 1.0 / math.sqrt(i)) / math.sqrt(cfg.n_layer),
+  }
+
+
+# ----------------------------------------------------------------------------
+# Per-layer math (pure functions).
+
+
+def rms_norm(x, weight, eps):
+  x = x.astype(F32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def gated_rms_norm(y, z, weight, groups, eps):
+  """y * silu(z), then RMS over groups of i / g channels, times weight (norm after gate)."""
+  x = y.astype(F32) * jax.nn.silu(z.astype(F32))
+  xs = x.reshape(*x.shape[:-1], groups, -1)
+  xs = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps)
+  return xs.reshape(x.shape) * weight
+
+
+def causal_conv(x, w, bias, front, seq_idx=None):
+  """Depthwise causal convolution along l.
+
+  x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c), the inputs before
+  position 0 (zeros, or a decoding cache's conv state). With seq_idx, an input
+  from another document than the output position's contributes nothing.
+  Written as k shifted multiply-adds: k is 4, and XLA fuses them into one loop.
+  """
+  k = w.shape[0]
+  l = x.shape[1]
+  xp = jnp.concatenate([front.astype(F32), x.astype(F32)], axis=1)  # (b, k-1+l, *c)
+  extra = x.ndim - 2
+  if seq_idx is not None:
+    ids = jnp.concatenate([jnp.repeat(seq_idx[:, :1], k - 1, axis=1), seq_idx], axis=1)
+  out = jnp.broadcast_to(bias.astype(F32), x.shape)
+  for j in range(k):  # tap j reads position t - (k-1-j)
+    tap = xp[:, j:j + l] * w[j]
+    if seq_idx is not None and j < k - 1:
+      ok = (ids[:, j:j + l] == seq_idx).reshape(ids.shape[0], l, *([1] * extra))
+      tap = jnp.where(ok, tap, 0.0)
+    out = out + tap
+  return out, xp[:, l:]  # new front: the last k-1 inputs
+
+
+def _dt_and_A(p, dt_raw, cfg):
+  dt = jax.nn.softplus(dt_raw.astype(F32) + p["dt_bias"])
+  lo, hi = cfg.dt_limit
+  if lo > 0.0 or hi < math.inf:
+    dt = jnp.clip(dt, lo, hi)
+  return dt, -jnp.exp(p["A_log"])
+
+
+def _project_in(p, u, cd):
+  uc = u.astype(cd)
+  zx = jnp.einsum("...d,dki->...ki", uc, p["in_proj_zx"].astype(cd), preferred_element_type=F32)
+  bc = jnp.einsum("...d,dkn->...kn", uc, p["in_proj_bc"].astype(cd), preferred_element_type=F32)
+  dt = jnp.einsum("...d,dh->...h", uc, p["in_proj_dt"].astype(cd), preferred_element_type=F32)
+  return zx[..., 0, :], zx[..., 1, :], bc, dt
+
+
+def _project_out(p, y, z, cfg, cd):
+  y = gated_rms_norm(y, z, p["gate_norm"], cfg.ngroups, cfg.norm_eps)
+  return jnp.einsum("...i,id->...d", y.astype(cd), p["out_proj"].astype(cd), preferred_element_type=F32)
+
+
+def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
+  """One layer's recurrent state: conv inputs of the last k-1 positions, and the SSM state."""
+  k, i, gn = cfg.d_conv, cfg.d_inner, cfg.ngroups * cfg.d_state
+  return {
+      "conv_x": jnp.zeros((batch, k - 1, i), F32),
+      "conv_bc": jnp.zeros((batch, k - 1, 2, gn), F32),
+      "ssm": jnp.zeros((batch, cfg.nheads, cfg.headdim, cfg.d_state), F32),
+  }
+
+
+def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
+  """The Mamba-2 mixer over a sequence.
+
+  u: (b, l, d) float32. seq_idx: (b, l) document ids. mask: (b, l) bool, False on
+  padding: there the conv input and dt are zero, so padding cannot touch the
+  state. state: a layer state (see `zero_state`) to continue from.
+  Returns (b, l, d) float32 and the layer state after the last position.
+  """
+  b, l, _ = u.shape
+  cd = jnp.dtype(cfg.compute_dtype)
+  z, xr, bc, dt_raw = _project_in(p, u, cd)
+  if state is None:
+    state = zero_state(cfg, b)
+  if mask is not None:
+    xr = jnp.where(mask[..., None], xr, 0.0)
+    bc = jnp.where(mask[..., None, None], bc, 0.0)
+  x, conv_x = causal_conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
+  bc, conv_bc = causal_conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
+  x, bc = jax.nn.silu(x), jax.nn.silu(bc)
+  dt, A = _dt_and_A(p, dt_raw, cfg)
+  if mask is not None:
+    dt = jnp.where(mask[..., None], dt, 0.0)
+  g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
+  x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
+  y, ssm = ssd_chunked(
+      x.astype(cd), dt, A,
+      bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n),
+      cfg.chunk_size, D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
+  out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
+  return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
+def mixer_step(p, u, cfg: Mamba2Config, state):
+  """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state."""
+  b = u.shape[0]
+  cd = jnp.dtype(cfg.compute_dtype)
+  z, xr, bc, dt_raw = _project_in(p, u, cd)
+  x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
+  bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
+  x, bc = jax.nn.silu(x[:, 0]), jax.nn.silu(bc[:, 0])
+  dt, A = _dt_and_A(p, dt_raw, cfg)
+  g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
+  y, ssm = ssd_step(state["ssm"], x.reshape(b, h, hp), dt, A,
+                    bc[:, 0].reshape(b, g, n), bc[:, 1].reshape(b, g, n), D=p["D"])
+  out = _project_out(p, y.reshape(b, h * hp), z, cfg, cd)
+  return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
+def block(p, h, cfg, **kw):
+  """Pre-norm residual block: h + mixer(rmsnorm(h)); the residual stays float32."""
+  out, state = mixer(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, **kw)
+  return h + out, state
+
+
+_REMAT_POLICIES = {
+    "full": None,  # recompute everything in the backward pass
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Mamba2LM(nnx.Module):
+  """Mamba-2 language model. `model(input_ids) -> logits (b, l, vocab_size)` in float32."""
+
+  def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
+    self.config = config
+    cfg = config
+    key_emb, key_layers, key_head = jax.random.split(rngs.params(), 3)
+    v, d = cfg.padded_vocab_size, cfg.d_model
+    self.embedding = _param(0.02 * jax.random.normal(key_emb, (v, d), F32), ("vocab", "embed"))
+    stacked = jax.vmap(lambda k: init_block_params(cfg, k))(jax.random.split(key_layers, cfg.n_layer))
+    self.layers = nnx.Dict({name: _param(stacked[name], ("layers",) + axes)
+                            for name, axes in BLOCK_PARAM_AXES.items()})
+    self.norm_f = _param(jnp.ones((d,), F32), ("embed",))
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(0.02 * jax.random.normal(key_head, (v, d), F32), ("vocab", "embed"))
+
+  # -- pieces, also used by training (loss on hidden states) and generation --
+
+  def layer_params(self) -> dict[str, Array]:
+    return {name: self.layers[name].get_value() for name in BLOCK_PARAM_AXES}
+
+  def embed(self, input_ids):
+    return jnp.take(self.embedding.get_value(), input_ids, axis=0)
+
+  def head_weight(self):
+    return (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+
+  def logits(self, h):
+    """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows dropped)."""
+    cfg = self.config
+    cd = jnp.dtype(cfg.compute_dtype)
+    h = rms_norm(h, self.norm_f.get_value(), cfg.norm_eps)
+    out = jnp.einsum("...d,vd->...v", h.astype(cd), self.head_weight().astype(cd),
+                     preferred_element_type=F32)
+    return out[..., : cfg.vocab_size]
+
+  def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
+    """Embedding and all blocks. Returns the residual stream (b, l, d) before the
+    final norm, and the per-layer states stacked over layers."""
+    cfg = self.config
+    h = sharding.constrain(self.embed(input_ids), ("batch", "act_length", "act_embed"))
+    b = input_ids.shape[0]
+    if states is None:
+      states = jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.n_layer))
+
+    def body(h, xs):
+      p, state = xs
+      h, state = block(p, h, cfg, seq_idx=seq_idx, mask=mask, state=state)
+      return sharding.constrain(h, ("batch", "act_length", "act_embed")), state
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    h, states = jax.lax.scan(body, h, (self.layer_params(), states))
+    return h, states
+
+  def __call__(self, input_ids, *, seq_idx=None):
+    h, _ = self.backbone(input_ids, seq_idx=seq_idx)
+    return self.logits(h)
+
+  # -- parameters as a plain nested dict (the paths conversion and checkpoints use) --
+
+  def params(self) -> dict[str, Any]:
+    out = {"embedding": self.embedding.get_value(), "norm_f": self.norm_f.get_value(),
+           "layers": self.layer_params()}
+    if not self.config.tie_embeddings:
+      out["lm_head"] = self.lm_head.get_value()
+    return out
+
+  @classmethod
+  def from_params(cls, config: Mamba2Config, params: dict[str, Any]) -> "Mamba2LM":
+    """Build a model holding `params` (as `params()` returns them) without a random init."""
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    expected = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), model.params())
+    got = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(F32)), params)
+    if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
+      bad = _describe_mismatch(expected, got)
+      raise ValueError(f"Parameters do not match the model config: {bad}")
+    model.embedding.set_value(jnp.asarray(params["embedding"], F32))
+    model.norm_f.set_value(jnp.asarray(params["norm_f"], F32))
+    for name in BLOCK_PARAM_AXES:
+      model.layers[name].set_value(jnp.asarray(params["layers"][name], F32))
+    if not config.tie_embeddings:
+      model.lm_head.set_value(jnp.asarray(params["lm_head"], F32))
+    return model
+
+
+def _describe_mismatch(expected, got) -> str:
+  flat_e = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: isinstance(x, tuple))[0])
+  flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: isinstance(x, tuple))[0])
+  name = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  msgs = []
+  for path in sorted(set(flat_e) | set(flat_g), key=name):
+    e, g = flat_e.get(path), flat_g.get(path)
+    if e is None:
+      msgs.append(f"unexpected {name(path)}")
+    elif g is None:
+      msgs.append(f"missing {name(path)} (expected shape {e[0]})")
+    elif e[0] != g[0]:
+      msgs.append(f"{name(path)}: shape {g[0]}, expected {e[0]}")
+  return "; ".join(msgs) or "structure differs"
