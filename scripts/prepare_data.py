@@ -1,0 +1,55 @@
+"""Tokenizes a text dataset into data/<name>/ for training.
+
+  # Local files (txt/md: one file per document; json/jsonl/parquet/arrow: one row each):
+  python scripts/prepare_data.py --source='corpus/*.jsonl' --name=mycorpus --text_field=text
+  # A hub dataset with the GPT-NeoX tokenizer of the released Mamba-2 models (network):
+  python scripts/prepare_data.py --source=roneneldan/TinyStories \
+      --tokenizer=EleutherAI/gpt-neox-20b --name=tinystories
+  # The embedded default corpus (Python standard library, byte tokenizer, offline):
+  python scripts/prepare_data.py --default_corpus
+
+Rerunning with the same inputs returns at once; --force rebuilds.
+"""
+
+from absl import app, flags, logging
+
+from mamba_train import data
+
+_SOURCE = flags.DEFINE_string("source", None, "Files, directory, glob or hub dataset name.")
+_NAME = flags.DEFINE_string("name", None, "Output directory name under --root.")
+_ROOT = flags.DEFINE_string("root", "data", "Where prepared datasets live.")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "Column holding the text.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "byte",
+                                 "'byte', a tokenizer.json path, or a transformers name.")
+_EOS = flags.DEFINE_string("eos_token", None, "End-of-text token, if not the tokenizer's.")
+_CONFIG = flags.DEFINE_string("config_name", None, "Hub dataset configuration.")
+_VAL = flags.DEFINE_float("val_fraction", 0.005,
+                          "Fraction of documents for validation if the source has none.")
+_SAMPLE_BY = flags.DEFINE_enum("sample_by", "document", ["document", "paragraph", "line"],
+                               "What one document is in .txt/.md files.")
+_NUM_PROC = flags.DEFINE_integer("num_proc", None, "Tokenizer processes (default: by size).")
+_FORCE = flags.DEFINE_bool("force", False, "Rebuild even if already prepared.")
+_DEFAULT = flags.DEFINE_bool("default_corpus", False, "Prepare the embedded default corpus.")
+
+
+def main(argv):
+  del argv
+  if _DEFAULT.value:
+    path = data.ensure_default_corpus(_ROOT.value)
+  elif _SOURCE.value is None:
+    raise app.UsageError("Pass --source=... (or --default_corpus).")
+  else:
+    path = data.prepare_dataset(
+        _SOURCE.value, _NAME.value, root=_ROOT.value, text_field=_TEXT_FIELD.value,
+        tokenizer=_TOKENIZER.value, eos_token=_EOS.value, config_name=_CONFIG.value,
+        val_fraction=_VAL.value, text_sample_by=_SAMPLE_BY.value, num_proc=_NUM_PROC.value,
+        force=_FORCE.value)
+  meta = data.read_metadata(path)
+  for split, info in meta["splits"].items():
+    logging.info("%s: %s documents, %s tokens", split, f"{info['documents']:,}",
+                 f"{info['tokens']:,}")
+  print(path)
+
+
+if __name__ == "__main__":
+  app.run(main)
