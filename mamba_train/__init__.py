@@ -2,8 +2,11 @@
 
 from mamba_train.config import Mamba2Config, SIZES, config_for
 from mamba_train.model import Mamba2LM
+# Eager, and after the model: importing the submodule mamba_train.generate binds the
+# package attribute `generate` to the module; this import rebinds it to the function.
+from mamba_train.generate import generate
 
-__all__ = ["Mamba2Config", "Mamba2LM", "SIZES", "config_for", "load_model"]
+__all__ = ["Mamba2Config", "Mamba2LM", "SIZES", "config_for", "generate", "load_model"]
 
 
 def __getattr__(name):
@@ -11,7 +14,4 @@ def __getattr__(name):
   if name == "load_model":
     from mamba_train.load import load_model
     return load_model
-  if name == "generate":
-    from mamba_train.generate import generate
-    return generate
   raise AttributeError(name)

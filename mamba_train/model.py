@@ -275,6 +275,20 @@ class Mamba2LM(nnx.Module):
     h, states = jax.lax.scan(body, h, (self.layer_params(), states))
     return h, states
 
+  def step(self, input_ids, states):
+    """One token per sequence through every block, for decoding: input_ids (b,),
+    states stacked over layers as `backbone` returns them. Returns the residual
+    stream (b, d) before the final norm and the new states. Never goes through
+    the chunked scan, so a step costs the same at any context length."""
+    cfg = self.config
+
+    def body(h, xs):
+      p, state = xs
+      out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, state)
+      return h + out, state
+
+    return jax.lax.scan(body, self.embed(input_ids), (self.layer_params(), states))
+
   def __call__(self, input_ids, *, seq_idx=None):
     h, _ = self.backbone(input_ids, seq_idx=seq_idx)
     return self.logits(h)

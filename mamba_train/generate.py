@@ -1,0 +1,433 @@
+"""Generation: prefill, one-token step, sampling, and `generate`.
+
+`generate` compiles prefill and the whole decode loop into one device program:
+a `jax.lax.while_loop` that steps every layer's recurrent state (`Mamba2Cache`,
+fixed size) one token at a time, samples on device, and stops as soon as every
+sequence has produced EOS. The host sees only the finished token buffer.
+
+Prompts of different lengths are left-padded to one length (rounded up to a
+power of two, so a handful of programs serve all lengths) and the model's
+`mask` marks the padding: there the conv input and dt are zero, so padding
+cannot touch the state and each sequence gets exactly what it would get alone.
+
+Shapes: b batch, l prompt length, v vocabulary, t new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mamba_train.cache import Mamba2Cache
+from mamba_train.model import Mamba2LM
+
+# Longest prompt accepted. The released models were trained at context 2048 and
+# a state-space model carries any length in its fixed state, so this limit is
+# about prefill memory, not the cache: the chunked scan's intermediates grow
+# linearly with l (about 0.4 GB per sequence at 130m and 16k tokens).
+# Pass max_prompt_len= to `generate` for more.
+MAX_PROMPT_LEN = 16384
+_MIN_BUCKET = 16
+
+
+# ----------------------------------------------------------------------------
+# The two model passes. Plain traceable functions: jit them (or call inside a
+# jitted function) with the model merged from its graphdef and state.
+
+
+def prefill(model: Mamba2LM, input_ids, mask=None) -> tuple[jax.Array, Mamba2Cache]:
+  """Run prompts through the chunked scan. input_ids (b, l); mask (b, l) bool,
+  False on left padding. Returns the logits after the last position (b, v)
+  float32 and the cache holding the state after it."""
+  h, states = model.backbone(input_ids, mask=mask)
+  return model.logits(h[:, -1]), Mamba2Cache.from_states(states).constrain()
+
+
+def step(model: Mamba2LM, token, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
+  """One token per sequence (b,) through every layer. Returns its logits (b, v)
+  and the new cache. Costs the same at any context length."""
+  h, states = model.step(token, cache.states())
+  return model.logits(h), Mamba2Cache.from_states(states).constrain()
+
+
+# ----------------------------------------------------------------------------
+# Sampling.
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+  """The static part of the sampling settings (what changes the program).
+  The values of temperature and top_p are traced, so changing them does not
+  recompile."""
+
+  greedy: bool
+  top_k: int  # 0: off
+  nucleus: bool  # top_p < 1
+
+
+def sample(key, logits, temperature, top_p, mode: SamplingMode):
+  """Next tokens (b,) int32 from logits (b, v): greedy, or temperature, then
+  top-k, then nucleus (top-p) filtering, as transformers orders them."""
+  if mode.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits.astype(jnp.float32) / temperature
+  if mode.top_k:
+    kth = jax.lax.top_k(logits, mode.top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if mode.nucleus:
+    desc = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Keep the smallest set of top tokens whose mass reaches top_p (at least one).
+    cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# The device program: prefill, then a while_loop of step + sample.
+
+
+def _decode_loop(model, logits, cache, key, temperature, top_p, eos_id, pad_id, *,
+                 max_new_tokens: int, mode: SamplingMode):
+  """Sample max_new_tokens tokens starting from `logits`/`cache`. Returns the
+  tokens (b, t) int32 (pad after a sequence's EOS) and how many steps ran (the
+  loop stops early once every sequence has produced EOS; eos_id -1: never)."""
+  b = logits.shape[0]
+  pick = functools.partial(sample, temperature=temperature, top_p=top_p, mode=mode)
+  tok = pick(jax.random.fold_in(key, 0), logits)
+  done = tok == eos_id
+  out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
+
+  def cond(carry):
+    i, _, _, _, done = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    i, tok, cache, out, done = carry
+    logits, cache = step(model, tok, cache)
+    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), logits))
+    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
+    return i + 1, nxt, cache, out, done | (nxt == eos_id)
+
+  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, cache, out, done))
+  return out, n
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "mode"))
+def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_p, eos_id,
+                      pad_id, *, max_new_tokens, mode):
+  model = nnx.merge(graphdef, params)
+  logits, cache = prefill(model, input_ids, mask)
+  return _decode_loop(model, logits, cache, key, temperature, top_p, eos_id, pad_id,
+                      max_new_tokens=max_new_tokens, mode=mode)
+
+
+# ----------------------------------------------------------------------------
+# Input checking and padding.
+
+
+def _as_prompts(prompt_ids) -> tuple[list[np.ndarray], str]:
+  """-> (list of 1-D int arrays, kind) where kind is '1d', '2d' or 'list'."""
+  if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+    arr = np.asarray(prompt_ids)
+    if arr.ndim not in (1, 2):
+      raise ValueError(f"prompt_ids must be 1-D or 2-D (batch, length), got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"prompt_ids must be integer token ids, got dtype {arr.dtype}")
+    if arr.ndim == 1:
+      return [arr], "1d"
+    return list(arr), "2d"
+  if isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)):
+    if all(isinstance(t, (int, np.integer)) for t in prompt_ids) and len(prompt_ids):
+      return [np.asarray(prompt_ids)], "1d"
+    prompts = []
+    for i, p in enumerate(prompt_ids):
+      if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray, jax.Array)):
+        raise ValueError(f"prompt {i} is not a sequence of token ids: {p!r:.60}")
+      a = np.asarray(p)
+      if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"prompt {i} must be a 1-D sequence of integer token ids")
+      prompts.append(a)
+    return prompts, "list"
+  raise ValueError(f"prompt_ids must be a list of token-id lists or an integer array, "
+                   f"got {type(prompt_ids).__name__}")
+
+
+def _check(prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
+           max_prompt_len):
+  if not prompts:
+    raise ValueError("no prompts given: prompt_ids is empty")
+  for i, p in enumerate(prompts):
+    if p.size == 0:
+      raise ValueError(f"prompt {i} is empty: give at least one token (for example a BOS id)")
+    if p.size > max_prompt_len:
+      raise ValueError(f"prompt {i} has {p.size} tokens, more than max_prompt_len="
+                       f"{max_prompt_len}; shorten it or pass a larger max_prompt_len")
+    lo, hi = int(p.min()), int(p.max())
+    if lo < 0 or hi >= vocab_size:
+      bad = lo if lo < 0 else hi
+      raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if not temperature >= 0.0:  # also rejects NaN
+    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  for name, v in (("eos_id", eos_id), ("pad_id", pad_id)):
+    if v is not None and not 0 <= v < vocab_size:
+      raise ValueError(f"{name}={v} is outside the vocabulary [0, {vocab_size})")
+
+
+def _bucket(n: int) -> int:
+  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def left_pad(prompts: list[np.ndarray], length: int, pad_id: int):
+  """-> ids (b, length) int32 and mask (b, length) bool, prompts flush right."""
+  ids = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for r, p in enumerate(prompts):
+    ids[r, length - p.size:] = p
+    mask[r, length - p.size:] = True
+  return ids, mask
+
+
+# ----------------------------------------------------------------------------
+# The public entry points.
+
+
+@dataclasses.dataclass
+class GenerateStats:
+  compile_s: float  # 0 when the program was already compiled
+  run_s: float  # prefill and decode, excluding compile
+  prompt_tokens: int  # real prompt tokens (no padding)
+  new_tokens: int  # generated tokens over all sequences, up to and including EOS
+  steps: int  # decode steps run (<= max_new_tokens)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.new_tokens / self.run_s if self.run_s > 0 else float("nan")
+
+
+_COMPILED: dict = {}
+
+
+def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        seed: int = 0, eos_id: int | None = None, pad_id: int | None = None,
+                        max_prompt_len: int = MAX_PROMPT_LEN):
+  """`generate`, also returning a `GenerateStats` with compile and run time."""
+  cfg = model.config
+  prompts, kind = _as_prompts(prompt_ids)
+  _check(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
+         max_prompt_len)
+  if pad_id is None:
+    pad_id = eos_id if eos_id is not None else 0
+  max_new_tokens = int(max_new_tokens)
+  top_k = int(top_k) if 0 < top_k < cfg.vocab_size else 0
+  mode = SamplingMode(greedy=temperature == 0.0, top_k=top_k, nucleus=top_p < 1.0)
+  if mode.greedy:
+    mode = SamplingMode(True, 0, False)
+
+  length = _bucket(max(p.size for p in prompts))
+  ids, mask = left_pad(prompts, length, pad_id)
+  graphdef, params = nnx.split(model)
+  args = (params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
+          jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
+          jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id))
+  signature = (graphdef, mode, max_new_tokens, ids.shape,
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(params)))
+  compile_s = 0.0
+  if signature not in _COMPILED:
+    t0 = time.perf_counter()
+    _COMPILED[signature] = _generate_program.lower(
+        graphdef, *args, max_new_tokens=max_new_tokens, mode=mode).compile()
+    compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  out, n = _COMPILED[signature](*args)
+  out, n = np.asarray(out), int(n)
+  run_s = time.perf_counter() - t0
+
+  out = out[:, :n]  # like transformers: stop at the step where every sequence ended
+  new_tokens = 0
+  for row in out:
+    hit = np.flatnonzero(row == eos_id) if eos_id is not None else []
+    new_tokens += (hit[0] + 1) if len(hit) else n
+  stats = GenerateStats(compile_s, run_s, sum(p.size for p in prompts), int(new_tokens), n)
+  full = [np.concatenate([p.astype(np.int32), row]) for p, row in zip(prompts, out)]
+  if kind == "1d":
+    return full[0], stats
+  if kind == "2d":
+    return np.stack(full), stats
+  return full, stats
+
+
+def generate(model: Mamba2LM, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             pad_id: int | None = None, max_prompt_len: int = MAX_PROMPT_LEN):
+  """Continue prompts by up to max_new_tokens tokens; returns each prompt followed
+  by its new tokens, as transformers' `generate` does.
+
+  prompt_ids: one prompt (1-D ints), a batch of equal-length prompts (2-D array),
+    or a list of prompts of any lengths (at most max_prompt_len tokens each).
+  temperature: 0 picks the most likely token (greedy); > 0 samples from
+    softmax(logits / temperature), after top_k (0: off) and top_p (1: off).
+  seed: the sampling key; the same seed gives the same tokens.
+  eos_id: a sequence stops at this token, the loop when all have; later
+    positions hold pad_id (default eos_id, else 0). The output is cut after the
+    last step run, so it can be shorter than prompt + max_new_tokens.
+
+  Returns: for a 1-D prompt a 1-D array; for a 2-D array a 2-D array
+  (b, l + steps); for a list, a list of 1-D arrays (each its own prompt, no padding).
+  Raises ValueError for an empty prompt, one longer than max_prompt_len, ids
+  outside the vocabulary, max_new_tokens < 1, temperature < 0, top_k < 0 or
+  top_p outside (0, 1].
+  """
+  out, _ = generate_with_stats(model, prompt_ids, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
+                               pad_id=pad_id, max_prompt_len=max_prompt_len)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Decode benchmark: on-device loop vs host loop vs recompute (scripts/bench.py decode).
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill_program(graphdef, params, input_ids):
+  return prefill(nnx.merge(graphdef, params), input_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"), donate_argnums=(3,))
+def _loop_program(graphdef, params, logits, cache, *, max_new_tokens):
+  mode = SamplingMode(greedy=True, top_k=0, nucleus=False)
+  return _decode_loop(nnx.merge(graphdef, params), logits, cache, jax.random.key(0),
+                      jnp.float32(1), jnp.float32(1), jnp.int32(-1), jnp.int32(0),
+                      max_new_tokens=max_new_tokens, mode=mode)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
+def _greedy_step_program(graphdef, params, token, cache):
+  logits, cache = step(nnx.merge(graphdef, params), token, cache)
+  return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _recompute_program(graphdef, params, buffer, pos):
+  """Greedy next token from a full forward pass over the whole buffer (b, L);
+  the token after position `pos` (causal, so positions past it do not matter)."""
+  logits = nnx.merge(graphdef, params)(buffer)
+  return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, pos, 1, keepdims=False), -1)
+
+
+def _timed(fn, *args):
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - t0
+
+
+def _temp_bytes(compiled) -> int | None:
+  try:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+  except Exception:  # not every backend reports it
+    return None
+
+
+def decode_benchmark(model: Mamba2LM, prompt_lens: Sequence[int] = (128, 1024, 4096), *,
+                     batch: int = 1, new_tokens: int = 32, host_tokens: int | None = None,
+                     recompute_tokens: int = 3, seed: int = 0, log=print) -> list[dict]:
+  """Greedy decode throughput at each prompt length, three ways:
+
+  * device: prefill, then the whole loop of `new_tokens` steps as one while_loop
+    program (what `generate` runs);
+  * host: a Python loop calling a jitted one-token step, reading each token back
+    to the host as a real loop must (to check for EOS);
+  * recompute: no cache, a full forward pass over the whole prefix per token.
+
+  Times exclude compilation (each program is compiled and run once first).
+  Returns one dict per length: tokens/s for each way (batch * tokens / s), the
+  prefill time, compile times, the cache size and the compiled programs' scratch
+  memory (bytes; None where the backend does not report it).
+  """
+  graphdef, params = nnx.split(model)
+  cfg = model.config
+  host_tokens = host_tokens or new_tokens
+  rng = np.random.default_rng(seed)
+  rows = []
+  for l in prompt_lens:
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, l)), jnp.int32)
+    row = {"prompt_len": l, "batch": batch}
+
+    t0 = time.perf_counter()
+    pre = _prefill_program.lower(graphdef, params, ids).compile()
+    row["prefill_compile_s"] = time.perf_counter() - t0
+    row["prefill_temp_bytes"] = _temp_bytes(pre)
+    _timed(pre, params, ids)
+    (logits, cache), row["prefill_s"] = _timed(pre, params, ids)
+    row["cache_bytes"] = cache.nbytes
+
+    # Device loop: the loop program alone, from the prefilled cache.
+    t0 = time.perf_counter()
+    loop = _loop_program.lower(graphdef, params, logits, cache,
+                               max_new_tokens=new_tokens).compile()
+    row["loop_compile_s"] = time.perf_counter() - t0
+    row["loop_temp_bytes"] = _temp_bytes(loop)
+    fresh = lambda: jax.tree.map(jnp.copy, cache)  # the loop donates its cache
+    _timed(loop, params, logits, fresh())
+    c = fresh()
+    (dev_tokens, _), t = _timed(loop, params, logits, c)
+    row["device_tok_s"] = batch * (new_tokens - 1) / t  # steps run: the first token is from prefill
+
+    # Host loop: one jitted step per token, the token read back each time.
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    c = fresh()
+    _, c = _greedy_step_program(graphdef, params, tok, c)  # compile + warm
+    c = fresh()
+    host = [np.asarray(tok)]
+    t0 = time.perf_counter()
+    for _ in range(host_tokens - 1):
+      tok, c = _greedy_step_program(graphdef, params, tok, c)
+      host.append(np.asarray(tok))  # the per-token host round trip
+    t = time.perf_counter() - t0
+    row["host_tok_s"] = batch * (host_tokens - 1) / t
+    n_cmp = min(host_tokens, new_tokens)
+    row["host_matches_device"] = bool(np.array_equal(np.stack(host, 1)[:, :n_cmp],
+                                                     np.asarray(dev_tokens)[:, :n_cmp]))
+
+    # Recompute: a fixed buffer of l + recompute_tokens positions, one full pass per token.
+    buf = jnp.concatenate([ids, jnp.zeros((batch, recompute_tokens), jnp.int32)], 1)
+    rec = _recompute_program.lower(graphdef, params, buf, jnp.int32(l - 1)).compile()
+    _timed(rec, params, buf, jnp.int32(l - 1))
+    t0 = time.perf_counter()
+    for i in range(recompute_tokens):
+      nxt = rec(params, buf, jnp.int32(l - 1 + i))
+      buf = buf.at[:, l + i].set(nxt)
+      np.asarray(nxt)
+    row["recompute_tok_s"] = batch * recompute_tokens / (time.perf_counter() - t0)
+    row["device_vs_host"] = row["device_tok_s"] / row["host_tok_s"]
+    row["device_vs_recompute"] = row["device_tok_s"] / row["recompute_tok_s"]
+    if log:
+      log(format_row(row))
+    rows.append(row)
+  return rows
+
+
+def format_row(row: dict) -> str:
+  mb = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}MB"
+  return (f"prompt {row['prompt_len']:>6}  device {row['device_tok_s']:8.1f} tok/s  "
+          f"host {row['host_tok_s']:8.1f} tok/s  recompute {row['recompute_tok_s']:8.2f} tok/s  "
+          f"(device/host {row['device_vs_host']:.2f}x, device/recompute "
+          f"{row['device_vs_recompute']:.0f}x)  prefill {row['prefill_s']:.2f}s  "
+          f"cache {mb(row['cache_bytes'])}  prefill scratch {mb(row['prefill_temp_bytes'])}  "
+          f"loop scratch {mb(row['loop_temp_bytes'])}")
