@@ -1,0 +1,12 @@
+"""Mamba-2 1.3b pretraining with the released models' recipe (see base.mamba2_pretrain).
+
+  python train.py --config configs/1.3b.py --workdir runs/1.3b
+"""
+
+from configs import base
+
+
+def get_config():
+  c = base.mamba2_pretrain("1.3b")
+  c.model.remat = "full"  # recompute activations in the backward pass: memory before speed
+  return c

@@ -1,0 +1,12 @@
+"""Mamba-2 2.7b pretraining with the released models' recipe (see base.mamba2_pretrain).
+
+  python train.py --config configs/2.7b.py --workdir runs/2.7b
+"""
+
+from configs import base
+
+
+def get_config():
+  c = base.mamba2_pretrain("2.7b")
+  c.model.remat = "full"  # recompute activations in the backward pass: memory before speed
+  return c

@@ -1,0 +1,91 @@
+"""The documented base of every run config. Other configs start from `get_config()`
+here and change what they need; the keys below are the whole contract (outside
+scripts read them), and the config is locked, so a misspelt key is an error.
+
+  python train.py --config configs/base.py --workdir runs/base   # (130m shapes, random data)
+"""
+
+import ml_collections
+
+from mamba_train.config import Mamba2Config
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = "base"  # a label: default workdir runs/<name>-<time>, W&B run name
+
+  # --- length and size of the run ---
+  c.steps = 1000  # optimizer steps
+  c.batch_size = 8  # global batch, in sequences (split over data x fsdp devices)
+  c.seq_len = 2048  # tokens per sequence
+  c.seed = 0  # parameter init and data order
+
+  # --- periodic work (0 turns one off) ---
+  c.log_every = 10  # metrics.jsonl, W&B and progress bar
+  c.eval_every = 200  # eval loss on the held-out split
+  c.eval_batches = 4  # batches (of batch_size) per evaluation
+  c.checkpoint_every = 1000  # (the checkpoint issue plugs in here)
+
+  # --- the model: Mamba2Config fields under mamba_ssm's names ---
+  c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())
+
+  # --- optimizer (mamba_train/optim.py) ---
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=3e-3,  # peak learning rate
+      schedule="cosine",  # cosine | wsd | constant
+      warmup_frac=0.1,  # linear warmup, as a fraction of `steps`
+      decay_frac=0.2,  # wsd only: final linear decay, as a fraction of `steps`
+      final_lr_frac=0.1,  # cosine / wsd end at lr * final_lr_frac
+      b1=0.9, b2=0.95, eps=1e-8,
+      weight_decay=0.1,  # decoupled; not on biases, norms, A_log, D, dt_bias
+      clip_norm=1.0,  # global gradient norm clip (0 = off)
+      grad_accum=1,  # micro-batches per step; batch_size must divide over them and the devices
+      state_dtype="float32",  # Adam first moment: float32 | bfloat16
+      max_nonfinite_steps=20,  # stop after this many non-finite steps in a row (each is skipped)
+  ))
+
+  # --- data ---
+  c.data = ml_collections.ConfigDict(dict(
+      source="synthetic",  # synthetic (a learnable Markov stream, no files) | corpus
+      dir="",  # corpus directory ('' = the default byte-level corpus, built offline if absent)
+  ))
+
+  # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
+  # and for CPUs a nominal 170 GFLOP/s (XLA's float32 matmul rate on a 2-core dev box).
+  c.peak_flops = 0.0
+
+  # --- Weights & Biases ---
+  c.wandb = ml_collections.ConfigDict(dict(
+      mode="offline",  # online | offline (no network needed; sync later) | disabled
+      project="mamba_train",
+      name="",  # '' = the config name and the time
+  ))
+
+  c.init_from = ""  # '' = random init; else a checkpoint directory to load parameters from
+  return c
+
+
+# Peak learning rates: 5x GPT-3's at the nearest size (GPT-3 paper, table 2.1:
+# 125M 6e-4, 350M 3e-4, 760M 2.5e-4, 1.3B 2e-4, 2.7B 1.6e-4).
+MAMBA2_LR = {"130m": 3e-3, "370m": 1.5e-3, "780m": 1.25e-3, "1.3b": 1e-3, "2.7b": 8e-4}
+
+
+def mamba2_pretrain(size: str) -> ml_collections.ConfigDict:
+  """The Mamba-2 recipe at one of the released sizes: 300B tokens of context 2048
+  in batches of 0.5M tokens, AdamW (0.9, 0.95), weight decay 0.1, clip 1.0,
+  warmup then cosine to 10% of the peak, bfloat16 matmuls with float32 weights,
+  parameters and optimizer state sharded over all devices (FSDP)."""
+  from mamba_train.config import config_for
+  c = get_config()
+  c.name = f"mamba2-{size}"
+  c.seq_len = 2048
+  c.batch_size = 256  # x 2048 = 0.5M tokens per step
+  c.steps = 300_000_000_000 // (c.batch_size * c.seq_len)  # 572,204
+  c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 5000
+  c.model.update(config_for(size, compute_dtype="bfloat16").to_dict())
+  c.optim.lr = MAMBA2_LR[size]
+  c.data.source = "corpus"
+  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  return c

@@ -1,0 +1,93 @@
+"""Checks on a run config, made before anything is traced or compiled, so a
+mistake costs a clear message rather than a compile and a stack trace.
+
+The keys themselves are defined (and documented) by configs/base.py; the entry
+point passes that config here as the reference for unknown-key checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mamba_train.config import Mamba2Config
+from mamba_train.mesh import resolve_mesh_shape
+from mamba_train.optim import SCHEDULES, STATE_DTYPES
+
+WANDB_MODES = ("online", "offline", "disabled")
+DATA_SOURCES = ("synthetic", "corpus")
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _to_dict(c) -> dict:
+  return c.to_dict() if hasattr(c, "to_dict") else dict(c)
+
+
+def _unknown_keys(config: Mapping, reference: Mapping, prefix: str = "") -> list[str]:
+  out = []
+  for key, value in config.items():
+    if key not in reference:
+      out.append(prefix + key)
+    elif key != "model" and isinstance(value, Mapping) and isinstance(reference[key], Mapping):
+      out += _unknown_keys(value, reference[key], f"{prefix}{key}.")
+  return out
+
+
+def model_config(config) -> Mamba2Config:
+  """The model's frozen config from `config.model` (mamba_ssm field names)."""
+  try:
+    return Mamba2Config.from_dict(_to_dict(config["model"]))
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.model: {e}") from None
+
+
+def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
+  """Raise ConfigError listing every problem found; return the resolved pieces:
+  {'model': Mamba2Config, 'mesh': {'data', 'fsdp', 'tensor'}}."""
+  cfg = _to_dict(config)
+  problems = []
+  if reference is not None:
+    unknown = _unknown_keys(cfg, _to_dict(reference))
+    if unknown:
+      problems.append(f"unknown config keys {unknown} (the keys are those of configs/base.py)")
+  for key in ("steps", "batch_size", "seq_len"):
+    if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+      problems.append(f"{key} must be a positive integer, got {cfg.get(key)!r}")
+  model = None
+  try:
+    model = model_config(cfg)
+  except ConfigError as e:
+    problems.append(str(e))
+  mesh = None
+  try:
+    mesh = resolve_mesh_shape(cfg["mesh"], num_devices)
+  except ValueError as e:
+    problems.append(str(e))
+  optim = cfg["optim"]
+  accum = optim.get("grad_accum", 1)
+  if not isinstance(accum, int) or accum < 1:
+    problems.append(f"optim.grad_accum must be a positive integer, got {accum!r}")
+    accum = 1
+  if mesh is not None and isinstance(cfg.get("batch_size"), int):
+    dp = mesh["data"] * mesh["fsdp"]
+    b = cfg["batch_size"]
+    if b % (dp * accum):
+      problems.append(
+          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
+          f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
+          + f"; use a multiple of {dp * accum}")
+    if b % process_count:
+      problems.append(f"batch_size {b} does not divide over {process_count} processes")
+  if optim.get("schedule") not in SCHEDULES:
+    problems.append(f"optim.schedule must be one of {SCHEDULES}, got {optim.get('schedule')!r}")
+  if optim.get("state_dtype") not in STATE_DTYPES:
+    problems.append(f"optim.state_dtype must be one of {STATE_DTYPES}, got {optim.get('state_dtype')!r}")
+  if cfg["wandb"].get("mode") not in WANDB_MODES:
+    problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
+  if cfg["data"].get("source") not in DATA_SOURCES:
+    problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
+  if problems:
+    raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
+  return {"model": model, "mesh": mesh}

@@ -1,0 +1,154 @@
+"""Train a Mamba-2 language model.
+
+  python train.py                                     # the tiny default, a few minutes on a CPU
+  python train.py --config configs/130m.py --workdir runs/130m --config.steps=1000
+  python train.py --config configs/tiny.py --config.optim.lr=1e-3 --config.mesh.fsdp=-1 --config.mesh.data=1
+
+Reads top to bottom: config, mesh, data, model and optimizer (sharded), step
+function, checkpoint and resume, loop. Periodic work hangs on the loop as hooks.
+"""
+
+import datetime
+import json
+import logging
+import math
+import os
+
+import jax
+import numpy as np
+import tqdm
+from absl import app, flags
+from ml_collections import config_flags
+
+from configs import base
+from mamba_train import metrics as metrics_lib
+from mamba_train import run_config, trainer
+from mamba_train.mesh import make_mesh
+from mamba_train.synthetic_data import SyntheticLoader
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_HERE, "configs", "tiny.py"), "Run config file (configs/*.py).")
+_WORKDIR = flags.DEFINE_string("workdir", "", "Output directory; default runs/<config name>-<time>.")
+
+
+def make_loaders(config, model_cfg):
+  """(train iterator, eval batches factory), both yielding this process's rows."""
+  kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
+            process_index=jax.process_index(), process_count=jax.process_count())
+  if config.data.source == "synthetic":
+    train = SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed, **kw)
+    held_out = lambda: SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw)
+    return train, held_out
+  raise run_config.ConfigError("data.source='corpus' needs the data pipeline (mamba_train.data), "
+                               "which this checkout does not have yet; use data.source='synthetic'")
+
+
+def load_init_params(path, model_cfg):
+  try:
+    from mamba_train.load import load_model  # the weight-loading issue provides this
+  except ImportError:
+    raise run_config.ConfigError(f"init_from={path!r} needs mamba_train.load, which this "
+                                 "checkout does not have yet") from None
+  model = load_model(path)
+  if model.config.to_dict() != model_cfg.to_dict():
+    raise run_config.ConfigError(f"init_from {path!r} holds a model with config {model.config}, "
+                                 f"but config.model is {model_cfg}")
+  return model.params()
+
+
+def main(argv):
+  del argv
+  logging.getLogger().setLevel(logging.INFO)
+
+  # ===== config =====
+  config = _CONFIG.value
+  resolved = run_config.validate(config, num_devices=jax.device_count(),
+                                 process_count=jax.process_count(), reference=base.get_config())
+  model_cfg = resolved["model"]
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
+  is_main = jax.process_index() == 0
+  if is_main:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config.to_dict(), f, indent=2)
+
+  # ===== mesh =====
+  mesh = make_mesh(config.mesh)
+  logging.info("mesh %s over %d %s devices", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
+
+  # ===== data =====
+  train_loader, held_out = make_loaders(config, model_cfg)
+
+  # ===== model and optimizer, sharded =====
+  params = load_init_params(config.init_from, model_cfg) if config.init_from else None
+  built = trainer.build(config, mesh, params=params)
+  state = built.state
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  flops_per_token = metrics_lib.train_flops_per_token(model_cfg, config.seq_len)
+  peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
+  tokens_per_step = config.batch_size * config.seq_len
+  logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
+               n_params / 1e6, flops_per_token, tokens_per_step)
+
+  # ===== step function =====
+  first_batch = trainer.to_global(next(train_loader), mesh)
+  with metrics_lib.Timer() as compile_time:
+    train_step = built.train_step.lower(state, first_batch).compile()
+  logging.info("train step compiled in %.1f s", compile_time.seconds)
+
+  # ===== checkpoint and resume =====
+  # The checkpoint issue restores `state` and `train_loader`'s state from the
+  # latest checkpoint in `workdir` here, and adds a Hook("checkpoint",
+  # config.checkpoint_every, ...) below. The train state is one pytree.
+  start_step = int(state.step)
+
+  # ===== hooks and loop =====
+  writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
+                                                         or f"{config.name}-{stamp}"},
+                                     run_config=config.to_dict(), is_main=is_main)
+  throughput = trainer.Throughput()
+  bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
+
+  def log(step, state, metrics):
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    speed = throughput.read(tokens_per_step)
+    row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
+           "param_norm": m["param_norm"], "lr": m["lr"], **speed,
+           "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
+           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0])}
+    writer.write(step, row)
+    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
+
+  def evaluate(step, state, metrics):
+    batches = (trainer.to_global(b, mesh) for b, _ in zip(held_out(), range(config.eval_batches)))
+    row = trainer.evaluate(built.eval_step, state.params, batches)
+    writer.write(step, row)
+    logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
+    throughput.reset()  # evaluation time is not training time
+
+  hooks = [
+      trainer.Hook("nonfinite", 1, trainer.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
+      trainer.Hook("log", config.log_every, log),
+      trainer.Hook("eval", config.eval_every, evaluate),
+  ]
+
+  batch = first_batch
+  try:
+    throughput.reset()
+    for step in range(start_step + 1, config.steps + 1):
+      state, step_metrics = train_step(state, batch)
+      throughput.tick()
+      bar.update(1)
+      trainer.run_hooks(hooks, step, config.steps, state, step_metrics)
+      if step < config.steps:
+        batch = trainer.to_global(next(train_loader), mesh)
+  finally:
+    bar.close()
+    writer.close()
+  logging.info("done: %d steps in %s", config.steps, workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)
