@@ -36,7 +36,7 @@ def stdlib_files(max_bytes: int) -> list[str]:
       path = os.path.join(d, n)
       size = os.path.getsize(path)
       if total + size > max_bytes:
-        return files
+        continue  # Skip files that do not fit; smaller ones later may.
       files.append(path)
       total += size
   return files

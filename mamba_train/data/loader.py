@@ -172,14 +172,14 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   transformers name); the shards must come from that same tokenizer.
   """
   where = metadata.get("name", "the dataset")
+  if metadata["max_token_id"] >= vocab_size:
+    raise ValueError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
+                     f"model's vocabulary of {vocab_size}; raise vocab_size.")
   if metadata["vocab_size"] > vocab_size:
     raise ValueError(
         f"Tokenizer {metadata['tokenizer']!r} of {where!r} has {metadata['vocab_size']} "
         f"tokens but the model's vocab_size is {vocab_size}; set the model vocab_size "
         f">= {metadata['vocab_size']} or prepare the data with a smaller tokenizer.")
-  if metadata["max_token_id"] >= vocab_size:
-    raise ValueError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
-                     f"model's vocabulary of {vocab_size}; raise vocab_size.")
   if tokenizer is None or tokenizer == metadata["tokenizer"]:
     return
   local = tokenizer == tokenizer_lib.BYTE or os.path.exists(tokenizer)

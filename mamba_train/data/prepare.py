@@ -78,7 +78,7 @@ def prepare_dataset(
     src_fp, load = source_fingerprint, lambda: source
   else:
     desc, src_fp, load = _resolve_source(source, config_name, text_sample_by, cache_dir)
-  name = name or _default_name(desc)
+  name = name or _default_name(source)
   out = os.path.join(root, name)
   settings = dict(format=FORMAT_VERSION, source=src_fp, text_field=text_field,
                   tokenizer=tok.fingerprint, eos_id=tok.eos_id, val_fraction=val_fraction,
@@ -171,6 +171,14 @@ def _resolve_source(source: str, config_name, sample_by, cache_dir):
   fp = _hash([builder, kwargs, config_name, [_stat(f) for f in files]])
 
   def load_files():
+    if builder == "json":
+      # Arrow's JSON reader may accept bad bytes and fail later, far from the file.
+      bad = next((f for f in files if not _is_utf8(f)), None)
+      if bad:
+        raise ValueError(
+            f"{bad!r} is not valid UTF-8. JSON inputs must be UTF-8; re-encode the file "
+            "(e.g. `iconv -f latin1 -t utf-8`). Plain text files are read with "
+            "undecodable bytes replaced by U+FFFD instead.")
     try:
       return datasets.load_dataset(builder, data_files={"train": files},
                                    cache_dir=cache_dir, **kwargs)
@@ -319,10 +327,14 @@ def _existing_fingerprint(out: str) -> str | None:
     return None
 
 
-def _default_name(desc: str) -> str:
-  base = desc.split(",")[0].split(" (")[0].rstrip("/")
-  base = os.path.splitext(os.path.basename(base))[0] if os.sep in base or "." in base else base
-  return base.replace("/", "_") or "dataset"
+def _default_name(source) -> str:
+  """"corpus/*.jsonl" -> corpus, "a/b.txt" -> b, "org/set" -> set."""
+  if not isinstance(source, str):
+    return "dataset"
+  s = source.rstrip("/")
+  if any(c in s for c in _GLOB_CHARS):
+    s = os.path.dirname(s.split("*")[0].split("?")[0].split("[")[0]) or "dataset"
+  return os.path.splitext(os.path.basename(s.rstrip("/")))[0] or "dataset"
 
 
 def _stat(path: str) -> list:
