@@ -72,7 +72,7 @@ def load_tokenizer(spec: str = BYTE, *, eos_token: str | None = None) -> Tokeniz
   if spec == BYTE:
     tok = byte_tokenizer()
     hf_eos = EOS_TOKEN
-  elif os.path.isdir(spec) or spec.endswith(".json") or os.path.sep in spec:
+  elif os.path.exists(spec) or spec.endswith(".json"):  # "org/name" is a hub name
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
       raise FileNotFoundError(
