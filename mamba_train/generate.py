@@ -61,50 +61,54 @@ def step(model: Mamba2LM, token, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2C
 # Sampling.
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingMode:
-  """The static part of the sampling settings (what changes the program).
-  The values of temperature and top_p are traced, so changing them does not
-  recompile."""
+def sample(key, logits, temperature, top_k, top_p):
+  """Next tokens (b,) int32 from logits (b, v).
 
-  greedy: bool
-  top_k: int  # 0: off
-  nucleus: bool  # top_p < 1
+  temperature 0 picks the argmax (greedy). Otherwise softmax(logits/temperature)
+  is sampled after top-k (0: off; tokens tied with the k-th are kept) and then
+  nucleus filtering (keep the fewest most likely tokens whose mass reaches
+  top_p; 1: off), in transformers' order. All three are traced values, so one
+  compiled program serves every setting; the branch is a `lax.cond`, so greedy
+  decoding never pays for the sort.
+  """
+  logits = logits.astype(jnp.float32)
 
-
-def sample(key, logits, temperature, top_p, mode: SamplingMode):
-  """Next tokens (b,) int32 from logits (b, v): greedy, or temperature, then
-  top-k, then nucleus (top-p) filtering, as transformers orders them."""
-  if mode.greedy:
+  def greedy(_):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / temperature
-  if mode.top_k:
-    kth = jax.lax.top_k(logits, mode.top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if mode.nucleus:
-    desc = -jnp.sort(-logits, axis=-1)
+
+  def filtered(_):
+    scaled = logits / temperature
+    v = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=-1)  # (b, 1)
+    desc = jnp.where(desc >= kth, desc, -jnp.inf)  # still sorted
     probs = jax.nn.softmax(desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # Keep the smallest set of top tokens whose mass reaches top_p (at least one).
     cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    # top_p = 1 must keep everything: rounding can push mass_before to 1.0 early.
+    cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+    kept = jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+    return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+
+  return jax.lax.cond(temperature > 0.0, filtered, greedy, None)
 
 
 # ----------------------------------------------------------------------------
 # The device program: prefill, then a while_loop of step + sample.
 
 
-def _decode_loop(model, logits, cache, key, temperature, top_p, eos_id, pad_id, *,
-                 max_new_tokens: int, mode: SamplingMode):
-  """Sample max_new_tokens tokens starting from `logits`/`cache`. Returns the
-  tokens (b, t) int32 (pad after a sequence's EOS) and how many steps ran (the
-  loop stops early once every sequence has produced EOS; eos_id -1: never)."""
+def _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
+                 max_new_tokens, *, buffer_len: int):
+  """Sample up to max_new_tokens (traced, <= buffer_len) tokens starting from
+  `logits`/`cache`. Returns the tokens (b, buffer_len) int32 (pad after a
+  sequence's EOS and past the last step) and how many steps ran: the loop stops
+  early once every sequence has produced EOS (eos_id -1: never)."""
   b = logits.shape[0]
-  pick = functools.partial(sample, temperature=temperature, top_p=top_p, mode=mode)
+  pick = lambda key, logits: sample(key, logits, temperature, top_k, top_p)
   tok = pick(jax.random.fold_in(key, 0), logits)
   done = tok == eos_id
-  out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
+  out = jnp.full((b, buffer_len), pad_id, jnp.int32).at[:, 0].set(tok)
 
   def cond(carry):
     i, _, _, _, done = carry
@@ -121,13 +125,13 @@ def _decode_loop(model, logits, cache, key, temperature, top_p, eos_id, pad_id, 
   return out, n
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "mode"))
-def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_p, eos_id,
-                      pad_id, *, max_new_tokens, mode):
+@functools.partial(jax.jit, static_argnames=("graphdef", "buffer_len"))
+def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_k, top_p,
+                      eos_id, pad_id, max_new_tokens, *, buffer_len):
   model = nnx.merge(graphdef, params)
   logits, cache = prefill(model, input_ids, mask)
-  return _decode_loop(model, logits, cache, key, temperature, top_p, eos_id, pad_id,
-                      max_new_tokens=max_new_tokens, mode=mode)
+  return _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
+                      max_new_tokens, buffer_len=buffer_len)
 
 
 # ----------------------------------------------------------------------------
@@ -234,25 +238,22 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
          max_prompt_len)
   if pad_id is None:
     pad_id = eos_id if eos_id is not None else 0
-  max_new_tokens = int(max_new_tokens)
-  top_k = int(top_k) if 0 < top_k < cfg.vocab_size else 0
-  mode = SamplingMode(greedy=temperature == 0.0, top_k=top_k, nucleus=top_p < 1.0)
-  if mode.greedy:
-    mode = SamplingMode(True, 0, False)
-
+  # Prompt length and output buffer are rounded up to powers of two and
+  # everything else is traced, so few programs serve all calls.
   length = _bucket(max(p.size for p in prompts))
+  buffer_len = _bucket(int(max_new_tokens))
   ids, mask = left_pad(prompts, length, pad_id)
   graphdef, params = nnx.split(model)
   args = (params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
-          jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
-          jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id))
-  signature = (graphdef, mode, max_new_tokens, ids.shape,
+          jnp.float32(temperature), jnp.int32(min(int(top_k), 2**31 - 1)), jnp.float32(top_p),
+          jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id),
+          jnp.int32(max_new_tokens))
+  signature = (graphdef, buffer_len, ids.shape,
                tuple((a.shape, a.dtype) for a in jax.tree.leaves(params)))
   compile_s = 0.0
   if signature not in _COMPILED:
     t0 = time.perf_counter()
-    _COMPILED[signature] = _generate_program.lower(
-        graphdef, *args, max_new_tokens=max_new_tokens, mode=mode).compile()
+    _COMPILED[signature] = _generate_program.lower(graphdef, *args, buffer_len=buffer_len).compile()
     compile_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   out, n = _COMPILED[signature](*args)
@@ -311,10 +312,10 @@ def _prefill_program(graphdef, params, input_ids):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"), donate_argnums=(3,))
 def _loop_program(graphdef, params, logits, cache, *, max_new_tokens):
-  mode = SamplingMode(greedy=True, top_k=0, nucleus=False)
+  """The decode loop alone (greedy, no EOS), from a prefilled cache."""
   return _decode_loop(nnx.merge(graphdef, params), logits, cache, jax.random.key(0),
-                      jnp.float32(1), jnp.float32(1), jnp.int32(-1), jnp.int32(0),
-                      max_new_tokens=max_new_tokens, mode=mode)
+                      jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.int32(-1), jnp.int32(0),
+                      jnp.int32(max_new_tokens), buffer_len=max_new_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))

@@ -1,0 +1,223 @@
+"""Cached decoding and generation against independent slow paths.
+
+* prefill + step-by-step decode against one full forward pass (float32);
+* greedy generate against transformers' Mamba2ForCausalLM.generate on the same
+  random weights;
+* a left-padded mixed-length batch against each prompt alone;
+* sampling: seeded reproducibility, top_k=1 = greedy;
+* the cache's size against the prompt length; bad input.
+
+Compiling is most of the cost on CPU, so the jitted functions live at module
+scope and every generate call here shares a few (batch, length, buffer) shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mamba_train
+from mamba_train.cache import Mamba2Cache
+from mamba_train.config import Mamba2Config
+from mamba_train.generate import generate, generate_with_stats, prefill, step
+from mamba_train.model import Mamba2LM
+
+# Chunk 8 so prompts of 5 and 21 tokens fall shorter and longer than a chunk,
+# the latter with a ragged tail; two groups so B/C sharing is exercised.
+CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=8,
+                   vocab_size=100)
+TOTAL = 30  # tokens per test sequence
+
+
+@functools.lru_cache(maxsize=None)
+def small_model() -> Mamba2LM:
+  """Random weights drawn with numpy: an initialiser run through XLA would cost
+  more compile time than everything it is used for here."""
+  rng = np.random.default_rng(0)
+  shapes = nnx.eval_shape(lambda: Mamba2LM(CFG, rngs=nnx.Rngs(0))).params()
+
+  def draw(path, s):
+    name = path[-1].key
+    if name in ("norm", "gate_norm", "norm_f"):
+      return 1.0 + 0.1 * rng.standard_normal(s.shape)
+    if name == "A_log":
+      return np.log(rng.uniform(1.0, 16.0, s.shape))
+    if name == "dt_bias":
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), s.shape))
+      return dt + np.log(-np.expm1(-dt))
+    if name == "D":
+      return rng.uniform(0.5, 1.5, s.shape)
+    fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
+    return rng.standard_normal(s.shape) / np.sqrt(fan_in)
+
+  params = jax.tree_util.tree_map_with_path(draw, shapes)
+  return Mamba2LM.from_params(CFG, jax.tree.map(lambda a: a.astype(np.float32), params))
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _full_and_cached(graphdef, params, full_ids, prompt_ids, mask, rest_ids):
+  """Logits of one full forward pass over full_ids (b, TOTAL); of prefill over
+  the left-padded prompts (b, l); and of stepping rest_ids (b, t) one by one."""
+  model = nnx.merge(graphdef, params)
+  full = model(full_ids)
+  first, cache = prefill(model, prompt_ids, mask)
+
+  def body(cache, tok):
+    logits, cache = step(model, tok, cache)
+    return cache, logits
+
+  _, stepped = jax.lax.scan(body, cache, rest_ids.T)
+  return full, first, jnp.moveaxis(stepped, 0, 1)
+
+
+def test_prefill_then_steps_match_full_forward():
+  """Row 0: prompt of 5 (< chunk), left-padded; row 1: prompt of 21 (> 2 chunks,
+  ragged), unpadded. Every later position is then decoded one token at a time."""
+  model = small_model()
+  lens = (5, 21)
+  ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, TOTAL)).astype(np.int32)
+  l, t = max(lens), TOTAL - min(lens)
+  prompt = np.zeros((2, l), np.int32)
+  mask = np.zeros((2, l), bool)
+  rest = np.zeros((2, t), np.int32)
+  for r, s in enumerate(lens):
+    prompt[r, l - s:], mask[r, l - s:] = ids[r, :s], True
+    rest[r, :TOTAL - s] = ids[r, s:]
+  graphdef, params = nnx.split(model)
+  full, first, stepped = _full_and_cached(graphdef, params, ids, prompt, mask, rest)
+  full, first, stepped = np.asarray(full), np.asarray(first), np.asarray(stepped)
+  scale = np.abs(full).max()
+  for r, s in enumerate(lens):
+    cached = np.concatenate([first[r, None], stepped[r, :TOTAL - s]])  # positions s-1 .. TOTAL-1
+    err = np.abs(cached - full[r, s - 1:]).max(axis=-1) / scale
+    assert err.max() < 1e-5, (s, err)
+
+
+def test_cache_size_independent_of_prompt_length():
+  model = small_model()
+  shapes = [jax.eval_shape(lambda ids: prefill(model, ids)[1], jax.ShapeDtypeStruct((2, l), jnp.int32))
+            for l in (4, 64, 1000)]
+  assert shapes[0] == shapes[1] == shapes[2]
+  cache = Mamba2Cache.init(CFG, 2)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == \
+      jax.tree.map(lambda a: (a.shape, a.dtype), shapes[0])
+  assert cache.nbytes == Mamba2Cache.bytes_for(CFG, 2)
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(cache))
+
+
+# ----------------------------------------------------------------------------
+# Against transformers, and the generate API (all on one loaded model).
+
+HF_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  hf_cfg = transformers.Mamba2Config(
+      hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=16,
+      vocab_size=100, num_hidden_layers=2, expand=2, conv_kernel=4, pad_token_id=0,
+      bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+  hf = transformers.Mamba2ForCausalLM(hf_cfg).eval()
+  # As initialised, the top two logits of these 64 steps differ by at least
+  # 5e-3 (the logits span about +-3): a thousand times the float32 error, so
+  # no argmax can flip. Scaling the weights up makes the output repeat one token.
+  path = tmp_path_factory.mktemp("hf_mamba2")
+  hf.save_pretrained(path)
+  return hf, mamba_train.load_model(path)
+
+
+def _hf_greedy(hf, prompt, n):
+  import torch
+  with torch.no_grad():
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+  return out[0].numpy()
+
+
+PROMPTS = ([7, 3, 9], [5, 17, 2, 44, 8, 91, 23, 60, 12, 33, 71],
+           [int(t) for t in np.random.default_rng(1).integers(1, 100, 20)])
+
+
+def test_greedy_matches_transformers(hf_pair):
+  hf, ours = hf_pair
+  prompt = PROMPTS[1]
+  want = _hf_greedy(hf, prompt, HF_NEW)
+  got = generate(ours, prompt, HF_NEW)
+  assert got.shape == (len(prompt) + HF_NEW,)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_mixed_length_batch_equals_each_alone(hf_pair):
+  _, ours = hf_pair
+  hf, ours = hf_pair
+  batch = generate(ours, list(PROMPTS), HF_NEW)  # padded to 32: 29, 21 and 12 pads
+  assert [len(r) for r in batch] == [len(p) + HF_NEW for p in PROMPTS]
+  for p, row in zip(PROMPTS[:2], batch):
+    alone = generate(ours, np.asarray([p]), HF_NEW)  # padded to 16 only
+    assert alone.shape == (1, len(p) + HF_NEW)
+    np.testing.assert_array_equal(row, alone[0])
+  # The longest, against transformers with no padding at all.
+  np.testing.assert_array_equal(batch[2], _hf_greedy(hf, PROMPTS[2], HF_NEW))
+
+
+def test_sampling_seeded_and_top_k_one_is_greedy(hf_pair):
+  _, ours = hf_pair
+  p = PROMPTS[1]
+  greedy = generate(ours, p, HF_NEW)
+  a = generate(ours, p, HF_NEW, temperature=1.5, seed=1)
+  b = generate(ours, p, HF_NEW, temperature=1.5, seed=1)
+  c = generate(ours, p, HF_NEW, temperature=1.5, seed=2)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert not np.array_equal(a, greedy)
+  np.testing.assert_array_equal(generate(ours, p, HF_NEW, temperature=1.5, top_k=1, seed=3), greedy)
+  # A tiny nucleus keeps only the most likely token: greedy again.
+  np.testing.assert_array_equal(generate(ours, p, HF_NEW, temperature=1.0, top_p=1e-6, seed=4),
+                                greedy)
+  k3 = generate(ours, p, HF_NEW, temperature=1.5, top_k=3, top_p=0.9, seed=5)
+  assert k3.shape == greedy.shape and not np.array_equal(k3, a)
+
+
+def test_eos_stops_and_pads(hf_pair):
+  _, ours = hf_pair
+  greedy = generate(ours, list(PROMPTS), HF_NEW)
+  # Stop row 1 at its 6th new token; the others keep going unless they meet the same id.
+  eos = int(greedy[1][len(PROMPTS[1]) + 5])
+  out, stats = generate_with_stats(ours, list(PROMPTS), HF_NEW, eos_id=eos, pad_id=1)
+  new = out[1][len(PROMPTS[1]):]
+  assert new[5] == eos and np.all(new[6:] == 1)
+  np.testing.assert_array_equal(new[:6], greedy[1][len(PROMPTS[1]):][:6])
+  # Alone, it stops the whole loop: the output ends at EOS, like transformers.
+  alone = generate(ours, np.asarray([PROMPTS[1]]), HF_NEW, eos_id=eos)
+  assert alone.shape == (1, len(PROMPTS[1]) + 6)
+  assert stats.steps <= HF_NEW and stats.compile_s >= 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_ids=[]), "empty"),
+    (dict(prompt_ids=[[1, 2], []]), "empty"),
+    (dict(prompt_ids=np.zeros((1, 0), np.int32)), "empty"),
+    (dict(prompt_ids=[1, 2, 100]), "outside the vocabulary"),
+    (dict(prompt_ids=[[1, -1]]), "outside the vocabulary"),
+    (dict(prompt_ids=[1, 2] * 9, max_prompt_len=16), "max_prompt_len"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(eos_id=100), "eos_id"),
+    (dict(prompt_ids=np.ones((1, 3), np.float32)), "integer"),
+    (dict(prompt_ids="hello"), "token-id"),
+])
+def test_bad_input(kwargs, match):
+  args = dict(prompt_ids=[1, 2, 3], max_new_tokens=4) | kwargs
+  with pytest.raises(ValueError, match=match):
+    generate(small_model(), **args)
