@@ -207,8 +207,11 @@ def loader_throughput(data_dir: str, seq_len: int = 2048, batch: int = 8,
   """Tokens (input positions) per second the train loader delivers to one process."""
   it = make_train_loader(data_dir, seq_len=seq_len, global_batch_size=batch, seed=0,
                          worker_count=worker_count, num_threads=num_threads)
-  next(it)  # Start-up (threads, workers, first page faults) is not throughput.
-  n, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
-    n += next(it)["input_ids"].size
-  return n / (time.perf_counter() - start)
+  try:
+    next(it)  # Start-up (threads, workers, first page faults) is not throughput.
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+      n += next(it)["input_ids"].size
+    return n / (time.perf_counter() - start)
+  finally:
+    it.close()  # Stops worker processes and frees their shared memory now, not at exit.
