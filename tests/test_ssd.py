@@ -1,0 +1,185 @@
+"""The chunked SSD scan against the sequential recurrence, in float64 and float32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mamba_train import ssd
+
+# Jitted once per module: eager op-by-op dispatch compiles every primitive anew.
+ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5)
+ssd_sequential = jax.jit(ssd.ssd_sequential)
+ssd_step = jax.jit(ssd.ssd_step)
+segsum = jax.jit(ssd.segsum)
+
+
+def make_inputs(seed, b, l, h, p, g, n, dtype):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  x = jax.random.normal(ks[0], (b, l, h, p), dtype)
+  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h), dtype) - 1.0)
+  A = -jnp.exp(jax.random.uniform(ks[2], (h,), dtype, -1.0, 1.5))
+  B = jax.random.normal(ks[3], (b, l, g, n), dtype)
+  C = jax.random.normal(ks[4], (b, l, g, n), dtype)
+  D = jax.random.normal(ks[5], (h,), dtype)
+  h0 = jax.random.normal(ks[6], (b, h, p, n), dtype)
+  return x, dt, A, B, C, D, h0
+
+
+def packed_ids(seed, b, l, starts_mid_chunk=True):
+  rng = np.random.RandomState(seed)
+  ids = np.zeros((b, l), np.int32)
+  for i in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, l), size=min(3, l - 1), replace=False))
+    for c in cuts:
+      ids[i, c:] += 1
+  return jnp.asarray(ids)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+# (l, chunk, groups): below, equal to, and not a multiple of the chunk; several chunks; g > 1.
+CASES = [(5, 8, 1), (8, 8, 1), (37, 8, 3), (64, 16, 2), (100, 32, 1)]
+OPTIONS = ["plain", "initial_state", "seq_idx", "both"]
+
+
+def _kwargs(option, h0, seq):
+  return {"plain": {}, "initial_state": dict(initial_state=h0), "seq_idx": dict(seq_idx=seq),
+          "both": dict(initial_state=h0, seq_idx=seq)}[option]
+
+
+# Every shape with no options and with all of them; each option alone on a
+# ragged multi-chunk shape (each distinct trace costs a compile, so not all pairs).
+F64_CASES = [(c, o) for c in CASES for o in ("plain", "both")] + [
+    ((37, 8, 3), "initial_state"), ((37, 8, 3), "seq_idx")]
+
+
+@pytest.mark.parametrize("case,option", F64_CASES)
+def test_chunked_matches_sequential_float64(case, option):
+  l, q, g = case
+  with jax.enable_x64(True):
+    x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float64)
+    kw = _kwargs(option, h0, packed_ids(l, 2, l))
+    y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, **kw)
+    y2, s2 = ssd_sequential(x, dt, A, B, C, D=D, **kw)
+    assert y1.dtype == jnp.float64
+    assert rel(y1, y2) < 1e-10
+    assert rel(s1, s2) < 1e-10
+
+
+@pytest.mark.parametrize("l,q,g", [(37, 8, 3), (100, 32, 1)])
+def test_chunked_matches_sequential_float32(l, q, g):
+  x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float32)
+  seq = packed_ids(l + 1, 2, l)
+  y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, initial_state=h0, seq_idx=seq)
+  with jax.enable_x64(True):
+    f64 = lambda t: jnp.asarray(np.asarray(t, np.float64))
+    y2, s2 = ssd_sequential(*map(f64, (x, dt, A, B, C)), D=f64(D), initial_state=f64(h0), seq_idx=seq)
+  assert rel(y1, y2) < 1e-5
+  assert rel(s1, s2) < 1e-5
+
+
+@pytest.mark.parametrize("option", ["plain", "both"])
+def test_gradients_match_sequential_float64(option):
+  l, q, g = 45, 16, 2
+  with jax.enable_x64(True):
+    x, dt, A, B, C, D, h0 = make_inputs(3, 2, l, 4, 3, g, 5, jnp.float64)
+    seq = packed_ids(4, 2, l)
+    wy = jax.random.normal(jax.random.PRNGKey(9), x.shape, jnp.float64)
+    ws = jax.random.normal(jax.random.PRNGKey(10), h0.shape, jnp.float64)
+
+    def loss(fn, x, dt, A, B, C, D, h0):
+      kw = _kwargs(option, h0, seq)
+      y, s = fn(x, dt, A, B, C, D=D, **kw)
+      return jnp.sum(y * wy) + jnp.sum(s * ws)
+
+    chunked = lambda *a, **k: ssd.ssd_chunked(*a, q, **k)
+    args = (x, dt, A, B, C, D, h0)
+    g1 = jax.jit(jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(7))))(*args)
+    g2 = jax.jit(jax.grad(lambda *a: loss(ssd.ssd_sequential, *a), argnums=tuple(range(7))))(*args)
+    names = ["x", "dt", "A", "B", "C", "D", "h0"]
+    for name, a, b in zip(names, g1, g2):
+      if option in ("plain", "seq_idx") and name == "h0":
+        continue  # unused: both gradients are zero
+      assert np.all(np.isfinite(np.asarray(a))), name
+      assert rel(a, b) < 1e-10, name
+
+
+def test_gradients_float32():
+  x, dt, A, B, C, D, h0 = make_inputs(5, 2, 70, 4, 8, 1, 16, jnp.float32)
+  f = lambda fn: jax.jit(jax.grad(
+      lambda x, dt, B: jnp.sum(fn(x, dt, A, B, C, D=D, initial_state=h0)[0] ** 2),
+      argnums=(0, 1, 2)))(x, dt, B)
+  g1 = f(lambda *a, **k: ssd.ssd_chunked(*a, 32, **k))
+  g2 = f(ssd.ssd_sequential)
+  for a, b in zip(g1, g2):
+    assert rel(a, b) < 1e-5
+
+
+def test_seq_idx_equals_documents_run_alone():
+  """A packed row gives, document by document, what each document gives alone."""
+  lengths = [11, 30, 18]  # starts at 11 and 41: mid-chunk for chunk 16
+  l = sum(lengths)
+  x, dt, A, B, C, D, _ = make_inputs(7, 1, l, 4, 4, 2, 8, jnp.float32)
+  seq = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+  y, final = ssd_chunked(x, dt, A, B, C, 16, D=D, seq_idx=seq)
+  start = 0
+  for n in lengths:
+    s = slice(start, start + n)
+    y_alone, f_alone = ssd_chunked(x[:, s], dt[:, s], A, B[:, s], C[:, s], 16, D=D)
+    assert rel(y[:, s], y_alone) < 1e-5
+    start += n
+  assert rel(final, f_alone) < 1e-5  # the final state is the last document's
+
+
+def test_padding_cannot_change_state():
+  """A length that is not a multiple of the chunk: the final state is the true one."""
+  x, dt, A, B, C, D, _ = make_inputs(8, 1, 21, 2, 4, 1, 4, jnp.float32)
+  _, s_short = ssd_chunked(x, dt, A, B, C, 16)
+  _, s_seq = ssd_sequential(x, dt, A, B, C)
+  assert rel(s_short, s_seq) < 1e-5
+
+
+def test_step_continues_the_scan():
+  x, dt, A, B, C, D, h0 = make_inputs(11, 2, 9, 4, 3, 2, 5, jnp.float32)
+  y_ref, s_ref = ssd_sequential(x, dt, A, B, C, D=D, initial_state=h0)
+  state = h0
+  for t in range(x.shape[1]):
+    y, state = ssd_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=D)
+    assert rel(y, y_ref[:, t]) < 1e-5
+  assert rel(state, s_ref) < 1e-5
+
+
+def test_segsum_is_stable_where_differences_of_cumsums_are_not():
+  """Why segsum accumulates masked copies: at chunk 256 in float32 the difference
+  form cumsum[i] - cumsum[j] loses the small dt*A terms against the large running sum."""
+  rng = np.random.RandomState(0)
+  a64 = -rng.uniform(0.0, 0.5, size=(4, 256))  # typical dt*A, all negative
+  with jax.enable_x64(True):
+    ref = np.asarray(jnp.exp(segsum(jnp.asarray(a64))))
+  a32 = jnp.asarray(a64, jnp.float32)
+  stable = np.asarray(jnp.exp(segsum(a32)))
+  cs = jnp.cumsum(a32, axis=-1)
+  diff = np.asarray(jnp.exp(jnp.where(jnp.tril(jnp.ones((256, 256), bool)),
+                                      cs[..., :, None] - cs[..., None, :], -jnp.inf)))
+  err_stable = np.max(np.abs(stable - ref))
+  err_diff = np.max(np.abs(diff - ref))
+  assert err_stable < 1e-6
+  assert err_diff > 10 * err_stable
+
+
+def test_decay_must_stay_float32():
+  """In bfloat16 the decay's cumulative sums lose the small dt*A steps: the decay
+  matrix is off by percents, three orders of magnitude worse than in float32."""
+  rng = np.random.RandomState(1)
+  a64 = -rng.uniform(0.0, 0.05, size=(4, 128))
+  with jax.enable_x64(True):
+    ref = np.asarray(jnp.exp(segsum(jnp.asarray(a64))))
+  err32 = np.max(np.abs(np.asarray(jnp.exp(segsum(jnp.asarray(a64, jnp.float32)))) - ref))
+  err16 = np.max(np.abs(np.asarray(jnp.exp(segsum(jnp.asarray(a64, jnp.bfloat16))), np.float64) - ref))
+  assert err32 < 1e-6
+  assert err16 > 1e-3
+  assert err16 > 1000 * err32
