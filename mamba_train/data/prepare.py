@@ -101,10 +101,11 @@ def prepare_dataset(
         vocab_size=tok.vocab_size, eos_id=tok.eos_id,
         dtype=shard_dtype(tok.vocab_size).name, fingerprint=fingerprint, splits={},
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    # Saved before tokenizing, which switches the tokenizer to read special tokens as text.
+    tok.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     for split, ds in splits.items():
       meta["splits"][split] = _write_split(ds, split, tmp, tok, text_field, num_proc, desc)
     meta["max_token_id"] = max(s.pop("max_token_id") for s in meta["splits"].values())
-    tok.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
       json.dump(meta, f, indent=2)
     _publish(tmp, out, fingerprint)
