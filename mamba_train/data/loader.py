@@ -5,10 +5,11 @@ first L tokens, targets its last L, so consecutive windows share one token and
 every token but the first is a target exactly once per epoch.
 
 Sharding across processes: the global order of windows is one seeded shuffle per
-epoch (Grain reseeds each repeat). Process p of P takes positions p, p+P, p+2P, ...
-of that order and batches them b = B/P at a time, so global step s is exactly
-positions [s*B, (s+1)*B): the same windows for any P, read by index (each process
-touches only its own rows of the memory-mapped shard).
+epoch (Grain reseeds each repeat), cut into global batches of B window ids. Process
+p of P reads rows [p*b, (p+1)*b) of each, b = B/P, and touches only those windows
+of the memory-mapped shard. The global batch at every step is therefore the same,
+row for row, for any P: runs are comparable across process counts, and a run can
+resume on a different number of hosts.
 
 State: the iterators are Grain DatasetIterators; `get_state()`/`set_state()` or
 `grain.checkpoint.CheckpointSave/Restore` in an Orbax Composite store the next
@@ -99,6 +100,11 @@ def _make_batch(windows, eos_id: int) -> dict[str, np.ndarray]:
           "seq_idx": np.cumsum(eos, axis=1, dtype=np.int32) - eos, "loss_mask": loss_mask}
 
 
+def _read_rows(ids: np.ndarray, windows: _Windows, rows: slice, eos_id: int):
+  """This process's rows of one global batch of window ids (ids >= len: padding)."""
+  return _make_batch([windows[i] if i < len(windows) else None for i in ids[rows]], eos_id)
+
+
 def _local_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count}).")
@@ -136,10 +142,10 @@ def make_train_loader(data_dir: str, *, seq_len: int, global_batch_size: int, se
   if len(windows) < global_batch_size:
     log.warning("%s: %d windows per epoch, fewer than one global batch of %d: batches "
                 "repeat windows.", data_dir, len(windows), global_batch_size)
-  eos_id = meta["eos_id"]
-  ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)  # reshuffled per epoch
-  ds = ds[process_index::process_count]
-  ds = ds.batch(b, drop_remainder=True, batch_fn=functools.partial(_make_batch, eos_id=eos_id))
+  order = grain.MapDataset.range(len(windows)).shuffle(seed=seed).repeat(None)  # per-epoch shuffle
+  ds = order.batch(global_batch_size, drop_remainder=True).map(functools.partial(
+      _read_rows, windows=windows, rows=slice(process_index * b, (process_index + 1) * b),
+      eos_id=meta["eos_id"]))
   return _iterate(ds, worker_count, num_threads)
 
 
@@ -157,11 +163,10 @@ def make_eval_loader(data_dir: str, *, seq_len: int, global_batch_size: int,
   n_batches = math.ceil(len(windows) / global_batch_size)
   if num_batches is not None:
     n_batches = min(n_batches, num_batches)
-  n = len(windows)
-  eos_id = meta["eos_id"]
-  ds = grain.MapDataset.range(n_batches * global_batch_size)[process_index::process_count]
-  ds = ds.map(lambda i: windows[i] if i < n else None)
-  ds = ds.batch(b, drop_remainder=True, batch_fn=functools.partial(_make_batch, eos_id=eos_id))
+  ds = grain.MapDataset.range(n_batches * global_batch_size).batch(global_batch_size)
+  ds = ds.map(functools.partial(
+      _read_rows, windows=windows, rows=slice(process_index * b, (process_index + 1) * b),
+      eos_id=meta["eos_id"]))  # ids past the last window become padding rows
   return _iterate(ds, 0, num_threads)
 
 
@@ -194,8 +199,8 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
 def to_global(batch: dict, mesh, partition_spec):
   """Assembles each process's rows into globally sharded jax.Arrays.
 
-  Rows are laid out process-major (process p holds global rows p*b .. p*b+b-1);
-  the set of windows in a global step does not depend on the process count.
+  Process p holds global rows [p*b, (p+1)*b), as the loaders hand them out, so
+  the global batch equals the one a single process would load.
   """
   import jax  # pylint: disable=import-outside-toplevel
   sharding = jax.sharding.NamedSharding(mesh, partition_spec)
