@@ -162,7 +162,7 @@ def test_default_corpus_builds_offline(tmp_path, monkeypatch):
 
 def test_batch_fields_and_seq_idx():
   w = np.array([5, 6, EOS, 7, EOS, EOS, 8, 9, 10], np.uint16)
-  b = loader_lib._make_batch([w, None], EOS)
+  b = loader_lib._make_batch([w, None], EOS, len(w) - 1)
   np.testing.assert_array_equal(b["input_ids"][0], w[:-1])
   np.testing.assert_array_equal(b["targets"][0], w[1:])
   # The EOS belongs to the document it ends; the token after it starts the next.
@@ -256,6 +256,11 @@ def test_eval_loader_covers_validation_once_and_pads(jsonl_dataset):
   p1 = list(data.make_eval_loader(path, process_index=1, process_count=2, **kw))
   assert len(p1) == len(batches) and p1[0]["input_ids"].shape == (4, SEQ_LEN)
   assert len(list(data.make_eval_loader(path, num_batches=1, **kw))) == 1
+  # A process whose rows are all past the last window still yields its (padding) batch.
+  big = 2 * n_windows + 2
+  p1 = list(data.make_eval_loader(path, seq_len=SEQ_LEN, global_batch_size=big,
+                                  process_index=1, process_count=2))
+  assert len(p1) == 1 and p1[0]["loss_mask"].sum() == 0
 
 
 def test_to_global_single_process(jsonl_dataset):
@@ -297,7 +302,8 @@ def test_packed_window_with_seq_idx_equals_documents_alone():
   # Lengths straddle the tiny config's 64-token chunks; each document ends with EOS.
   lengths = (69, 30, 40)
   docs = [np.append(rng.integers(0, 256, n), EOS) for n in lengths]
-  b = loader_lib._make_batch([np.append(np.concatenate(docs), EOS)], EOS)
+  window = np.append(np.concatenate(docs), EOS)
+  b = loader_lib._make_batch([window], EOS, len(window) - 1)
   width = b["input_ids"].shape[1]
   # One call, one compile. Rows: packed with seq_idx; packed without; each document
   # alone, right-padded (causal, so the padding changes nothing before it).

@@ -81,13 +81,12 @@ def _open_split(data_dir: str, split: str, seq_len: int) -> tuple[_Windows, dict
   return windows, meta
 
 
-def _make_batch(windows, eos_id: int) -> dict[str, np.ndarray]:
+def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
   """Stacks windows (or None for padding rows) into the model's inputs.
 
   seq_idx counts the EOS tokens strictly before each position: the EOS belongs
   to the document it ends, and the token after it starts the next.
   """
-  seq_len = next(len(w) for w in windows if w is not None) - 1
   pad = np.full(seq_len + 1, eos_id, np.int32)
   w = np.stack([pad if x is None else x for x in windows]).astype(np.int32)
   inputs = np.ascontiguousarray(w[:, :-1])
@@ -102,7 +101,8 @@ def _make_batch(windows, eos_id: int) -> dict[str, np.ndarray]:
 
 def _read_rows(ids: np.ndarray, windows: _Windows, rows: slice, eos_id: int):
   """This process's rows of one global batch of window ids (ids >= len: padding)."""
-  return _make_batch([windows[i] if i < len(windows) else None for i in ids[rows]], eos_id)
+  return _make_batch([windows[i] if i < len(windows) else None for i in ids[rows]], eos_id,
+                     windows.seq_len)
 
 
 def _local_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
