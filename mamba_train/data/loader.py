@@ -161,8 +161,10 @@ def make_eval_loader(data_dir: str, *, seq_len: int, global_batch_size: int,
   b = _local_batch(global_batch_size, process_index, process_count)
   windows, meta = _open_split(data_dir, "validation", seq_len)
   n_batches = math.ceil(len(windows) / global_batch_size)
-  if num_batches is not None:
-    n_batches = min(n_batches, num_batches)
+  if num_batches is not None and num_batches < n_batches:
+    log.info("%s: evaluating on the first %d of %d validation batches (num_batches).",
+             data_dir, num_batches, n_batches)
+    n_batches = num_batches
   ds = grain.MapDataset.range(n_batches * global_batch_size).batch(global_batch_size)
   ds = ds.map(functools.partial(
       _read_rows, windows=windows, rows=slice(process_index * b, (process_index + 1) * b),
