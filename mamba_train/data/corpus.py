@@ -8,7 +8,6 @@ byte-level model to learn something visible in a short CPU run.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sysconfig
 
@@ -16,7 +15,6 @@ import datasets
 
 from mamba_train.data import prepare
 
-log = logging.getLogger(__name__)
 
 NAME = "default"
 # Test suites hold deliberately odd encodings and generated data; the rest is prose-like.
