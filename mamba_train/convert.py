@@ -198,7 +198,7 @@ def hf_config_to_ours(hf: dict) -> Mamba2Config:
       dt_init_floor=hf.get("time_step_floor", 1e-4),
       dt_limit=tuple(_json_float(v) for v in limit),
       norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-      tie_embeddings=hf.get("tie_word_embeddings", True))
+      tie_embeddings=hf.get("tie_word_embeddings", False))  # transformers' default
   if "num_heads" in hf and hf["num_heads"] != cfg.nheads:
     raise ValueError(f"num_heads={hf['num_heads']} does not equal expand*hidden_size/head_dim "
                      f"= {cfg.nheads}; such a model cannot be represented")

@@ -15,6 +15,8 @@ g groups, n d_state, k conv kernel, v vocabulary.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
@@ -53,38 +55,42 @@ def _param(value, axes):
   return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def _uniform(key, shape, bound):
-  return jax.random.uniform(key, shape, F32, -bound, bound)
-
-
-def init_block_params(cfg: Mamba2Config, key) -> dict[str, Array]:
-  """One block's parameters, initialised as mamba_ssm does."""
+def _block_uniform_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
   d, i, h, gn, k = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.ngroups * cfg.d_state, cfg.d_conv
-  ks = jax.random.split(key, 10)
-  lin = 1.0 / math.sqrt(d)  # torch nn.Linear default: kaiming_uniform(a=sqrt(5))
-  conv = 1.0 / math.sqrt(k)  # depthwise conv: fan_in = kernel size
+  return {"in_proj_zx": (d, 2, i), "in_proj_bc": (d, 2, gn), "in_proj_dt": (d, h),
+          "conv_x": (k, i), "conv_x_bias": (i,), "conv_bc": (k, 2, gn), "conv_bc_bias": (2, gn),
+          "out_proj": (i, d), "dt": (h,), "A": (h,)}
+
+
+def init_block_params(cfg: Mamba2Config, u: Array) -> dict[str, Array]:
+  """One block's parameters, initialised as mamba_ssm does, from a flat vector of
+  uniform [0, 1) draws (see `_init_params` for why the draws come in one piece)."""
+  shapes = _block_uniform_shapes(cfg)
+  sizes = [math.prod(s) for s in shapes.values()]
+  parts = dict(zip(shapes, (c.reshape(s) for c, s in zip(jnp.split(u, list(itertools.accumulate(sizes))[:-1]), shapes.values()))))
+  sym = lambda name, bound: (2.0 * parts[name] - 1.0) * bound  # uniform(-bound, bound)
+  lin = 1.0 / math.sqrt(cfg.d_model)  # torch nn.Linear default: kaiming_uniform(a=sqrt(5))
+  conv = 1.0 / math.sqrt(cfg.d_conv)  # depthwise conv: fan_in = kernel size
   # dt log-uniform in [dt_min, dt_max], floored, stored through an inverse softplus.
-  dt = jnp.exp(jax.random.uniform(ks[5], (h,), F32) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-               + math.log(cfg.dt_min))
+  dt = jnp.exp(parts["dt"] * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
   dt = jnp.maximum(dt, cfg.dt_init_floor)
-  dt_bias = dt + jnp.log(-jnp.expm1(-dt))
   lo, hi = cfg.A_init_range
-  A = jax.random.uniform(ks[6], (h,), F32, lo, hi)
+  h, i, d = cfg.nheads, cfg.d_inner, cfg.d_model
   return {
       "norm": jnp.ones((d,), F32),
-      "in_proj_zx": _uniform(ks[0], (d, 2, i), lin),
-      "in_proj_bc": _uniform(ks[1], (d, 2, gn), lin),
-      "in_proj_dt": _uniform(ks[2], (d, h), lin),
-      "conv_x": _uniform(ks[3], (k, i), conv),
-      "conv_x_bias": _uniform(ks[7], (i,), conv),
-      "conv_bc": _uniform(ks[4], (k, 2, gn), conv),
-      "conv_bc_bias": _uniform(ks[8], (2, gn), conv),
-      "dt_bias": dt_bias,
-      "A_log": jnp.log(A),
+      "in_proj_zx": sym("in_proj_zx", lin),
+      "in_proj_bc": sym("in_proj_bc", lin),
+      "in_proj_dt": sym("in_proj_dt", lin),
+      "conv_x": sym("conv_x", conv),
+      "conv_x_bias": sym("conv_x_bias", conv),
+      "conv_bc": sym("conv_bc", conv),
+      "conv_bc_bias": sym("conv_bc_bias", conv),
+      "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),
+      "A_log": jnp.log(lo + (hi - lo) * parts["A"]),
       "D": jnp.ones((h,), F32),
       "gate_norm": jnp.ones((i,), F32),
       # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (one residual per block).
-      "out_proj": _uniform(ks[9], (i, d), 1.0 / math.sqrt(i)) / math.sqrt(cfg.n_layer),
+      "out_proj": sym("out_proj", 1.0 / math.sqrt(i)) / math.sqrt(cfg.n_layer),
   }
 
 
@@ -220,21 +226,35 @@ _REMAT_POLICIES = {
 }
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
+  # Two random draws in all, in one compiled program: XLA:CPU compiles each
+  # threefry call slowly (seconds), so per-tensor draws made init take a minute.
+  key_emb, key_layers = jax.random.split(key)
+  v, d = cfg.padded_vocab_size, cfg.d_model
+  per_layer = sum(math.prod(s) for s in _block_uniform_shapes(cfg).values())
+  u = jax.random.uniform(key_layers, (cfg.n_layer, per_layer), F32)
+  n_emb = 1 if cfg.tie_embeddings else 2
+  emb = 0.02 * jax.random.normal(key_emb, (n_emb, v, d), F32)
+  out = {"embedding": emb[0], "layers": jax.vmap(lambda r: init_block_params(cfg, r))(u),
+         "norm_f": jnp.ones((d,), F32)}
+  if not cfg.tie_embeddings:
+    out["lm_head"] = emb[1]
+  return out
+
+
 class Mamba2LM(nnx.Module):
   """Mamba-2 language model. `model(input_ids) -> logits (b, l, vocab_size)` in float32."""
 
   def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
     self.config = config
-    cfg = config
-    key_emb, key_layers, key_head = jax.random.split(rngs.params(), 3)
-    v, d = cfg.padded_vocab_size, cfg.d_model
-    self.embedding = _param(0.02 * jax.random.normal(key_emb, (v, d), F32), ("vocab", "embed"))
-    stacked = jax.vmap(lambda k: init_block_params(cfg, k))(jax.random.split(key_layers, cfg.n_layer))
-    self.layers = nnx.Dict({name: _param(stacked[name], ("layers",) + axes)
+    init = _init_params(config, rngs.params())
+    self.embedding = _param(init["embedding"], ("vocab", "embed"))
+    self.layers = nnx.Dict({name: _param(init["layers"][name], ("layers",) + axes)
                             for name, axes in BLOCK_PARAM_AXES.items()})
-    self.norm_f = _param(jnp.ones((d,), F32), ("embed",))
-    if not cfg.tie_embeddings:
-      self.lm_head = _param(0.02 * jax.random.normal(key_head, (v, d), F32), ("vocab", "embed"))
+    self.norm_f = _param(init["norm_f"], ("embed",))
+    if not config.tie_embeddings:
+      self.lm_head = _param(init["lm_head"], ("vocab", "embed"))
 
   # -- pieces, also used by training (loss on hidden states) and generation --
 

@@ -1,0 +1,98 @@
+"""The model against transformers' PyTorch Mamba2ForCausalLM on identical random weights."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
+
+import mamba_train
+from mamba_train import load_model
+
+
+# The model is an argument, not a closure: closed-over weights become XLA constants.
+forward = nnx.jit(lambda model, ids: model(ids))
+
+
+def hf_model(tmp_path, seed=0, spread=True, **kw):
+  torch.manual_seed(seed)
+  cfg = HFConfig(**kw)
+  model = Mamba2ForCausalLM(cfg).eval()
+  # transformers initialises A_log as log(1..h) and dt_bias to small values; spread
+  # them so every head decays differently and the dt path matters.
+  with torch.no_grad():
+    for layer in model.backbone.layers if spread else []:
+      layer.mixer.A_log.uniform_(-1.0, 2.5)
+      layer.mixer.dt_bias.normal_(-2.0, 1.0)
+      layer.mixer.D.normal_(1.0, 0.5)
+      layer.mixer.norm.weight.normal_(1.0, 0.2)
+      layer.norm.weight.normal_(1.0, 0.2)
+  model.save_pretrained(tmp_path)
+  return model
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+SMALL = {
+    "ngroups2_tied": dict(hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16,
+                          chunk_size=16, vocab_size=100, num_hidden_layers=2,
+                          tie_word_embeddings=True),
+    "chunks_ragged_untied": dict(hidden_size=64, num_heads=8, head_dim=16, n_groups=1,
+                                 state_size=16, chunk_size=8, vocab_size=100,
+                                 num_hidden_layers=3, tie_word_embeddings=False),
+    "ngroups4_vocab_unpadded": dict(hidden_size=96, num_heads=12, head_dim=16, n_groups=4,
+                                    state_size=8, chunk_size=32, vocab_size=77,
+                                    num_hidden_layers=2, conv_kernel=3),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_logits_match_transformers_small(tmp_path, name):
+  kw = SMALL[name]
+  ref_model = hf_model(tmp_path, **kw)
+  ours = load_model(tmp_path)
+  assert ours.config.ngroups == kw["n_groups"]
+  assert ours.config.tie_embeddings == ref_model.config.tie_word_embeddings
+  ids = torch.randint(0, kw["vocab_size"], (2, 45), generator=torch.Generator().manual_seed(1))
+  with torch.no_grad():
+    ref = ref_model(ids).logits.numpy()
+  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
+  assert got.shape == ref.shape and got.dtype == np.float32
+  assert rel(got, ref) < 1e-5
+
+
+def test_logits_match_transformers_130m(tmp_path):
+  """The released 130m shape with its chunk of 256: several chunks and a ragged tail."""
+  kw = dict(hidden_size=768, num_heads=24, head_dim=64, n_groups=1, state_size=128,
+            chunk_size=256, vocab_size=50288, num_hidden_layers=24)
+  ref_model = hf_model(tmp_path, spread=False, **kw)
+  ours = load_model(tmp_path)
+  assert (ours.config.d_model, ours.config.n_layer, ours.config.nheads) == (768, 24, 24)
+  ids = torch.randint(0, 50288, (1, 300), generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    ref = ref_model(ids).logits.numpy()
+  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
+  assert rel(got, ref) < 1e-4
+
+
+def test_time_step_limit_infinity_is_read(tmp_path):
+  hf_model(tmp_path, **SMALL["ngroups2_tied"])
+  text = (tmp_path / "config.json").read_text()
+  assert "Infinity" in text  # transformers' non-standard form
+  ours = load_model(tmp_path)
+  assert ours.config.dt_limit == (0.0, math.inf)
+
+
+def test_public_api():
+  assert mamba_train.load_model is load_model
+  cfg = mamba_train.Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, vocab_size=50)
+  model = mamba_train.Mamba2LM(cfg, rngs=__import__("flax").nnx.Rngs(0))
+  out = model(jnp.zeros((1, 7), jnp.int32))
+  assert out.shape == (1, 7, 50) and out.dtype == jnp.float32
