@@ -9,20 +9,21 @@ function, checkpoint and resume, loop. Periodic work hangs on the loop as hooks.
 """
 
 import datetime
+import itertools
 import json
 import logging
 import math
 import os
 
 import jax
-import numpy as np
 import tqdm
 from absl import app, flags
 from ml_collections import config_flags
 
 from configs import base
 from mamba_train import metrics as metrics_lib
-from mamba_train import run_config, trainer
+from mamba_train import data, run_config, trainer
+from mamba_train.load import load_model
 from mamba_train.mesh import make_mesh
 from mamba_train.synthetic_data import SyntheticLoader
 
@@ -33,27 +34,32 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "Output directory; default runs/<c
 
 
 def make_loaders(config, model_cfg):
-  """(train iterator, eval batches factory), both yielding this process's rows."""
+  """(train iterator, factory of eval-batch iterators), both yielding this process's rows."""
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.source == "synthetic":
     train = SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed, **kw)
-    held_out = lambda: SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw)
+    held_out = lambda: itertools.islice(
+        SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
+        config.eval_batches)
     return train, held_out
-  raise run_config.ConfigError("data.source='corpus' needs the data pipeline (mamba_train.data), "
-                               "which this checkout does not have yet; use data.source='synthetic'")
+  data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
+  data.validate_for_model(data.read_metadata(data_dir), model_cfg.vocab_size)
+  train = data.make_train_loader(data_dir, seed=config.seed, **kw)
+  held_out = lambda: data.make_eval_loader(data_dir, num_batches=config.eval_batches, **kw)
+  return train, held_out
 
 
 def load_init_params(path, model_cfg):
-  try:
-    from mamba_train.load import load_model  # the weight-loading issue provides this
-  except ImportError:
-    raise run_config.ConfigError(f"init_from={path!r} needs mamba_train.load, which this "
-                                 "checkout does not have yet") from None
-  model = load_model(path)
-  if model.config.to_dict() != model_cfg.to_dict():
-    raise run_config.ConfigError(f"init_from {path!r} holds a model with config {model.config}, "
-                                 f"but config.model is {model_cfg}")
+  """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
+  runtime = {k: getattr(model_cfg, k) for k in ("compute_dtype", "remat", "chunk_size")}
+  model = load_model(path, **runtime)
+  init_only = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
+  theirs, ours = model.config.to_dict(), model_cfg.to_dict()
+  differ = {k: (ours[k], theirs[k]) for k in ours if k not in init_only and ours[k] != theirs[k]}
+  if differ:
+    raise run_config.ConfigError(f"init_from {path!r} does not match config.model in "
+                                 f"(config, checkpoint) = {differ}")
   return model.params()
 
 
@@ -122,7 +128,7 @@ def main(argv):
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
   def evaluate(step, state, metrics):
-    batches = (trainer.to_global(b, mesh) for b, _ in zip(held_out(), range(config.eval_batches)))
+    batches = (trainer.to_global(b, mesh) for b in held_out())
     row = trainer.evaluate(built.eval_step, state.params, batches)
     writer.write(step, row)
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])

@@ -63,7 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
       name="",  # '' = the config name and the time
   ))
 
-  c.init_from = ""  # '' = random init; else a checkpoint directory to load parameters from
+  c.init_from = ""  # '' = random init; else a transformers or mamba_ssm model directory
+  c.lock()  # configs built on this one can change keys, not add them
   return c
 
 

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mamba_train import sharding
+from mamba_train import data, sharding
 from mamba_train.config import Mamba2Config
 from mamba_train.model import Mamba2LM
 from mamba_train.optim import nonfinite_streak
@@ -237,8 +237,7 @@ def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Arr
 
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """This process's rows of the batch -> global arrays split over data x fsdp."""
-  sh = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k])) for k in BATCH_KEYS}
+  return data.to_global({k: np.asarray(batch[k]) for k in BATCH_KEYS}, mesh, batch_sharding(mesh).spec)
 
 
 # ----------------------------------------------------------------------------

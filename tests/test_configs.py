@@ -1,0 +1,122 @@
+"""Run configs: every file loads and validates, the size recipes are as documented,
+and each config mistake gives its message before anything compiles."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from configs import base  # noqa: E402
+from mamba_train import SIZES  # noqa: E402
+from mamba_train.run_config import ConfigError, validate  # noqa: E402
+
+CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune"]
+CONTRACT = ["steps", "batch_size", "seq_len", "seed", "log_every", "eval_every", "checkpoint_every",
+            "model", "optim", "data", "mesh", "wandb", "init_from"]
+
+
+def load(name) -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_loads_and_validates(name):
+  c = load(name)
+  assert all(k in c for k in CONTRACT)
+  resolved = validate(c, num_devices=8, reference=base.get_config())
+  assert resolved["mesh"]["data"] * resolved["mesh"]["fsdp"] * resolved["mesh"]["tensor"] == 8
+  assert c.wandb.mode == "offline"
+
+
+@pytest.mark.parametrize("size", ["130m", "370m", "780m", "1.3b", "2.7b"])
+def test_size_recipes(size):
+  c = load(size)
+  m = validate(c, num_devices=1, reference=base.get_config())["model"]
+  assert {k: getattr(m, k) for k in SIZES[size]} == SIZES[size]
+  assert (m.d_state, m.headdim, m.expand, m.chunk_size, m.padded_vocab_size) == (128, 64, 2, 256, 50288)
+  assert m.compute_dtype == "bfloat16"
+  o = c.optim
+  assert (o.b1, o.b2, o.weight_decay, o.clip_norm, o.schedule, o.final_lr_frac) == (
+      0.9, 0.95, 0.1, 1.0, "cosine", 0.1)
+  gpt3 = {"130m": 6e-4, "370m": 3e-4, "780m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4}[size]
+  assert o.lr == pytest.approx(5 * gpt3)
+  assert c.seq_len == 2048 and c.batch_size * c.seq_len == 2**19  # 0.5M tokens per step
+
+
+def _errors(config, **kw):
+  with pytest.raises(ConfigError) as e:
+    validate(config, reference=base.get_config(), **kw)
+  return str(e.value)
+
+
+def test_unknown_keys_error():
+  c = base.get_config()
+  c.unlock()
+  c.stpes = 10
+  c.optim.learning_rate = 1.0
+  msg = _errors(c, num_devices=1)
+  assert "unknown config keys ['optim.learning_rate', 'stpes']" in msg
+  c = base.get_config()
+  c.model.unlock()
+  c.model.d_modle = 5
+  assert "Unknown Mamba2Config fields ['d_modle']" in _errors(c, num_devices=1)
+
+
+def test_locked_config_rejects_new_keys():
+  c = load("tiny")
+  with pytest.raises(AttributeError):
+    c.stpes = 10
+
+
+def test_batch_not_divisible_error():
+  c = base.get_config()
+  c.batch_size = 6
+  c.mesh.update(data=2, fsdp=2, tensor=2)
+  msg = _errors(c, num_devices=8)
+  assert "batch_size 6 does not divide over the data-parallel devices: data x fsdp = 2 x 2 = 4" in msg
+  c.batch_size = 4
+  c.optim.grad_accum = 2
+  assert "times optim.grad_accum 2; use a multiple of 8" in _errors(c, num_devices=8)
+
+
+def test_mesh_mismatch_errors():
+  c = base.get_config()
+  c.mesh.update(data=2, fsdp=2, tensor=1)
+  assert "spans data*fsdp*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
+  c.mesh.update(data=-1, fsdp=3, tensor=1)
+  assert "do not divide the 8 devices" in _errors(c, num_devices=8)
+  c.mesh.update(data=-1, fsdp=-1, tensor=1)
+  assert "only one axis may be -1" in _errors(c, num_devices=8)
+
+
+def test_bad_choices_error():
+  c = base.get_config()
+  c.optim.schedule = "linear"
+  c.wandb.mode = "on"
+  msg = _errors(c, num_devices=1)
+  assert "optim.schedule must be one of" in msg and "wandb.mode must be one of" in msg
+
+
+def _train(*args, devices=1):
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled"}
+  return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_command_line_errors_before_compiling(tmp_path):
+  proc = _train("--workdir", str(tmp_path), "--config.stpes=3")
+  assert proc.returncode != 0 and "stpes" in proc.stderr
+  proc = _train("--workdir", str(tmp_path), "--config.batch_size=6", devices=4)
+  assert proc.returncode != 0
+  assert "batch_size 6 does not divide over the data-parallel devices" in proc.stderr
+  assert "compiled" not in proc.stderr
