@@ -1,0 +1,125 @@
+"""Model-level properties: precision policy, remat, config errors, init."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mamba_train import Mamba2Config, Mamba2LM, config_for
+from mamba_train.model import Mamba2LM as _M
+
+CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
+                   vocab_size=100)
+forward = nnx.jit(lambda model, ids: model(ids))
+
+
+@pytest.fixture(scope="module")
+def params():
+  return Mamba2LM(CFG, rngs=nnx.Rngs(0)).params()
+
+
+def ids(b=2, l=45, seed=0):
+  return jax.random.randint(jax.random.PRNGKey(seed), (b, l), 0, CFG.vocab_size)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+def test_bfloat16_compute_stays_near_float32(params):
+  """bfloat16 matmuls: logits within 2% (relative to the largest logit) of float32,
+  i.e. a few bfloat16 ulps (2**-8 = 0.4%) after two layers and the head.
+  The float32 run itself is at 1e-6 of a float64 reference, for scale."""
+  x = ids()
+  f32 = forward(Mamba2LM.from_params(CFG, params), x)
+  bf16 = forward(Mamba2LM.from_params(CFG.replace(compute_dtype="bfloat16"), params), x)
+  assert bf16.dtype == jnp.float32  # logits stay float32 whatever the compute dtype
+  err = rel(bf16, f32)
+  assert err < 2e-2
+  assert err > 1e-5  # and bfloat16 really was used
+  with jax.enable_x64(True):
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    f64 = forward(Mamba2LM.from_params(CFG, p64), np.asarray(x))
+  assert rel(f32, f64) < 1e-5
+
+
+def test_precision_policy_of_parameters(params):
+  model = Mamba2LM.from_params(CFG.replace(compute_dtype="bfloat16"), params)
+  for leaf in jax.tree.leaves(model.params()):
+    assert leaf.dtype == jnp.float32
+
+
+def _grads(cfg, params):
+  x = ids()
+
+  def loss(p):
+    logits = Mamba2LM.from_params(cfg, p)(x)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, x[..., None], -1)[..., 0])
+  return jax.jit(jax.grad(loss))(params)
+
+
+@pytest.fixture(scope="module")
+def ref_grads(params):
+  return _grads(CFG, params)
+
+
+@pytest.mark.parametrize("remat", ["save_matmuls"])  # one policy: each costs a compile
+def test_remat_gives_the_same_gradients(params, ref_grads, remat):
+  g1 = _grads(CFG.replace(remat=remat), params)
+  for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(g1)):
+    assert rel(a, b) < 1e-5
+
+
+def test_init_follows_mamba_ssm(params):
+  L = params["layers"]
+  A = np.exp(np.asarray(L["A_log"]))
+  assert A.min() >= 1.0 and A.max() <= 16.0
+  dt = np.asarray(jax.nn.softplus(L["dt_bias"]))
+  assert dt.min() >= CFG.dt_init_floor * 0.999 and dt.max() <= CFG.dt_max * 1.001
+  np.testing.assert_array_equal(np.asarray(L["D"]), 1.0)
+  emb = np.asarray(params["embedding"])
+  assert emb.shape == (CFG.padded_vocab_size, CFG.d_model) == (112, 64)
+  assert abs(emb.std() - 0.02) < 2e-3
+  bound = 1 / math.sqrt(CFG.d_inner) / math.sqrt(CFG.n_layer)
+  assert np.abs(np.asarray(L["out_proj"])).max() <= bound
+
+
+def test_param_logical_axes_cover_every_dimension():
+  model = nnx.eval_shape(lambda: Mamba2LM(CFG.replace(tie_embeddings=False), rngs=nnx.Rngs(0)))
+  state = nnx.state(model, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    axes = var.logical_axes
+    assert len(axes) == len(var.get_value().shape), path
+
+
+def test_released_sizes():
+  for size, (d, n, heads) in {"130m": (768, 24, 24), "370m": (1024, 48, 32),
+                              "780m": (1536, 48, 48), "1.3b": (2048, 48, 64),
+                              "2.7b": (2560, 64, 80)}.items():
+    cfg = config_for(size)
+    assert (cfg.d_model, cfg.n_layer, cfg.nheads) == (d, n, heads)
+    assert cfg.padded_vocab_size == 50288 and cfg.d_state == 128 and cfg.chunk_size == 256
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(d_model=100, headdim=64), "multiple of headdim"),
+    (dict(ngroups=3), "multiple of ngroups"),
+    (dict(compute_dtype="float16"), "compute_dtype"),
+    (dict(remat="some"), "remat"),
+    (dict(n_layer=0), "n_layer must be a positive integer"),
+    (dict(dt_limit=(0.1, 0.01)), "dt_limit"),
+])
+def test_config_errors(kw, match):
+  with pytest.raises(ValueError, match=match):
+    Mamba2Config(**{**dict(d_model=64, n_layer=2, headdim=16), **kw})
+
+
+def test_from_params_names_mismatched_parameters(params):
+  bad = jax.tree.map(lambda a: a, params)
+  bad["layers"] = dict(bad["layers"], A_log=bad["layers"]["A_log"][:, :3])
+  with pytest.raises(ValueError, match=r"layers/A_log: shape \(2, 3\), expected \(2, 8\)"):
+    Mamba2LM.from_params(CFG, bad)
