@@ -1,0 +1,104 @@
+"""Write a model in the layouts other tools serve from.
+
+  * `save_hf`: a transformers directory (`config.json`, `model.safetensors`, and
+    tokenizer files when there is a tokenizer) that `Mamba2ForCausalLM.from_pretrained`
+    and `AutoTokenizer.from_pretrained` read with no extra code.
+  * `save_mamba_ssm`: the layout of the released state-spaces/mamba2-* repositories
+    (`config.json` + `pytorch_model.bin`); writing the .bin needs torch.
+
+Files are written into a temporary directory beside `out` and renamed into place,
+so an interrupted export never leaves a half directory that looks complete, and an
+existing `out` is never overwritten unless asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from mamba_train import convert
+from mamba_train.model import Mamba2LM
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+@contextlib.contextmanager
+def _atomic_dir(out: Path, overwrite: bool):
+  out = Path(out)
+  if out.exists() and any(out.iterdir()) and not overwrite:
+    raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass overwrite")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+  try:
+    yield tmp
+    if out.exists():
+      shutil.rmtree(out)
+    os.replace(tmp, out)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+
+
+def _cast(sd: dict, dtype: str) -> dict:
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+  return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(DTYPES[dtype])) for k, v in sd.items()}
+
+
+def _tokenizer_files(dst: Path, tokenizer_file: Path, eos_token: str | None):
+  """tokenizer.json plus the two small files AutoTokenizer looks for."""
+  shutil.copy(tokenizer_file, dst / "tokenizer.json")
+  cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000}
+  if eos_token:
+    cfg.update(eos_token=eos_token, bos_token=eos_token, unk_token=eos_token, pad_token=eos_token)
+  (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+  if eos_token:
+    special = {k: eos_token for k in ("eos_token", "bos_token", "unk_token", "pad_token")}
+    (dst / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None,
+            eos_token: str | None = None, eos_token_id: int | None = None,
+            overwrite: bool = False) -> Path:
+  from safetensors.numpy import save_file
+  cfg = model.config
+  # The true vocabulary: transformers then never samples a padding row.
+  sd = _cast(convert.params_to_state_dict(model.params(), cfg, "hf", vocab_rows=cfg.vocab_size), dtype)
+  hf_cfg = convert.ours_to_hf_config(cfg, vocab_rows=cfg.vocab_size, eos_token_id=eos_token_id,
+                                     bos_token_id=eos_token_id, pad_token_id=eos_token_id)
+  hf_cfg["torch_dtype"] = dtype
+  with _atomic_dir(Path(out), overwrite) as tmp:
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    if tokenizer_file:
+      _tokenizer_files(tmp, Path(tokenizer_file), eos_token)
+  return Path(out)
+
+
+def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: bool = False) -> Path:
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError("Writing pytorch_model.bin needs PyTorch: pip install -e '.[test]' "
+                      "(the CPU build torch==2.13.0)") from e
+  cfg = model.config
+  sd = _cast(convert.params_to_state_dict(model.params(), cfg, "mamba_ssm"), dtype)
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  tensors = {}
+  for k, v in sd.items():
+    t = torch.from_numpy(np.asarray(v, np.float32)) if dtype == "bfloat16" else torch.from_numpy(v)
+    tensors[k] = t.to(torch_dtype).contiguous()
+  # The tied head is the embedding itself in mamba_ssm's state dict.
+  if cfg.tie_embeddings:
+    tensors["lm_head.weight"] = tensors["backbone.embedding.weight"]
+  with _atomic_dir(Path(out), overwrite) as tmp:
+    torch.save(tensors, tmp / "pytorch_model.bin")
+    (tmp / "config.json").write_text(json.dumps(convert.ours_to_mamba_ssm_config(cfg), indent=2))
+  return Path(out)

@@ -1,0 +1,71 @@
+"""Export a model to the transformers or mamba_ssm layout.
+
+  python scripts/export.py --checkpoint runs/tiny --out exported/tiny
+  python scripts/export.py --checkpoint runs/tiny/checkpoints/100 --out exported/tiny-ssm --format mamba_ssm
+  python scripts/export.py --checkpoint runs/tiny --out exported/tiny-bf16 --dtype bfloat16
+
+--checkpoint takes anything `mamba_train.load_model` reads: a training workdir or
+one of its checkpoint steps, a transformers directory or a mamba_ssm directory.
+The tokenizer (tokenizer.json) is shipped when one is found beside the checkpoint,
+in the workdir, or given with --tokenizer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+_CKPT = flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
+_OUT = flags.DEFINE_string("out", None, "Output directory (must not exist or be empty).")
+_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm"], "Output layout.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight dtype on disk.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
+
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+def find_tokenizer(ckpt: Path) -> Path | None:
+  for d in [ckpt, *ckpt.parents][:4]:
+    if (d / "tokenizer.json").exists():
+      return d / "tokenizer.json"
+  return None
+
+
+def eos_of(tokenizer_file: Path) -> tuple[str | None, int | None]:
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(str(tokenizer_file))
+  for name in EOS_NAMES:
+    i = tok.token_to_id(name)
+    if i is not None:
+      return name, i
+  return None, None
+
+
+def main(argv):
+  del argv
+  if not _CKPT.value or not _OUT.value:
+    sys.exit("export.py needs --checkpoint and --out (see --help)")
+  from mamba_train import export
+  from mamba_train.load import load_model
+
+  ckpt = Path(_CKPT.value)
+  model = load_model(ckpt)
+  out = Path(_OUT.value)
+  if _FORMAT.value == "hf":
+    tok = Path(_TOKENIZER.value) if _TOKENIZER.value else find_tokenizer(ckpt)
+    if tok is not None and not tok.exists():
+      sys.exit(f"--tokenizer {tok} does not exist")
+    eos, eos_id = eos_of(tok) if tok else (None, None)
+    export.save_hf(model, out, dtype=_DTYPE.value, tokenizer_file=tok, eos_token=eos,
+                   eos_token_id=eos_id, overwrite=_OVERWRITE.value)
+    print(f"wrote transformers Mamba2 to {out}" + (f" with tokenizer {tok}" if tok else " (no tokenizer found)"))
+  else:
+    export.save_mamba_ssm(model, out, dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
+    print(f"wrote mamba_ssm layout to {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)
