@@ -1,0 +1,203 @@
+"""Checkpoints with Orbax: asynchronous, atomic, keep-last-k, reshardable on restore.
+
+Layout: `<workdir>/checkpoints/<step>/` holding three items:
+  state   the TrainState (params, optimizer state, step, rng), sharded: every
+          process writes its own shards;
+  data    the data iterator's state, one JSON file per process (Grain's handler);
+  config  the resolved run config (JSON).
+
+Orbax writes each step into a temporary directory and renames it when complete,
+so a save cut off by a crash never becomes a step that a restart can pick.
+A step whose files are damaged is skipped on restore, with a warning naming it
+and the step used instead. Nothing is deleted except by the keep-last-k policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class ShapeMismatchError(ValueError):
+  pass
+
+
+class _JsonStateIterator:
+  """Lets an iterator with dict `get_state`/`set_state` (the synthetic stream) go
+  through Grain's checkpoint handler, which stores per-process JSON."""
+
+  def __init__(self, it):
+    self.it = it
+
+  def get_state(self) -> bytes:
+    return json.dumps(self.it.get_state()).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.it.set_state(json.loads(state.decode()))
+
+  def start_prefetch(self) -> None:  # called by Grain's handler after restore
+    pass
+
+
+def _grain_item(it):
+  return it if hasattr(it, "start_prefetch") else _JsonStateIterator(it)
+
+
+def checkpoint_dir(workdir) -> Path:
+  return Path(workdir) / "checkpoints"
+
+
+class Checkpointer:
+  """Saves and restores (state, data iterator, config) under `<workdir>/checkpoints`."""
+
+  def __init__(self, workdir, *, keep: int = 3, async_save: bool = True):
+    self.directory = checkpoint_dir(workdir).absolute()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep if keep > 0 else None, create=True,
+        enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_handlers=_handlers())
+
+  # -- saving --
+
+  def save(self, step: int, state, data_iter, config: dict, *, force: bool = False) -> bool:
+    """Starts an asynchronous save; returns once device arrays are copied to host."""
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(_grain_item(data_iter)),
+        config=ocp.args.JsonSave(config))
+    return self.manager.save(step, args=args, force=force)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+  # -- restoring --
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def saved_config(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+  def check_shapes(self, step: int, abstract_state) -> None:
+    """Raise ShapeMismatchError listing every parameter whose shape differs."""
+    saved = _shapes(_state_tree(self.manager, step)["params"])
+    wanted = _shapes(abstract_state.params)
+    bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
+           if saved.get(k) != v]
+    bad += [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
+    if bad:
+      raise ShapeMismatchError(
+          f"checkpoint step {step} in {self.directory} does not fit the model config: "
+          + "; ".join(bad))
+
+  def restore(self, abstract_state, data_iter, *, step: int | None = None):
+    """Restore the newest complete step (or `step`) into `abstract_state`'s shapes and
+    shardings, which may differ from the ones it was saved with (resharding).
+    A step that fails to read is skipped for the one before it, with a warning.
+    Returns (step, state) or (None, None) when there is nothing to restore."""
+    candidates = [step] if step is not None else self.steps()[::-1]
+    failed = []
+    for s in candidates:
+      try:
+        self.check_shapes(s, abstract_state)
+        out = self.manager.restore(s, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(_grain_item(data_iter))))
+      except ShapeMismatchError:
+        raise
+      except Exception as e:  # a damaged or partial step: fall back to the previous one
+        if step is not None:
+          raise
+        log.warning("checkpoint step %d in %s cannot be read (%s: %s); trying an earlier step",
+                    s, self.directory, type(e).__name__, str(e).splitlines()[0][:200])
+        failed.append(s)
+        continue
+      if failed:
+        log.warning("resuming from step %d instead of the newest step %d, which is damaged",
+                    s, failed[0])
+      return s, out["state"]
+    if failed:
+      raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
+                         f"move the directory away to start afresh")
+    return None, None
+
+
+def _handlers():
+  # Named explicitly so that a fresh process can read metadata before restoring.
+  return {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+          "config": ocp.JsonCheckpointHandler()}
+
+
+def _state_tree(manager, step) -> dict:
+  meta = manager.item_metadata(step)["state"]
+  return meta.tree if hasattr(meta, "tree") else meta
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+  return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(v.shape)
+          for path, v in flat}
+
+
+def abstract(state_like, shardings):
+  """ShapeDtypeStructs carrying the target shardings (what restore fills in)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state_like, shardings)
+
+
+def restore_params(path, abstract_params=None) -> Any:
+  """Only the parameters of a checkpoint step directory (`<workdir>/checkpoints/<step>`),
+  on this process's first device, for finetuning and export. `abstract_params`,
+  if given, is checked against the saved shapes first."""
+  path = Path(path).absolute()
+  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+    tree = _state_tree(mgr, int(path.name))
+    if abstract_params is not None:
+      saved, wanted = _shapes(tree["params"]), _shapes(abstract_params)
+      bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
+             if saved.get(k) != v]
+      bad += [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
+      if bad:
+        raise ShapeMismatchError(f"{path} does not fit the model config: " + "; ".join(bad))
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree,
+                          is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    out = mgr.restore(int(path.name), args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return out["state"]["params"]
+
+
+def saved_config(path) -> dict:
+  """The run config stored with a checkpoint step directory."""
+  path = Path(path).absolute()
+  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+    return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+
+def find_step_dir(path) -> Path | None:
+  """`path` as a checkpoint step directory: a workdir (its newest step), its
+  `checkpoints/` directory, or a step directory itself. None if it is none of these."""
+  path = Path(path)
+  if (path / "state").is_dir() and path.name.isdigit():
+    return path
+  ckdir = path if path.name == "checkpoints" else path / "checkpoints"
+  if ckdir.is_dir():
+    steps = sorted((int(p.name) for p in ckdir.iterdir() if p.name.isdigit() and (p / "state").is_dir()))
+    if steps:
+      return ckdir / str(steps[-1])
+  return None
