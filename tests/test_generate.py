@@ -22,7 +22,8 @@ import pytest
 from flax import nnx
 
 import mamba_train
-from mamba_train.cache import Mamba2Cache
+from mamba_train import sharding
+from mamba_train.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.config import Mamba2Config
 from mamba_train.generate import generate, generate_with_stats, prefill, step
 from mamba_train.model import Mamba2LM
@@ -108,6 +109,11 @@ def test_cache_size_independent_of_prompt_length():
       jax.tree.map(lambda a: (a.shape, a.dtype), shapes[0])
   assert cache.nbytes == Mamba2Cache.bytes_for(CFG, 2)
   assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(cache))
+  # Every cache axis has a sharding rule: batch split like activations, heads over tensor.
+  for name, axes in CACHE_AXES.items():
+    spec = sharding.logical_to_spec(axes)
+    assert len(spec) == getattr(cache, name).ndim
+    assert spec[1] == sharding.logical_to_spec(("batch",))[0]
 
 
 # ----------------------------------------------------------------------------
