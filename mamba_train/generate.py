@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mamba_train import sharding
 from mamba_train.cache import Mamba2Cache
 from mamba_train.model import Mamba2LM
 
@@ -248,8 +249,9 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
           jnp.float32(temperature), jnp.int32(min(int(top_k), 2**31 - 1)), jnp.float32(top_p),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id),
           jnp.int32(max_new_tokens))
-  signature = (graphdef, buffer_len, ids.shape,
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(params)))
+  # The active mesh and rules decide the cache's sharding constraints at trace time.
+  signature = (graphdef, buffer_len, ids.shape, tuple(sharding._ACTIVE),  # pylint: disable=protected-access
+               tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params)))
   compile_s = 0.0
   if signature not in _COMPILED:
     t0 = time.perf_counter()
