@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 import jax
 import tqdm
@@ -66,14 +67,20 @@ def load_init_params(path, model_cfg):
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.INFO)
+  try:
+    train(_CONFIG.value, _WORKDIR.value)
+  except (run_config.ConfigError, trainer.NonFiniteLossError) as e:
+    sys.exit(f"error: {e}")
+
+
+def train(config, workdir):
 
   # ===== config =====
-  config = _CONFIG.value
   resolved = run_config.validate(config, num_devices=jax.device_count(),
                                  process_count=jax.process_count(), reference=base.get_config())
   model_cfg = resolved["model"]
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
+  workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
   is_main = jax.process_index() == 0
   if is_main:
     os.makedirs(workdir, exist_ok=True)

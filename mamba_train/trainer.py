@@ -50,9 +50,8 @@ def param_logical_axes(cfg: Mamba2Config) -> dict[str, Any]:
   model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
   by_path = {tuple(str(k) for k in path): var.logical_axes
              for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
-  shapes = jax.eval_shape(model.params)
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: by_path[tuple(str(getattr(k, "key", k)) for k in path)], shapes)
+      lambda path, _: by_path[tuple(str(getattr(k, "key", k)) for k in path)], jax.eval_shape(model.params))
 
 
 def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -71,12 +70,9 @@ def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
 
 def param_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES):
   """NamedShardings for `Mamba2LM.params()`, from the logical axes by `rules`."""
-  model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
-  shapes = jax.eval_shape(model.params)
-  axes = param_logical_axes(cfg)
   return jax.tree.map(
       lambda s, a: NamedSharding(mesh, _fit_spec(sharding.logical_to_spec(a, rules), s.shape, mesh)),
-      shapes, axes, is_leaf=lambda x: isinstance(x, tuple))
+      _param_shapes(cfg), param_logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -90,8 +86,7 @@ def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, 
   follows the parameters; its counters and the rest are replicated."""
   p_sh = param_shardings(cfg, mesh, rules)
   replicated = NamedSharding(mesh, P())
-  abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), _param_shapes(cfg))
-  abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+  abstract_opt = jax.eval_shape(optimizer.init, _param_shapes(cfg))
   opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
                                  transform_non_params=lambda _: replicated,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
@@ -99,6 +94,7 @@ def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, 
 
 
 def _param_shapes(cfg: Mamba2Config):
+  """ShapeDtypeStructs of `Mamba2LM.params()`, without creating any array."""
   model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
   return jax.eval_shape(model.params)
 

@@ -100,3 +100,10 @@ def test_hooks_run_on_their_period_and_at_the_end():
   for step in range(1, 8):
     trainer.run_hooks(hooks, step, 7, None, {})
   assert seen == [("a", 3), ("a", 6), ("a", 7)]
+
+
+def test_bfloat16_optimizer_state():
+  shapes = {"embedding": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+  tx, _ = optim.make_optimizer({**OPTIM, "state_dtype": "bfloat16"}, 10)
+  adam = jax.eval_shape(tx.init, shapes).inner_state[1]
+  assert adam.mu["embedding"].dtype == jnp.bfloat16 and adam.nu["embedding"].dtype == jnp.float32
