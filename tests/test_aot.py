@@ -1,0 +1,78 @@
+"""scripts/aot_compile.py: the real train step compiled for a TPU slice on this CPU
+(libtpu from PyPI, part of the `test` extra), its memory report, and the refusal
+of a config that cannot fit a chip's HBM."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import aot_compile  # noqa: E402
+
+
+def _require_libtpu():
+  # Not a skip: the TPU compiler is part of the test extra, so its absence is a broken install.
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings libtpu from PyPI, "
+                "the TPU compiler these tests compile with; no TPU is needed)")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("v5e:2x2", ("v5e", "v5e:2x2")),
+    ("v5p-128", ("v5p", "v5p:4x4x4")),  # 128 TensorCores = 64 chips
+    ("v5p-8", ("v5p", "v5p:2x2x1")),
+    ("v4-32", ("v4", "v4:2x2x4")),
+    ("v5e-16", ("v5e", "v5e:4x4")),
+    ("v5litepod-8", ("v5e", "v5e:2x4")),
+    ("v6e-256", ("v6e", "v6e:16x16")),
+])
+def test_topology_names(name, expected):
+  assert aot_compile.topology_name(name) == expected
+
+
+def test_bad_topology_names():
+  for bad in ("v5p-3", "v7x:2x2", "tpu"):
+    with pytest.raises(ValueError):
+      aot_compile.topology_name(bad)
+
+
+def _run(*flags):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", "tiny.py"),
+                         *flags], capture_output=True, text=True, env=env, timeout=900)
+
+
+# Small shapes keep the TPU compile (single-threaded, tens of seconds for the tiny
+# config at full length on a 2-core host) short.
+_SMALL = ("--config.seq_len=64", "--config.batch_size=4", "--config.model.chunk_size=32")
+
+
+def test_tiny_train_step_compiles_for_v5e(tmp_path):
+  _require_libtpu()
+  out = tmp_path / "report.json"
+  r = _run("--topology", "v5e:2x2", *_SMALL, "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "memory per device" in r.stdout and "of 16.00 GiB HBM" in r.stdout, r.stdout
+  import json
+  rep = json.loads(out.read_text())
+  assert rep["devices"] == 4 and rep["mesh"]["data"] == 4
+  mem = rep["memory"]
+  # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
+  assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]
+  assert rep["cost"]["flops"] > 0 and rep["compile_s"] > 0
+
+
+def test_too_large_for_hbm_is_refused():
+  _require_libtpu()
+  # A 4M-row vocabulary: 1e9 embedding parameters, 4 GB, plus gradients and two Adam
+  # moments, replicated over data=4: far past a v5e chip's 16 GiB.
+  r = _run("--topology", "v5e:2x2", *_SMALL, "--config.model.vocab_size=4000000")
+  assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+  assert "DOES NOT FIT" in r.stderr and "To fit" in r.stderr, r.stderr[-3000:]
+  assert "fsdp" in r.stderr and "batch_size" in r.stderr and "remat" in r.stderr

@@ -1,0 +1,28 @@
+"""A quick smoke test of scripts/bench.py on tiny shapes: it runs, times ours,
+measures the roofline, and writes JSON, the markdown table and plots."""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench  # noqa: E402
+
+
+def test_bench_smoke(tmp_path):
+  out = tmp_path / "bench"
+  common = ["--repeats", "1", "--out", str(out), "--roofline_n", "256", "--roofline_mib", "8"]
+  res = bench.main(["ssd", "--batch", "1", "--seq_len", "96", "--chunks", "32", *common])
+  ssd = {(r["impl"], r["mode"]) for r in res["rows"]}
+  assert {("ours", "fwd"), ("ours", "fwd+bwd"), ("sequential", "fwd")} <= ssd
+  res = bench.main(["train", "--config", "tiny", "--batch", "2", "--seq_len", "64", "--plots", *common])
+  (row,) = [r for r in res["rows"] if r["bench"] == "train"]
+  assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1.5 and row["compile_s"] > 0
+  assert res["roofline"]["matmul_flops"] > 0 and res["roofline"]["copy_bytes_per_s"] > 0
+  saved = json.loads((out / "results.json").read_text())
+  assert saved["rows"][0]["bench"] == "train"
+  md = (out / "results.md").read_text()
+  assert "## Train step" in md and "| ours |" in md.replace("| tiny | ours |", "| ours |")
+  assert (out / "train_tiny.png").stat().st_size > 0
