@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from configs import base
 from mamba_train import metrics as metrics_lib
+from mamba_train import distributed
 from mamba_train import data, run_config, trainer
 from mamba_train.load import load_model
 from mamba_train.mesh import make_mesh
@@ -32,6 +33,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(_HERE, "configs", "tiny.py"), "Run config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Output directory; default runs/<config name>-<time>.")
+# Multi-process jobs (mamba_train/distributed.py). On a TPU pod, under SLURM or Open MPI
+# these are detected; elsewhere give all three, the same address to every process.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the job (0 = detect).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's rank (-1 = detect).")
+_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "Seconds of silence after which a process counts as dead and the job stops.")
 
 
 def make_loaders(config, model_cfg):
@@ -67,6 +76,11 @@ def load_init_params(path, model_cfg):
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.INFO)
+  try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+  except distributed.DistributedInitError as e:
+    sys.exit(f"error: {e}")
   try:
     train(_CONFIG.value, _WORKDIR.value)
   except (run_config.ConfigError, trainer.NonFiniteLossError) as e:

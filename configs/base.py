@@ -51,7 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # Over several hosts or TPU slices, dcn_data / dcn_fsdp split that axis across them
+  # (slow network) and data / fsdp / tensor then count devices inside one (fast links):
+  # each mesh axis is dcn_<axis> x <axis> (mamba_train/mesh.py).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (XLA's float32 matmul rate on a 2-core dev box).
   c.peak_flops = 0.0

@@ -2,6 +2,14 @@
 
 `-1` on one axis means "all the devices the other axes leave". The shape is
 checked against the device count here, before anything is traced or compiled.
+
+Over several hosts or slices (MaxText's ici / dcn split): `dcn_data` and
+`dcn_fsdp` say how many granules (TPU slices; hosts elsewhere) an axis spans
+over the slow data-center network, and data / fsdp / tensor then describe one
+granule, over its fast links. The mesh axis is the product: `dcn_data=4,
+data=1, fsdp=8` is a data axis of 4 across hosts and fsdp 8 inside each, so the
+gradient all-reduce is the only traffic between hosts. With every dcn_* at 1
+(the default) data / fsdp / tensor span all devices, as before.
 """
 
 from __future__ import annotations
@@ -16,12 +24,40 @@ from jax.sharding import Mesh
 
 from mamba_train.sharding import MESH_AXES
 
+DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
+
+
+def dcn_shape(mesh_cfg: Mapping[str, int]) -> dict[str, int]:
+  """{'data': granules, 'fsdp': ..., 'tensor': ...} from the dcn_* keys (default 1)."""
+  shape = {a: int(mesh_cfg.get(k, 1)) for k, a in DCN_KEYS.items()}
+  bad = {f"dcn_{a}": s for a, s in shape.items() if s < 1}
+  if bad:
+    raise ValueError(f"config.mesh dcn_* sizes must be positive, got {bad}")
+  return shape
+
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """{'data': d, 'fsdp': f, 'tensor': t} with any -1 filled; raises ValueError on a mismatch."""
-  unknown = sorted(set(mesh_cfg) - set(MESH_AXES))
+  """{'data': d, 'fsdp': f, 'tensor': t} with any -1 filled; raises ValueError on a mismatch.
+  With dcn_* keys each axis is dcn_<axis> x <axis>, the latter resolved within a granule."""
+  unknown = sorted(set(mesh_cfg) - set(MESH_AXES) - set(DCN_KEYS))
   if unknown:
-    raise ValueError(f"config.mesh has unknown axes {unknown}; the axes are {list(MESH_AXES)}")
+    raise ValueError(f"config.mesh has unknown axes {unknown}; the axes are "
+                     f"{list(MESH_AXES)} and {list(DCN_KEYS)}")
+  dcn = dcn_shape(mesh_cfg)
+  granules = math.prod(dcn.values())
+  if granules == 1:
+    return _resolve_ici(mesh_cfg, num_devices)
+  if num_devices % granules:
+    raise ValueError(f"config.mesh dcn_* = {dcn} spans {granules} hosts or slices, which do not "
+                     f"divide the {num_devices} devices")
+  try:
+    ici = _resolve_ici(mesh_cfg, num_devices // granules)
+  except ValueError as e:
+    raise ValueError(f"{e} (per host or slice: {num_devices} devices / {granules} from dcn_*)") from None
+  return {a: dcn[a] * ici[a] for a in MESH_AXES}
+
+
+def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
   shape = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
   bad = {a: s for a, s in shape.items() if s == 0 or s < -1}
   if bad:
@@ -45,6 +81,8 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[st
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A Mesh over `devices` (default: all) with axes ('data', 'fsdp', 'tensor')."""
   devices = list(jax.devices() if devices is None else devices)
+  if math.prod(dcn_shape(mesh_cfg).values()) > 1:
+    return make_hybrid_mesh(mesh_cfg, devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
   dims = [shape[a] for a in MESH_AXES]
   try:  # topology-aware placement on TPU/GPU; plain order elsewhere
@@ -57,3 +95,55 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
 def data_parallel_size(mesh: Mesh) -> int:
   """How many ways the batch is split: data x fsdp."""
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def device_granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:
+  """('slice' | 'process', devices grouped by TPU slice, else by process), in index order."""
+  key = "slice_index" if len({getattr(d, "slice_index", None) for d in devices}) > 1 else "process_index"
+  groups: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    groups.setdefault(getattr(d, key), []).append(d)
+  return key.split("_")[0], [sorted(groups[k], key=lambda d: d.id) for k in sorted(groups)]
+
+
+def make_hybrid_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device]) -> Mesh:
+  """The mesh of a config with dcn_* keys: each axis is dcn_<axis> granules (slices or
+  hosts) times <axis> devices inside one, granule-major, so an axis's granule index
+  changes slowest along it (as `mesh_utils.create_hybrid_device_mesh` lays it out)."""
+  return Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES)
+
+
+def hybrid_device_grid(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device]) -> np.ndarray:
+  """The device array of `make_hybrid_mesh`."""
+  dcn = dcn_shape(mesh_cfg)
+  shape = resolve_mesh_shape(mesh_cfg, len(devices))
+  dcn_dims = [dcn[a] for a in MESH_AXES]
+  ici_dims = [shape[a] // dcn[a] for a in MESH_AXES]
+  kind, granules = device_granules(devices)
+  if len(granules) != math.prod(dcn_dims):
+    plural = {"process": "processes", "slice": "slices"}[kind]
+    raise ValueError(
+        f"config.mesh dcn_* = {dcn} asks for {math.prod(dcn_dims)} hosts or slices, but the "
+        f"{len(devices)} devices are on {len(granules)} {plural}; make the product of dcn_* "
+        f"{len(granules)}")
+  sizes = {len(g) for g in granules}
+  if sizes != {math.prod(ici_dims)}:
+    raise ValueError(f"config.mesh: each {kind} must hold data*fsdp*tensor = {math.prod(ici_dims)} "
+                     f"devices, but they hold {sorted(sizes)}")
+  grid = None
+  if devices[0].platform != "cpu":  # topology-aware inside each granule on TPU/GPU
+    try:
+      grid = mesh_utils.create_hybrid_device_mesh(
+          ici_dims, dcn_dims, devices, process_is_granule=kind == "process",
+          allow_split_physical_axes=True)
+    except Exception:  # noqa: BLE001 - an unknown topology falls back to plain order
+      grid = None
+  if grid is None:
+    # Plain order: granule g's devices reshaped to ici_dims, placed at block g of
+    # the dcn grid; interleaving (dcn_0, ici_0, dcn_1, ici_1, ...) gives the blocks.
+    blocks = np.asarray([np.asarray(g, dtype=object).reshape(ici_dims) for g in granules], dtype=object)
+    blocks = blocks.reshape(dcn_dims + ici_dims)
+    n = len(MESH_AXES)
+    order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
+    grid = blocks.transpose(order).reshape([shape[a] for a in MESH_AXES])
+  return grid
