@@ -14,8 +14,10 @@ service notices the missing heartbeats within `heartbeat_timeout` seconds and
 stops every process ("Terminating process because the JAX distributed service
 detected fatal errors ... another task died"), and a collective whose peer is
 gone fails at once (gloo on CPU: "Connection closed by peer"). A process whose
-peers never arrive gives up after `init_timeout` seconds with the message of
-`DistributedInitError`. Restart the job to resume from its last checkpoint.
+peers never arrive is stopped the same way after `init_timeout` seconds
+("DEADLINE_EXCEEDED ... RegisterTask"); the line logged just before joining says
+what it was waiting for. JAX ends these processes from C++ (SIGABRT), so no
+Python handler runs. Restart the job to resume from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -106,15 +108,20 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
     kwargs.update(coordinator_address=coordinator_address or None,
                   num_processes=num_processes or None,
                   process_id=None if process_id < 0 else process_id)
+  where = kwargs.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS") or "auto"
+  hint = ("Check that every process was started with the same coordinator address and process "
+          "count, that process 0 is running, and that its port is reachable.")
+  rank = "?" if kwargs.get("process_id") is None else kwargs["process_id"]
+  # Logged before joining: a failed join aborts the process from C++ (DEADLINE_EXCEEDED).
+  log.info("process %s: joining the job at coordinator %s; waiting up to %d s for all %s "
+              "processes, after which a missing one ends the job. %s", rank, where, init_timeout,
+              kwargs.get("num_processes") or "the cluster's", hint)
   try:
     jax.distributed.initialize(**kwargs)
-  except Exception as e:  # noqa: BLE001 - JAX raises plain runtime errors here
-    where = kwargs.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS") or "auto"
+  except Exception as e:  # noqa: BLE001 - JAX raises plain errors for bad arguments
     raise DistributedInitError(
-        f"process {kwargs.get('process_id', '?')} could not join the job at coordinator "
-        f"{where} within {init_timeout} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
-        "Check that every process was started with the same coordinator address and "
-        "process count, that process 0 is running, and that its port is reachable.") from e
+        f"process {rank} could not join the job at coordinator {where}: "
+        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. {hint}") from e
   if jax.process_index() != 0:
     logging.getLogger().setLevel(logging.WARNING)
   log.info("process %d of %d: %d local / %d global devices; a dead process stops the job "

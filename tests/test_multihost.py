@@ -1,0 +1,246 @@
+"""Multi-host on one machine: two processes on 127.0.0.1 (CPU, gloo collectives, two
+simulated devices each) joined by mamba_train.distributed, against one process with
+four devices on the same mesh.
+
+The two-process runs use the hybrid mesh (dcn_data=2 across the processes, fsdp=2
+inside each), so they also check that layout end to end.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.source=synthetic",
+         "--config.model.d_model=64", "--config.model.n_layer=1", "--config.model.d_state=16",
+         "--config.model.headdim=16", "--config.model.chunk_size=16", "--config.model.vocab_size=64",
+         "--config.seq_len=32", "--config.batch_size=4", f"--config.steps={STEPS}",
+         "--config.log_every=1", "--config.eval_every=0", "--config.wandb.mode=disabled"]
+ONE_HOST_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
+TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_XLA}"}
+
+
+def _start(args, devices, log_path):
+  log = open(log_path, "w")
+  return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(devices),
+                          stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _start_two(args, port, log_dir, tag):
+  """Processes 0 and 1 of one job; their output goes to log_dir/<tag><rank>.log."""
+  join = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+  return [_start([*args, *join, f"--process_id={rank}"], 2, log_dir / f"{tag}{rank}.log")
+          for rank in range(2)]
+
+
+def _wait(procs, timeout):
+  deadline = time.monotonic() + timeout
+  try:
+    return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def _rows(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f if "loss" in line]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The tiny model trained for STEPS steps by two processes and by one, side by side."""
+  tmp = tmp_path_factory.mktemp("multihost")
+  train_py = os.path.join(ROOT, "train.py")
+  two = _start_two([train_py, *SMALL, *TWO_HOST_MESH, "--workdir", str(tmp / "two")],
+                   _free_port(), tmp, "two")
+  one = _start([train_py, *SMALL, *ONE_HOST_MESH, "--workdir", str(tmp / "one")], 4, tmp / "one.log")
+  codes = _wait([*two, one], timeout=400)
+  logs = {name: (tmp / f"{name}.log").read_text() for name in ("two0", "two1", "one")}
+  assert codes == [0, 0, 0], "\n\n".join(f"== {k} ==\n{v[-3000:]}" for k, v in logs.items())
+  return tmp, logs
+
+
+def test_two_processes_train_as_one(runs):
+  tmp, _ = runs
+  two, one = _rows(tmp / "two"), _rows(tmp / "one")
+  assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
+  for key in ("loss", "grad_norm", "param_norm"):
+    # float32; the two runs differ only in the order of cross-device sums
+    np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=2e-5, err_msg=key)
+  assert two[-1]["loss"] < two[0]["loss"]
+
+
+def test_only_process_0_reports(runs):
+  tmp, logs = runs
+  assert "train step compiled" in logs["two0"] and "process 0 of 2" in logs["two0"]
+  for quiet in ("train step compiled", "parameters,", "it/s", "mesh {"):
+    assert quiet not in logs["two1"], quiet
+  assert json.loads((tmp / "two" / "config.json").read_text())["mesh"]["dcn_data"] == 2
+
+
+# A worker that joins a two-process job and saves the batches train.py would feed it:
+# its own rows (from train.make_loaders) and the global batch assembled from both.
+_DATA_WORKER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, {root!r})
+    from mamba_train import distributed
+    distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=60)
+    import jax
+    from jax.experimental import multihost_utils
+    import train
+    from configs import tiny
+    from mamba_train import run_config, trainer
+    from mamba_train.mesh import make_mesh
+    c = tiny.get_config()
+    c.data.source, c.data.dir, c.seq_len, c.batch_size, c.seed = "corpus", {data_dir!r}, 16, 4, 7
+    c.mesh.update(dcn_data=2, data=1, fsdp=2)
+    mesh = make_mesh(c.mesh)
+    loader, _ = train.make_loaders(c, run_config.model_config(c))
+    local, glob = [], []
+    for _ in range(3):
+      batch = next(loader)
+      local.append(batch["input_ids"])
+      glob.append(multihost_utils.process_allgather(trainer.to_global(batch, mesh)["input_ids"], tiled=True))
+    np.savez(sys.argv[2], local=np.stack(local), glob=np.stack(glob))
+""")
+
+
+def test_each_process_reads_its_own_rows(tmp_path):
+  import datasets
+  from mamba_train import data
+  rng = np.random.default_rng(1)
+  docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 99)) for _ in range(10)]
+  data_dir = data.prepare_dataset(datasets.Dataset.from_dict({"text": docs}), "w",
+                                  root=str(tmp_path), val_fraction=0.1, num_proc=1)
+  script = _DATA_WORKER.format(root=ROOT, port=_free_port(), data_dir=data_dir)
+  out = [tmp_path / f"p{rank}.npz" for rank in range(2)]
+  procs = [_start(["-c", script, str(rank), str(out[rank])], 2, tmp_path / f"p{rank}.log")
+           for rank in range(2)]
+  codes = _wait(procs, timeout=120)
+  assert codes == [0, 0], "\n".join((tmp_path / f"p{r}.log").read_text()[-2000:] for r in range(2))
+  p0, p1 = (np.load(p) for p in out)
+  single = data.make_train_loader(data_dir, seq_len=16, global_batch_size=4, seed=7)
+  for step in range(3):
+    a, b = p0["local"][step], p1["local"][step]
+    assert a.shape == b.shape == (2, 16)
+    assert not {r.tobytes() for r in a} & {r.tobytes() for r in b}  # disjoint rows
+    expected = next(single)["input_ids"]
+    np.testing.assert_array_equal(np.concatenate([a, b]), expected)  # the single-process batch
+    np.testing.assert_array_equal(p0["glob"][step], expected)  # assembled on the hybrid mesh
+    np.testing.assert_array_equal(p1["glob"][step], expected)
+
+
+def test_killed_process_stops_the_job(tmp_path):
+  """Process 1 dies once both have joined; process 0 must stop within the heartbeat
+  timeout with the runtime's message, not wait for it forever."""
+  heartbeat = 3
+  args = [os.path.join(ROOT, "train.py"), *SMALL, *TWO_HOST_MESH, "--config.steps=100000",
+          "--workdir", str(tmp_path / "run"), f"--heartbeat_timeout={heartbeat}", "--init_timeout=60"]
+  p0, p1 = _start_two(args, _free_port(), tmp_path, "p")
+  log0 = tmp_path / "p0.log"
+  try:
+    deadline = time.monotonic() + 120
+    while "process 0 of 2" not in log0.read_text():
+      assert p0.poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+      time.sleep(0.2)
+    p1.kill()
+    p1.wait()
+    killed = time.monotonic()
+    code = p0.wait(timeout=heartbeat + 30)
+  finally:
+    _wait([p0, p1], timeout=1)
+  assert code != 0
+  assert time.monotonic() - killed < heartbeat + 30
+  text = log0.read_text()
+  assert "another task died" in text or "Connection closed by peer" in text, text[-3000:]
+
+
+def test_missing_peer_times_out_with_a_message(tmp_path):
+  """Process 0 of 2 alone gives up after init_timeout, having said what it waited for."""
+  script = textwrap.dedent(f"""
+      import logging, sys
+      sys.path.insert(0, {ROOT!r})
+      logging.basicConfig(level=logging.INFO)
+      from mamba_train import distributed
+      distributed.initialize("127.0.0.1:{_free_port()}", 2, 0, init_timeout=2)
+  """)
+  proc = _start(["-c", script], 2, tmp_path / "p0.log")
+  code = _wait([proc], timeout=90)[0]
+  text = (tmp_path / "p0.log").read_text()
+  assert code != 0, text[-2000:]
+  assert "joining the job at coordinator 127.0.0.1:" in text and "waiting up to 2 s" in text, text[-2000:]
+  assert "DEADLINE_EXCEEDED" in text, text[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# In-process pieces: mesh layout and argument checks.
+
+
+class _FakeDevice:
+  def __init__(self, id, process_index):
+    self.id, self.process_index, self.platform, self.device_kind = id, process_index, "cpu", "cpu"
+
+  def __repr__(self):
+    return f"D{self.id}"
+
+
+def test_hybrid_grid_matches_create_hybrid_device_mesh():
+  from jax.experimental import mesh_utils
+  from mamba_train.mesh import MESH_AXES, hybrid_device_grid
+  devices = [_FakeDevice(i, i // 4) for i in range(8)]  # two hosts of four
+  ids = np.vectorize(lambda d: d.id)
+  for cfg in ({"dcn_data": 2, "data": 1, "fsdp": 2, "tensor": 2},
+              {"dcn_fsdp": 2, "data": 2, "fsdp": -1, "tensor": 1},
+              {"dcn_data": 2, "data": -1, "fsdp": 1, "tensor": 1}):
+    grid = hybrid_device_grid(cfg, devices)
+    dcn = [cfg.get(f"dcn_{a}", 1) for a in MESH_AXES]
+    ici = [s // d for s, d in zip(grid.shape, dcn)]
+    ref = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+    np.testing.assert_array_equal(ids(grid), ids(ref))
+  grid = hybrid_device_grid({"dcn_data": 2, "data": 1, "fsdp": 4, "tensor": 1}, devices)
+  assert [{d.process_index for d in row.ravel()} for row in grid] == [{0}, {1}]  # a host per data row
+
+
+def test_mesh_config_errors():
+  from mamba_train.mesh import hybrid_device_grid, resolve_mesh_shape
+  assert resolve_mesh_shape({"dcn_data": 2, "data": 1, "fsdp": -1, "tensor": 1}, 8) == \
+      {"data": 2, "fsdp": 4, "tensor": 1}
+  with pytest.raises(ValueError, match="spans 3 hosts or slices, which do not divide the 8"):
+    resolve_mesh_shape({"dcn_data": 3, "data": -1}, 8)
+  with pytest.raises(ValueError, match="per host or slice"):
+    resolve_mesh_shape({"dcn_data": 2, "data": 3, "fsdp": 1, "tensor": 1}, 8)
+  with pytest.raises(ValueError, match="asks for 4 hosts or slices, but the 8 devices are on 2 processes"):
+    hybrid_device_grid({"dcn_data": 4, "data": -1}, [_FakeDevice(i, i // 4) for i in range(8)])
+
+
+def test_initialize_single_process_and_partial_flags(monkeypatch):
+  from mamba_train import distributed
+  monkeypatch.setattr(distributed, "detect_cluster", lambda: None)
+  assert distributed.initialize() is False  # a plain run joins nothing
+  assert distributed.initialize(num_processes=1) is False
+  with pytest.raises(distributed.DistributedInitError, match="needs all of"):
+    distributed.initialize(num_processes=2)
