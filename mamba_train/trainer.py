@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train import data, sharding
 from mamba_train.config import Mamba2Config
 from mamba_train.model import Mamba2LM
-from mamba_train.optim import nonfinite_streak
+from mamba_train.optim import make_optimizer, nonfinite_streak
+from mamba_train.run_config import model_config
 
 F32 = jnp.float32
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
@@ -337,8 +338,6 @@ def build(config, mesh: Mesh, *, params=None) -> Built:
   step: `b = build(config, mesh)`, then `b.train_step.lower(b.state, batch).compile()`
   with a batch from `to_global`.
   """
-  from mamba_train.optim import make_optimizer
-  from mamba_train.run_config import model_config
   model_cfg = model_config(config)
   optimizer, schedule = make_optimizer(config.optim, config.steps)
   state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params)
