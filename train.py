@@ -24,7 +24,8 @@ from ml_collections import config_flags
 from configs import base
 from mamba_train import metrics as metrics_lib
 from mamba_train import distributed
-from mamba_train import data, run_config, trainer
+from mamba_train import checkpoint, data, run_config, trainer
+from mamba_train.config import Mamba2Config
 from mamba_train.load import load_model
 from mamba_train.mesh import make_mesh
 from mamba_train.synthetic_data import SyntheticLoader
@@ -32,6 +33,8 @@ from mamba_train.synthetic_data import SyntheticLoader
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(_HERE, "configs", "tiny.py"), "Run config file (configs/*.py).")
+_FORCE_RESUME = flags.DEFINE_bool(
+    "force_resume", False, "Resume a workdir even if its checkpoints hold a different model config.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Output directory; default runs/<config name>-<time>.")
 # Multi-process jobs (mamba_train/distributed.py). On a TPU pod, under SLURM or Open MPI
 # these are detected; elsewhere give all three, the same address to every process.
@@ -73,9 +76,15 @@ def load_init_params(path, model_cfg):
   return model.params()
 
 
+def _quiet_library_info(record: logging.LogRecord) -> bool:
+  # Orbax logs every save step at INFO; keep its warnings and errors only.
+  return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
   del argv
   logging.getLogger().setLevel(logging.INFO)
+  logging.getLogger("absl").addFilter(_quiet_library_info)
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
@@ -83,7 +92,7 @@ def main(argv):
     sys.exit(f"error: {e}")
   try:
     train(_CONFIG.value, _WORKDIR.value)
-  except (run_config.ConfigError, trainer.NonFiniteLossError) as e:
+  except (run_config.ConfigError, trainer.NonFiniteLossError, checkpoint.ShapeMismatchError) as e:
     sys.exit(f"error: {e}")
 
 
@@ -96,6 +105,9 @@ def train(config, workdir):
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
   is_main = jax.process_index() == 0
+  # A workdir that holds checkpoints of another model is refused before anything is written.
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
+  check_resumable(ckpt, config, force=_FORCE_RESUME.value)
   if is_main:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -119,17 +131,22 @@ def train(config, workdir):
   logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
                n_params / 1e6, flops_per_token, tokens_per_step)
 
+  # ===== checkpoint and resume =====
+  # The newest complete checkpoint in the workdir, restored into this run's
+  # shardings (which may differ from the saving run's), with the data iterator.
+  target = checkpoint.abstract(state, jax.tree.map(lambda x: x.sharding, state))
+  restored_step, restored = ckpt.restore(target, train_loader)
+  if restored_step is not None:
+    state = restored
+    logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
+  start_step = int(state.step)
+  preemption = checkpoint.PreemptionWatcher()
+
   # ===== step function =====
   first_batch = trainer.to_global(next(train_loader), mesh)
   with metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
-
-  # ===== checkpoint and resume =====
-  # The checkpoint issue restores `state` and `train_loader`'s state from the
-  # latest checkpoint in `workdir` here, and adds a Hook("checkpoint",
-  # config.checkpoint_every, ...) below. The train state is one pytree.
-  start_step = int(state.step)
 
   # ===== hooks and loop =====
   writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
@@ -159,6 +176,9 @@ def train(config, workdir):
       trainer.Hook("nonfinite", 1, trainer.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
       trainer.Hook("log", config.log_every, log),
       trainer.Hook("eval", config.eval_every, evaluate),
+      # Asynchronous: returns once the state is copied to host memory.
+      trainer.Hook("checkpoint", config.checkpoint_every,
+                   lambda step, state, _: ckpt.save(step, state, train_loader, config.to_dict())),
   ]
 
   batch = first_batch
@@ -169,12 +189,38 @@ def train(config, workdir):
       throughput.tick()
       bar.update(1)
       trainer.run_hooks(hooks, step, config.steps, state, step_metrics)
+      if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
+        logging.warning("SIGTERM received: saving step %d and exiting", step)
+        break
       if step < config.steps:
         batch = trainer.to_global(next(train_loader), mesh)
+    final = int(state.step)
+    if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
+      ckpt.save(final, state, train_loader, config.to_dict(), force=True)
   finally:
     bar.close()
     writer.close()
-  logging.info("done: %d steps in %s", config.steps, workdir)
+    ckpt.close()  # waits for saves in flight
+  logging.info("stopped at step %d of %d in %s", int(state.step), config.steps, workdir)
+
+
+def check_resumable(ckpt, config, *, force: bool) -> None:
+  """Refuse to resume a workdir whose checkpoints hold another model (unless forced)."""
+  steps = ckpt.steps()
+  if not steps:
+    return
+  try:
+    saved = ckpt.saved_config(steps[-1])["model"]
+  except Exception:  # a damaged newest step: the restore falls back and checks shapes
+    return
+  runtime = ("compute_dtype", "remat", "chunk_size")  # change no weights
+  ours = Mamba2Config.from_dict(config.model.to_dict()).to_dict()
+  theirs = Mamba2Config.from_dict(saved).to_dict()
+  differ = {k: (theirs[k], ours[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}
+  if differ and not force:
+    raise run_config.ConfigError(
+        f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "
+        f"Use another --workdir, or pass --force_resume to restore them anyway.")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # metrics.jsonl, W&B and progress bar
   c.eval_every = 200  # eval loss on the held-out split
   c.eval_batches = 4  # batches (of batch_size) per evaluation
-  c.checkpoint_every = 1000  # (the checkpoint issue plugs in here)
+  c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)
+  c.checkpoint_keep = 3  # keep the newest k checkpoints (0 = keep all)
 
   # --- the model: Mamba2Config fields under mamba_ssm's names ---
   c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class Checkpointer:
         enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
+    self.last_saved: int | None = None
 
   # -- saving --
 
@@ -75,6 +77,7 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(_grain_item(data_iter)),
         config=ocp.args.JsonSave(config))
+    self.last_saved = step
     return self.manager.save(step, args=args, force=force)
 
   def wait(self) -> None:
@@ -86,6 +89,13 @@ class Checkpointer:
 
   # -- restoring --
 
+  def _set_aside(self, steps: list[int]) -> None:
+    """Rename damaged steps to `<step>.damaged` so the run can save that step again;
+    nothing is deleted. The manager is reopened to forget them."""
+    self.manager.wait_until_finished()
+    _move_aside(self.directory, steps)
+    self.manager.reload()
+
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
@@ -95,7 +105,8 @@ class Checkpointer:
   def check_shapes(self, step: int, abstract_state) -> None:
     """Raise ShapeMismatchError listing every parameter whose shape differs."""
     saved = _shapes(_state_tree(self.manager, step)["params"])
-    wanted = _shapes(abstract_state.params)
+    wanted = _shapes(abstract_state["params"] if isinstance(abstract_state, dict)
+                     else abstract_state.params)
     bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
            if saved.get(k) != v]
     bad += [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
@@ -129,11 +140,26 @@ class Checkpointer:
       if failed:
         log.warning("resuming from step %d instead of the newest step %d, which is damaged",
                     s, failed[0])
+        self._set_aside(failed)
       return s, out["state"]
     if failed:
       raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
                          f"move the directory away to start afresh")
     return None, None
+
+
+def _move_aside(directory: Path, steps: list[int]) -> None:
+  if jax.process_index() != 0:
+    return
+  for s in steps:
+    src = directory / str(s)
+    dst = directory / f"{s}.damaged"
+    n = 1
+    while dst.exists():
+      dst, n = directory / f"{s}.damaged{n}", n + 1
+    if src.exists():
+      src.rename(dst)
+      log.warning("moved the damaged checkpoint %s to %s (kept for inspection, not deleted)", src, dst)
 
 
 def _handlers():
@@ -201,3 +227,24 @@ def find_step_dir(path) -> Path | None:
     if steps:
       return ckdir / str(steps[-1])
   return None
+
+
+class PreemptionWatcher:
+  """SIGTERM (what a TPU VM gets before preemption) sets a flag; `stop_requested`,
+  called at every step boundary, says whether to save and stop. With several
+  processes they agree (any process signalled stops all at the same step)."""
+
+  def __init__(self):
+    self._flag = False
+    signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self._flag = True
+
+  def stop_requested(self) -> bool:
+    if jax.process_count() == 1:
+      return self._flag
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.array(self._flag))
+    return bool(np.any(flags))

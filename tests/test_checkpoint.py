@@ -1,0 +1,193 @@
+"""Checkpointing and resume: kill / SIGTERM / reshard / damaged steps / finetuning,
+each against the uninterrupted run."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--config.model.n_layer=2", "--config.model.d_model=64", "--config.model.headdim=16",
+         "--config.model.d_state=16", "--config.model.chunk_size=16"]
+BASE = ["--config", str(ROOT / "configs" / "tiny.py"), "--config.data.source=synthetic",
+        "--config.seq_len=32", "--config.batch_size=8", "--config.log_every=1",
+        "--config.eval_every=0", "--config.checkpoint_every=2", "--config.checkpoint_keep=3",
+        "--config.wandb.mode=disabled", "--config.steps=6", *MODEL]
+
+
+FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+            "--xla_cpu_use_fusion_emitters=false")
+
+
+def train(workdir, *extra, devices=1, wait=True):
+  # Fast-compiling XLA settings (same numerics within a test: every run uses them).
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}")
+  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(workdir), *BASE, *extra]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  if not wait:
+    return proc
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  return out
+
+
+def losses(workdir) -> dict[int, float]:
+  """step -> loss; a resumed run re-logs steps after its checkpoint with the same values."""
+  rows = [json.loads(l) for l in open(Path(workdir) / "metrics.jsonl")]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def complete_steps(workdir) -> list[int]:
+  d = Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def wait_for_step(proc, workdir, step, timeout=240):
+  t0 = time.time()
+  while step not in complete_steps(workdir):
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert time.time() - t0 < timeout, "no checkpoint appeared"
+    time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("ref")
+  train(workdir)
+  return workdir
+
+
+def test_uninterrupted_run_saves_keep_last_k(reference):
+  assert complete_steps(reference) == [2, 4, 6]
+  assert sorted(losses(reference)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigkill_and_restart_gives_identical_losses(reference, tmp_path):
+  proc = train(tmp_path, wait=False)
+  wait_for_step(proc, tmp_path, 2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  killed_at = max(complete_steps(tmp_path))
+  assert killed_at < 6
+  out = train(tmp_path)
+  assert f"resumed from" in out and f"at step {killed_at}" in out
+  assert losses(tmp_path) == losses(reference)  # bit for bit
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes(reference, tmp_path):
+  proc = train(tmp_path, "--config.checkpoint_every=0", wait=False)
+  # No periodic saves: wait for a logged step, then preempt.
+  t0 = time.time()
+  while not (tmp_path / "metrics.jsonl").exists() or not losses(tmp_path):
+    assert proc.poll() is None and time.time() - t0 < 240
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-2000:]
+  assert "SIGTERM received" in out
+  saved = complete_steps(tmp_path)
+  assert len(saved) == 1 and saved[0] == max(losses(tmp_path)) < 6
+  train(tmp_path, "--config.checkpoint_every=0")
+  assert losses(tmp_path) == losses(reference)
+
+
+def test_reshard_restore_onto_fewer_devices(tmp_path):
+  """Save on 8 devices (data=2 x fsdp=4), continue on 4 and on 1."""
+  src = tmp_path / "eight"
+  train(src, "--config.mesh.data=2", "--config.mesh.fsdp=4", devices=8)
+  full = losses(src)
+  for devices, mesh in ((4, ["--config.mesh.data=1", "--config.mesh.fsdp=4"]),
+                        (1, ["--config.mesh.data=1", "--config.mesh.fsdp=1"])):
+    dst = tmp_path / f"on{devices}"
+    shutil.copytree(src, dst)
+    for s in (4, 6):  # resume from step 2
+      os.rename(dst / "checkpoints" / str(s), dst / "checkpoints" / f"{s}.later")
+    (dst / "metrics.jsonl").unlink()
+    out = train(dst, *mesh, devices=devices)
+    assert "at step 2" in out
+    got = losses(dst)
+    assert sorted(got) == [3, 4, 5, 6]
+    for step in got:
+      assert abs(got[step] - full[step]) <= 1e-5 * abs(full[step]), (devices, step)
+
+
+def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, caplog):
+  from mamba_train import checkpoint
+  from mamba_train.synthetic_data import SyntheticLoader
+  work = tmp_path / "w"
+  shutil.copytree(reference, work)
+  for f in (work / "checkpoints" / "6" / "state").rglob("*"):
+    if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name:
+      f.write_bytes(b"\0" * 7)  # damage the array data, keep the layout
+  ck = checkpoint.Checkpointer(work, keep=3)
+  meta = ck.manager.item_metadata(4)["state"]
+  tree = meta.tree if hasattr(meta, "tree") else meta
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree,
+                        is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  loader = SyntheticLoader(vocab_size=257, seq_len=32, global_batch_size=8, seed=0)
+  with caplog.at_level(logging.WARNING):
+    step, state = ck.restore(target, loader)
+  assert step == 4 and int(state["step"]) == 4
+  assert loader.index == 4  # the data iterator is where it was at step 4
+  text = caplog.text
+  assert "step 6" in text and "resuming from step 4 instead of the newest step 6" in text
+  assert (work / "checkpoints" / "6.damaged").exists()  # moved aside, not deleted
+  ck.close()
+  # train.py then continues from 4 and reproduces the uninterrupted losses.
+  train(work)
+  assert losses(work) == losses(reference)
+
+
+def test_shape_mismatch_and_other_model_are_refused(reference, tmp_path):
+  work = tmp_path / "w"
+  shutil.copytree(reference, work)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
+  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(work), *BASE,
+         "--config.model.d_state=32", "--config.steps=8"]
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0
+  assert "holds checkpoints of another model" in r.stderr and "d_state" in r.stderr
+  assert "--force_resume" in r.stderr
+  r = subprocess.run(cmd + ["--force_resume"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode != 0
+  assert "does not fit the model config" in r.stderr and "in_proj_bc" in r.stderr
+  assert complete_steps(work) == [2, 4, 6]  # nothing deleted
+
+
+def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
+  from mamba_train import load_model
+  # lr 0: the finetuned parameters must be exactly those it started from.
+  out = train(tmp_path / "ft", f"--config.init_from={reference}", "--config.optim.lr=0.0",
+              "--config.steps=2", "--config.seq_len=16")
+  assert "resumed" not in out
+  assert sorted(losses(tmp_path / "ft")) == [1, 2]  # a fresh run: step 0, own workdir
+  a, b = load_model(reference).params(), load_model(tmp_path / "ft").params()
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+  import torch
+  from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
+  torch.manual_seed(0)
+  hf = Mamba2ForCausalLM(HFConfig(hidden_size=64, num_heads=8, head_dim=16, n_groups=1,
+                                  state_size=16, chunk_size=16, vocab_size=257,
+                                  num_hidden_layers=2, tie_word_embeddings=True))
+  hf.save_pretrained(tmp_path / "hf")
+  train(tmp_path / "ft_hf", f"--config.init_from={tmp_path / 'hf'}", "--config.optim.lr=0.0",
+        "--config.steps=1")
+  a, b = load_model(tmp_path / "hf").params(), load_model(tmp_path / "ft_hf").params()
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
