@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 
 import jax
@@ -46,7 +47,7 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds of silence after which a process counts as dead and the job stops.")
 
 
-def make_loaders(config, model_cfg):
+def make_loaders(config, model_cfg, workdir=None):
   """(train iterator, factory of eval-batch iterators), both yielding this process's rows."""
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
@@ -58,6 +59,9 @@ def make_loaders(config, model_cfg):
     return train, held_out
   data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
   data.validate_for_model(data.read_metadata(data_dir), model_cfg.vocab_size)
+  tokenizer = os.path.join(data_dir, "tokenizer.json")
+  if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
+    shutil.copy(tokenizer, os.path.join(workdir, "tokenizer.json"))  # exports ship it
   train = data.make_train_loader(data_dir, seed=config.seed, **kw)
   held_out = lambda: data.make_eval_loader(data_dir, num_batches=config.eval_batches, **kw)
   return train, held_out
@@ -118,7 +122,7 @@ def train(config, workdir):
   logging.info("mesh %s over %d %s devices", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
 
   # ===== data =====
-  train_loader, held_out = make_loaders(config, model_cfg)
+  train_loader, held_out = make_loaders(config, model_cfg, workdir)
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
