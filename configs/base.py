@@ -49,6 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="synthetic",  # synthetic (a learnable Markov stream, no files) | corpus
       dir="",  # corpus directory ('' = the default byte-level corpus, built offline if absent)
+      use_seq_idx=True,  # keep packed documents apart: no state passes between them
   ))
 
   # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---

@@ -126,13 +126,14 @@ def init_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation,
 # Loss and steps.
 
 
-def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config):
+def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, use_seq_idx: bool = True):
   """Cross entropy in float32, summed over unmasked tokens, and their count.
 
   Returning sums, not a mean, lets micro-batches add up to exactly the big batch.
+  With use_seq_idx, no state passes between the documents packed in a row.
   """
   model = Mamba2LM.from_params(cfg, params)
-  h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"])
+  h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
   logits = model.logits(h)  # (b, l, vocab) float32
   logz = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, batch["targets"][..., None].astype(jnp.int32), -1)[..., 0]
@@ -154,7 +155,7 @@ def _split_micro(batch, k: int, mesh: Mesh):
 
 def make_train_step(cfg: Mamba2Config, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh, *, grad_accum: int = 1,
-                    rules=sharding.DEFAULT_RULES) -> Callable:
+                    rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True) -> Callable:
   """`step(state, batch) -> (state, metrics)`: one jax.jit with explicit
   shardings; the incoming state is donated.
 
@@ -169,7 +170,7 @@ def make_train_step(cfg: Mamba2Config, optimizer: optax.GradientTransformation,
   replicated = NamedSharding(mesh, P())
 
   def sums_and_grads(params, mb):
-    loss = lambda p: loss_sums(p, mb, cfg)
+    loss = lambda p: loss_sums(p, mb, cfg, use_seq_idx)
     (loss_sum, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return loss_sum, count, grads
 
@@ -210,14 +211,15 @@ def make_train_step(cfg: Mamba2Config, optimizer: optax.GradientTransformation,
                  donate_argnums=(0,))
 
 
-def make_eval_step(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES) -> Callable:
+def make_eval_step(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES,
+                   use_seq_idx: bool = True) -> Callable:
   """`eval_step(params, batch) -> (loss_sum, token_count)`, jitted with the params' shardings."""
   p_sh = param_shardings(cfg, mesh, rules)
   b_sh = {k: batch_sharding(mesh) for k in BATCH_KEYS}
 
   def step(params, batch):
     with sharding.use_rules(mesh, rules):
-      return loss_sums(params, batch, cfg)
+      return loss_sums(params, batch, cfg, use_seq_idx)
 
   return jax.jit(step, in_shardings=(p_sh, b_sh), out_shardings=NamedSharding(mesh, P()))
 
@@ -341,5 +343,8 @@ def build(config, mesh: Mesh, *, params=None) -> Built:
   model_cfg = model_config(config)
   optimizer, schedule = make_optimizer(config.optim, config.steps)
   state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params)
-  train_step = make_train_step(model_cfg, optimizer, schedule, mesh, grad_accum=config.optim.grad_accum)
-  return Built(model_cfg, optimizer, schedule, state, train_step, make_eval_step(model_cfg, mesh))
+  docs = bool(config.data.use_seq_idx)
+  train_step = make_train_step(model_cfg, optimizer, schedule, mesh, grad_accum=config.optim.grad_accum,
+                               use_seq_idx=docs)
+  return Built(model_cfg, optimizer, schedule, state, train_step,
+               make_eval_step(model_cfg, mesh, use_seq_idx=docs))
