@@ -129,11 +129,20 @@ def abstract_batch(batch_size: int, seq_len: int, mesh):
           "loss_mask": spec(jnp.float32)}
 
 
-def _advice(config, mem: dict | None, hbm: float) -> str:
+def state_bytes_per_device(state) -> int:
+  """Bytes of one device's shards of an abstract (sharded) state."""
+  total = 0
+  for leaf in jax.tree.leaves(state):
+    shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _advice(config, state_bytes: int, hbm: float) -> str:
   """What to change, from where the bytes are: the state (arguments) or the activations."""
   tips = []
-  if mem is not None and mem["argument_bytes"] > 0.5 * hbm:
-    tips.append(f"the train state alone takes {mem['argument_bytes'] / GIB:.1f} GiB per device: shard it "
+  if state_bytes > 0.5 * hbm:
+    tips.append(f"the train state alone takes {state_bytes / GIB:.1f} GiB per device: shard it "
                 f"over more devices with --config.mesh.fsdp=-1 --config.mesh.data=1 (now "
                 f"{dict(config.mesh)}), or use a larger slice")
   tips.append(f"lower the per-device batch: --config.batch_size (now {config.batch_size}) or "
@@ -163,10 +172,12 @@ def compile_train_step(config, topology: str) -> dict:
   step = trainer.make_train_step(model_cfg, optimizer, schedule, mesh, grad_accum=config.optim.grad_accum)
   state = abstract_train_state(model_cfg, optimizer, trainer.state_shardings(model_cfg, optimizer, mesh))
   batch = abstract_batch(config.batch_size, config.seq_len, mesh)
+  state_bytes = state_bytes_per_device(state)
+  report_state = {"state_bytes_per_device": state_bytes}
 
   report = {"topology": topo, "chip": chip.name, "devices": len(devices), "mesh": dict(mesh.shape),
             "model": model_cfg.to_dict(), "batch_size": config.batch_size, "seq_len": config.seq_len,
-            "grad_accum": config.optim.grad_accum, "hbm_bytes_per_device": hbm}
+            "grad_accum": config.optim.grad_accum, "hbm_bytes_per_device": hbm, **report_state}
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   report["lower_s"] = time.perf_counter() - t0
@@ -179,7 +190,7 @@ def compile_train_step(config, topology: str) -> dict:
       first = msg.strip().splitlines()[0][:400]
       raise DoesNotFit(f"XLA could not fit the train step on {topo} ({chip.name}, "
                        f"{hbm / GIB:.0f} GiB HBM per device): {first}\nTo fit: "
-                       f"{_advice(config, None, hbm)}") from None
+                       f"{_advice(config, state_bytes, hbm)}") from None
     raise
   report["compile_s"] = time.perf_counter() - t0
   mem = roofline.compiled_memory(compiled)
@@ -200,7 +211,7 @@ def compile_train_step(config, topology: str) -> dict:
                      f"(state {mem['argument_bytes'] / GIB:.2f} GiB + scratch {mem['temp_bytes'] / GIB:.2f} GiB"
                      f" + outputs {mem['output_bytes'] / GIB:.2f} GiB - donated {mem['alias_bytes'] / GIB:.2f} GiB)"
                      f" but a {chip.name} device has {hbm / GIB:.0f} GiB of HBM.\nTo fit: "
-                     f"{_advice(config, mem, hbm)}")
+                     f"{_advice(config, state_bytes, hbm)}")
   return report
 
 

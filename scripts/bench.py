@@ -657,8 +657,14 @@ def markdown(results) -> str:
   out = [f"# mamba_train benchmarks", "",
          f"{results['date']} · {results['machine']} · jax {jax.__version__} · "
          f"command: `{results['command']}`", ""]
+  for p in results.get("parts", []):
+    rfp = p.get("roofline") or {}
+    out.append(f"- `{p['command']}` ({p['date']}, {p.get('seconds') or 0:.0f} s): matmul "
+               f"{rfp.get('matmul_flops', 0) / 1e9:.0f} GFLOP/s, copy {rfp.get('copy_bytes_per_s', 0) / 1e9:.1f} GB/s")
+  if results.get("parts"):
+    out += ["", "MFU and bandwidth figures of each row use the roofline measured in its own run.", ""]
   rf = results.get("roofline")
-  if rf:
+  if rf and not results.get("parts"):
     out += ["## Roofline of this device (measured in the same run)", "",
             "| measure | value |", "|---|---|"]
     for k, v in rf.items():
@@ -760,7 +766,9 @@ def plots(results, out_dir):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-  ap.add_argument("what", choices=["ssd", "forward", "train", "decode", "compile", "memory", "loader", "all"])
+  ap.add_argument("what", choices=["ssd", "forward", "train", "decode", "compile", "memory", "loader", "all",
+                                   "report"], help="report: merge the results.json of --inputs into --out")
+  ap.add_argument("--inputs", default="", help="report: comma-separated directories of earlier runs")
   ap.add_argument("--config", default=None, help="model size(s), comma separated: tiny,130m,... "
                   "(default: tiny; 'all' runs tiny,130m)")
   ap.add_argument("--batch", type=int, default=None)
@@ -798,6 +806,12 @@ def main(argv=None):
              "command": "python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
              "rows": []}
   what = args.what
+  if what == "report":
+    parts = [json.load(open(os.path.join(d, "results.json"))) for d in args.inputs.split(",") if d]
+    results["rows"] = [r for p in parts for r in p["rows"]]
+    results["roofline"] = parts[0].get("roofline") if parts else None
+    results["parts"] = [{"command": p["command"], "date": p["date"], "roofline": p.get("roofline"),
+                         "seconds": p.get("seconds")} for p in parts]
   t0 = time.perf_counter()
   if what in ("ssd", "all"):
     bench_ssd(args, results)
