@@ -6,7 +6,7 @@
 #
 #   scripts/launch_tpu_pod.sh --dry-run ... -- ...    # print the gcloud commands, run nothing
 #   scripts/launch_tpu_pod.sh --name mamba-v5p --zone us-east5-a --logs   # re-attach to the logs
-#   scripts/launch_tpu_pod.sh --name mamba-v5p --zone us-east5-a --stop   # end the run
+#   scripts/launch_tpu_pod.sh --name mamba-v5p --zone us-east5-a --stop   # save and stop
 #
 # What it does:
 #   1. reuses the TPU VM slice --name, or creates it (--accelerator, --version, --spot);
@@ -37,7 +37,8 @@
 #   --run NAME           run name: workdir /mnt/gcs/B[/P]/runs/NAME [RUN_NAME] (default: date-time)
 #   --skip-install       the workers already hold this tree and its venv
 #   --logs               only stream worker 0's log of the current run
-#   --stop               only stop train.py on every worker
+#   --stop               only stop the run: SIGTERM to train.py on every worker, which
+#                        saves a checkpoint at the next step and exits (as on preemption)
 #   --dry-run            print every gcloud command instead of running it
 #   -- ARGS...           passed to train.py as they are (config and overrides)
 #
@@ -114,7 +115,7 @@ stream_logs() {
 
 if [[ $mode == logs ]]; then stream_logs; exit; fi
 if [[ $mode == stop ]]; then
-  on_all_workers "[ -f $pid_file ] && kill -INT \$(cat $pid_file) 2>/dev/null; rm -f $pid_file; true"
+  on_all_workers "[ -f $pid_file ] && kill -TERM \$(cat $pid_file) 2>/dev/null; rm -f $pid_file; true"
   exit
 fi
 
