@@ -8,6 +8,7 @@ inside each), so they also check that layout end to end.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -204,7 +205,8 @@ def test_killed_process_stops_the_job(tmp_path):
   assert code != 0
   assert time.monotonic() - killed < heartbeat + 30
   text = log0.read_text()
-  assert "another task died" in text or "Connection closed by peer" in text, text[-3000:]
+  # The heartbeat monitor's message, or a collective's whose peer is gone (gloo on CPU).
+  assert re.search(r"another task died|Gloo .* failed", text), text[-3000:]
 
 
 def test_missing_peer_times_out_with_a_message(tmp_path):
