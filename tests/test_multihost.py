@@ -183,28 +183,30 @@ def test_each_process_reads_its_own_rows(tmp_path):
     np.testing.assert_array_equal(p1["glob"][step], expected)
 
 
-def test_killed_process_stops_the_job(tmp_path):
-  """Process 1 dies once both have joined; process 0 must stop within the heartbeat
+@pytest.mark.parametrize("killed", [1, 0])  # 0 also hosts the coordination service
+def test_killed_process_stops_the_job(tmp_path, killed):
+  """One process dies once both have joined; the other must stop within the heartbeat
   timeout with the runtime's message, not wait for it forever."""
   heartbeat = 3
   args = [os.path.join(ROOT, "train.py"), *SMALL, *TWO_HOST_MESH, "--config.steps=100000",
           "--workdir", str(tmp_path / "run"), f"--heartbeat_timeout={heartbeat}", "--init_timeout=60"]
-  p0, p1 = _start_two(args, _free_port(), tmp_path, "p")
+  procs = _start_two(args, _free_port(), tmp_path, "p")
+  victim, survivor = procs[killed], procs[1 - killed]
   log0 = tmp_path / "p0.log"
   try:
     deadline = time.monotonic() + 120
-    while "process 0 of 2" not in log0.read_text():
-      assert p0.poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+    while "process 0 of 2" not in log0.read_text():  # logged once both have joined
+      assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
       time.sleep(0.2)
-    p1.kill()
-    p1.wait()
-    killed = time.monotonic()
-    code = p0.wait(timeout=heartbeat + 30)
+    victim.kill()
+    victim.wait()
+    killed_at = time.monotonic()
+    code = survivor.wait(timeout=heartbeat + 30)
   finally:
-    _wait([p0, p1], timeout=1)
+    _wait(procs, timeout=1)
   assert code != 0
-  assert time.monotonic() - killed < heartbeat + 30
-  text = log0.read_text()
+  assert time.monotonic() - killed_at < heartbeat + 30
+  text = (tmp_path / f"p{1 - killed}.log").read_text()
   # The heartbeat monitor's message, or a collective's whose peer is gone (gloo on CPU).
   assert re.search(r"another task died|Gloo .* failed", text), text[-3000:]
 
