@@ -162,9 +162,32 @@ def _move_aside(directory: Path, steps: list[int]) -> None:
       log.warning("moved the damaged checkpoint %s to %s (kept for inspection, not deleted)", src, dst)
 
 
+class _DataHandler(grain.checkpoint.CheckpointHandler):
+  """Grain's handler, which names each process's file `process_<i>-of-<n>.json`,
+  plus a restore onto another process count. That is exact for our loaders: their
+  state counts global batches (every process reads its rows of the same global
+  batch), so every process's saved state is the same."""
+
+  def restore(self, directory, item=None, args=None):
+    item = item or args.item
+    i, n = jax.process_index(), jax.process_count()
+    if (Path(directory) / f"process_{i}-of-{n}.json").exists():
+      return super().restore(directory, item=item, args=args)
+    saved = sorted(Path(directory).glob("process_*-of-*.json"))
+    if not saved:
+      raise ValueError(f"{directory} holds no data iterator state")
+    log.warning("the data iterator was saved by %s processes, restoring on %d: using %s",
+                saved[0].name.split("-of-")[1].split(".")[0], n, saved[0].name)
+    state = saved[0].read_text()
+    item.set_state(json.loads(state) if isinstance(item, grain.DatasetIterator) else state.encode())
+    if hasattr(item, "start_prefetch"):
+      item.start_prefetch()
+    return item
+
+
 def _handlers():
   # Named explicitly so that a fresh process can read metadata before restoring.
-  return {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+  return {"state": ocp.StandardCheckpointHandler(), "data": _DataHandler(),
           "config": ocp.JsonCheckpointHandler()}
 
 
