@@ -105,21 +105,18 @@ def test_only_process_0_reports(runs):
   assert json.loads((tmp / "two" / "config.json").read_text())["mesh"]["dcn_data"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "checkpoint.py restores the data iterator from data/process_<i>-of-<n>.json, which a run "
-    "with another process count lacks (process_0-of-1.json); the loader state is the same "
-    "for every process, so any one file would do"))
 def test_two_process_checkpoint_resumes_in_one_process(runs):
   """The two-process run's step-2 checkpoint (its step-4 one removed, as if it had died
-  at step 3) resumes in one process on two devices: steps 3 and 4 match."""
+  at step 3) resumes in one process with four devices: steps 3 and 4 match the
+  one-process run. (Same mesh as that run, so its compiled step is in the cache.)"""
   tmp, _ = runs
   work = tmp / "resumed"
   shutil.copytree(tmp / "two", work)
   assert (work / "checkpoints" / "2").is_dir()
   shutil.rmtree(work / "checkpoints" / str(STEPS))
-  args = [os.path.join(ROOT, "train.py"), *SMALL, "--config.mesh.data=1", "--config.mesh.fsdp=2",
-          "--config.checkpoint_every=0", "--workdir", str(work)]
-  proc = _start(args, 2, tmp / "resumed.log")
+  args = [os.path.join(ROOT, "train.py"), *SMALL, *ONE_HOST_MESH, "--config.checkpoint_every=0",
+          "--workdir", str(work)]
+  proc = _start(args, 4, tmp / "resumed.log")
   code = _wait([proc], timeout=300)[0]
   text = (tmp / "resumed.log").read_text()
   assert code == 0, text[-3000:]
