@@ -36,11 +36,14 @@ class DistributedInitError(RuntimeError):
 def detect_cluster() -> tuple[str, int | None] | None:
   """(name, process count or None if unknown) of the cluster environment JAX
   would detect here, or None outside one. Uses JAX's own detectors."""
-  try:
-    from jax._src import clusters  # the detectors behind jax.distributed.initialize()
-  except ImportError:  # a JAX without them: explicit flags still work
+  try:  # private API: the detectors behind jax.distributed.initialize(), in JAX's order
+    from jax._src import clusters
+    detectors = list(clusters.ClusterEnv._cluster_types)  # noqa: SLF001
+  except (ImportError, AttributeError):  # a JAX that moved them: explicit flags still work
+    log.warning("this JAX has no cluster detectors where expected; pass --coordinator_address, "
+                "--num_processes and --process_id for a multi-process run")
     return None
-  for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 - JAX's detection order
+  for env in detectors:
     if getattr(env, "opt_in_only_method", False):  # mpi4py: only when asked for
       continue
     try:
