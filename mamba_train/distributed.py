@@ -29,6 +29,7 @@ import jax
 
 log = logging.getLogger(__name__)
 
+
 class DistributedInitError(RuntimeError):
   """The processes of a job could not be joined."""
 
@@ -88,15 +89,14 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   explicit = [bool(coordinator_address), num_processes > 0, process_id >= 0]
   if num_processes == 1:
     return False
-  if any(explicit) and not all(explicit):
-    if not detect_cluster():
+  if not all(explicit):
+    cluster = detect_cluster()
+    if cluster is None and any(explicit):
       raise DistributedInitError(
           "a multi-process run outside SLURM, Open MPI or a TPU pod needs all of "
           "--coordinator_address, --num_processes and --process_id; got "
           f"coordinator_address={coordinator_address!r}, num_processes={num_processes}, "
           f"process_id={process_id}")
-  if not all(explicit):
-    cluster = detect_cluster()
     if cluster is None or cluster[1] == 1:
       return False
     log.info("joining a %s job of %s processes", cluster[0], cluster[1] or "?")
@@ -117,8 +117,8 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   rank = "?" if kwargs.get("process_id") is None else kwargs["process_id"]
   # Logged before joining: a failed join aborts the process from C++ (DEADLINE_EXCEEDED).
   log.info("process %s: joining the job at coordinator %s; waiting up to %d s for all %s "
-              "processes, after which a missing one ends the job. %s", rank, where, init_timeout,
-              kwargs.get("num_processes") or "the cluster's", hint)
+           "processes, after which a missing one ends the job. %s", rank, where, init_timeout,
+           kwargs.get("num_processes") or "the cluster's", hint)
   try:
     jax.distributed.initialize(**kwargs)
   except Exception as e:  # noqa: BLE001 - JAX raises plain errors for bad arguments
