@@ -273,3 +273,18 @@ def test_initialize_single_process_and_partial_flags(monkeypatch):
   assert distributed.initialize(num_processes=1) is False
   with pytest.raises(distributed.DistributedInitError, match="needs all of"):
     distributed.initialize(num_processes=2)
+
+
+def test_cluster_detection_reads_slurm(monkeypatch):
+  """JAX's SLURM detector, through ours: a 4-task step is a job to join, a 1-task one is not."""
+  from mamba_train import distributed
+  for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_"))]:
+    monkeypatch.delenv(key)
+  assert distributed.detect_cluster() is None
+  slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4",
+           "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
+  for key, value in slurm.items():
+    monkeypatch.setenv(key, value)
+  assert distributed.detect_cluster() == ("slurm", 4)
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert distributed.initialize() is False  # one task: nothing to join, JAX untouched
