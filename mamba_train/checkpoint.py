@@ -125,9 +125,15 @@ class Checkpointer:
     for s in candidates:
       try:
         self.check_shapes(s, abstract_state)
-        out = self.manager.restore(s, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(_grain_item(data_iter))))
+        item = _grain_item(data_iter)
+        data_dir = self.directory / str(s) / "data"
+        mine = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        args = dict(state=ocp.args.StandardRestore(abstract_state))
+        if mine.exists():
+          args["data"] = grain.checkpoint.CheckpointRestore(item)
+        out = self.manager.restore(s, args=ocp.args.Composite(**args))
+        if not mine.exists():
+          _restore_data_from_other_process_count(data_dir, item)
       except ShapeMismatchError:
         raise
       except Exception as e:  # a damaged or partial step: fall back to the previous one
@@ -162,32 +168,24 @@ def _move_aside(directory: Path, steps: list[int]) -> None:
       log.warning("moved the damaged checkpoint %s to %s (kept for inspection, not deleted)", src, dst)
 
 
-class _DataHandler(grain.checkpoint.CheckpointHandler):
-  """Grain's handler, which names each process's file `process_<i>-of-<n>.json`,
-  plus a restore onto another process count. That is exact for our loaders: their
-  state counts global batches (every process reads its rows of the same global
-  batch), so every process's saved state is the same."""
-
-  def restore(self, directory, item=None, args=None):
-    item = item or args.item
-    i, n = jax.process_index(), jax.process_count()
-    if (Path(directory) / f"process_{i}-of-{n}.json").exists():
-      return super().restore(directory, item=item, args=args)
-    saved = sorted(Path(directory).glob("process_*-of-*.json"))
-    if not saved:
-      raise ValueError(f"{directory} holds no data iterator state")
-    log.warning("the data iterator was saved by %s processes, restoring on %d: using %s",
-                saved[0].name.split("-of-")[1].split(".")[0], n, saved[0].name)
-    state = saved[0].read_text()
-    item.set_state(json.loads(state) if isinstance(item, grain.DatasetIterator) else state.encode())
-    if hasattr(item, "start_prefetch"):
-      item.start_prefetch()
-    return item
+def _restore_data_from_other_process_count(directory: Path, data_iter) -> None:
+  """Grain names each process's iterator file `process_<i>-of-<n>.json`, so a run
+  on another process count finds none of its own. That restore is exact for our
+  loaders: their state counts global batches (every process reads its rows of the
+  same global batch), so every process saved the same state."""
+  saved = sorted(directory.glob("process_*-of-*.json"))
+  if not saved:
+    raise ValueError(f"{directory} holds no data iterator state")
+  log.warning("the data iterator was saved by another process count; restoring %s on %d processes",
+              saved[0].name, jax.process_count())
+  state = saved[0].read_text()
+  data_iter.set_state(json.loads(state) if isinstance(data_iter, grain.DatasetIterator)
+                      else state.encode())
 
 
 def _handlers():
   # Named explicitly so that a fresh process can read metadata before restoring.
-  return {"state": ocp.StandardCheckpointHandler(), "data": _DataHandler(),
+  return {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
           "config": ocp.JsonCheckpointHandler()}
 
 
