@@ -126,16 +126,22 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
   decay = jnp.exp(segsum(a))  # (b, c, g, r, t, s), float32, zero above the diagonal
   if seq_idx is not None:
     decay = jnp.where(same[:, :, None, None], decay, 0.0)
+  # dt_s scales x (l*h*p values) rather than the (t, s) matrices (l*Q*h values),
+  # and the scaled x feeds step 2 too.
   cb = jnp.einsum("bctgn,bcsgn->bcgts", Cc, Bc, preferred_element_type=f32)
-  m = (cb[:, :, :, None] * decay * dt_s[..., None, :]).astype(cdt)
-  y = jnp.einsum("bcgrts,bcsgrp->bctgrp", m, xc, preferred_element_type=f32)
+  m = (cb[:, :, :, None] * decay).astype(cdt)
+  xdt = xc.astype(f32) * jnp.moveaxis(dt_s, -1, 2)[..., None]  # (b, c, s, g, r, p) float32
+  y = jnp.einsum("bcgrts,bcsgrp->bctgrp", m, xdt.astype(cdt), preferred_element_type=f32)
 
   # 2. State of each chunk at its end, from its own inputs (right low-rank factor).
-  decay_to_end = jnp.exp(_suffix_sum(a)) * dt_s  # (b, c, g, r, s)
+  #    The decay scales dt*x, not B: B is shared by the r heads of a group, so the
+  #    contraction over s stays one (r*p, s) x (s, n) product per group and no
+  #    per-head (s, n) copy of B is materialised.
+  decay_to_end = jnp.exp(_suffix_sum(a))  # (b, c, g, r, s)
   if seq_idx is not None:
     decay_to_end = jnp.where((sq == sq[:, :, -1:])[:, :, None, None], decay_to_end, 0.0)
-  bx = jnp.einsum("bcgrs,bcsgn->bcgrsn", decay_to_end, Bc.astype(f32)).astype(cdt)
-  states = jnp.einsum("bcgrsn,bcsgrp->bcgrpn", bx, xc, preferred_element_type=f32)
+  xw = (xdt * jnp.moveaxis(decay_to_end, -1, 2)[..., None]).astype(cdt)  # (b, c, s, g, r, p)
+  states = jnp.einsum("bcsgrp,bcsgn->bcgrpn", xw, Bc, preferred_element_type=f32)
 
   # 3. State passing between chunks (the only sequential part, done as a c x c
   #    masked product since c is small): H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}.
