@@ -1,6 +1,10 @@
 """The model against transformers' PyTorch Mamba2ForCausalLM on identical random weights."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +72,7 @@ def test_logits_match_transformers_small(tmp_path, name):
   assert rel(got, ref) < 1e-5
 
 
-def test_logits_match_transformers_130m(tmp_path):
-  """The released 130m shape with its chunk of 256: several chunks and a ragged tail."""
+def parity_130m(tmp_path) -> float:
   kw = dict(hidden_size=768, num_heads=24, head_dim=64, n_groups=1, state_size=128,
             chunk_size=256, vocab_size=50288, num_hidden_layers=24)
   ref_model = hf_model(tmp_path, spread=False, **kw)
@@ -79,7 +82,21 @@ def test_logits_match_transformers_130m(tmp_path):
   with torch.no_grad():
     ref = ref_model(ids).logits.numpy()
   got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
-  assert rel(got, ref) < 1e-4
+  return rel(got, ref)
+
+
+def test_logits_match_transformers_130m(tmp_path):
+  """The released 130m shape with its chunk of 256: two chunks, the second ragged.
+
+  Run in a subprocess with XLA's default flags: the suite's fast-compile flags
+  (conftest.py) leave less accurate code (1.1e-4 here against 6e-5 for
+  transformers' own float32 path, both measured against its float64 run)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  r = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  err = float(r.stdout.strip().splitlines()[-1])
+  assert err < 1e-4
 
 
 def test_time_step_limit_infinity_is_read(tmp_path):
@@ -96,3 +113,7 @@ def test_public_api():
   model = mamba_train.Mamba2LM(cfg, rngs=__import__("flax").nnx.Rngs(0))
   out = model(jnp.zeros((1, 7), jnp.int32))
   assert out.shape == (1, 7, 50) and out.dtype == jnp.float32
+
+
+if __name__ == "__main__":
+  print(parity_130m(Path(sys.argv[1])))
