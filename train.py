@@ -107,6 +107,10 @@ def train(config, workdir):
                                  process_count=jax.process_count(), reference=base.get_config())
   model_cfg = resolved["model"]
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  if not workdir and jax.process_count() > 1:
+    # Each process would stamp its own time: they must share one directory.
+    raise run_config.ConfigError("--workdir is required when the job spans several processes "
+                                 "(a directory every process can reach, e.g. a GCS bucket)")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
   is_main = jax.process_index() == 0
   # A workdir that holds checkpoints of another model is refused before anything is written.
