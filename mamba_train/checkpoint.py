@@ -107,9 +107,7 @@ class Checkpointer:
     saved = _shapes(_state_tree(self.manager, step)["params"])
     wanted = _shapes(abstract_state["params"] if isinstance(abstract_state, dict)
                      else abstract_state.params)
-    bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
-           if saved.get(k) != v]
-    bad += [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
+    bad = _shape_problems(saved, wanted)
     if bad:
       raise ShapeMismatchError(
           f"checkpoint step {step} in {self.directory} does not fit the model config: "
@@ -194,6 +192,13 @@ def _state_tree(manager, step) -> dict:
   return meta.tree if hasattr(meta, "tree") else meta
 
 
+def _shape_problems(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
+  """Every parameter whose saved shape differs from the config's, or that only one side has."""
+  bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
+         if saved.get(k) != v]
+  return bad + [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
+
+
 def _shapes(tree) -> dict[str, tuple]:
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
   return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(v.shape)
@@ -216,9 +221,7 @@ def restore_params(path, abstract_params=None) -> Any:
     tree = _state_tree(mgr, int(path.name))
     if abstract_params is not None:
       saved, wanted = _shapes(tree["params"]), _shapes(abstract_params)
-      bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
-             if saved.get(k) != v]
-      bad += [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
+      bad = _shape_problems(saved, wanted)
       if bad:
         raise ShapeMismatchError(f"{path} does not fit the model config: " + "; ".join(bad))
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

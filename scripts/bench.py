@@ -125,6 +125,16 @@ def have_mamba2_jax():
     return False
 
 
+def _speed_row(kind, impl, size, batch, l, cfg, dtype, sec, flops_per_token, rf, info=None):
+  """One forward/train table row (tokens/s and MFU against this run's roofline), logged."""
+  tps = batch * l / sec
+  row = {"bench": kind, "impl": impl, "config": size, "batch": batch, "seq_len": l,
+         "chunk": cfg.chunk_size, "dtype": dtype, "tokens_per_s": tps,
+         "mfu": roofline.mfu(tps, flops_per_token, rf["matmul_flops"]), **(info or {})}
+  log(f"  {kind} {size} {batch}x{l} {impl:10s}: {tps:9.0f} tok/s  MFU {100 * row['mfu']:.0f}%"
+      + (f"  compile {info['compile_s']:.1f}s" if info else ""))
+  return row
+
 def peers_available(args) -> list[str]:
   if not args.compare:
     return []
@@ -301,13 +311,7 @@ def bench_forward(args, results, size, lengths, batch):
     fl = metrics.forward_flops_per_token(cfg, l)
 
     def add(impl, sec, info=None):
-      tps = batch * l / sec
-      row = {"bench": "forward", "impl": impl, "config": size, "batch": batch, "seq_len": l,
-             "chunk": cfg.chunk_size, "dtype": args.dtype, "tokens_per_s": tps,
-             "mfu": roofline.mfu(tps, fl, rf["matmul_flops"]), **(info or {})}
-      rows.append(row)
-      log(f"  forward {size} {batch}x{l} {impl:10s}: {tps:9.0f} tok/s  MFU {100 * row['mfu']:.0f}%"
-          + (f"  compile {info['compile_s']:.1f}s" if info else ""))
+      rows.append(_speed_row("forward", impl, size, batch, l, cfg, args.dtype, sec, fl, rf, info))
 
     graphdef, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     fwd = jax.jit(lambda params, ids: nnx.merge(graphdef, params)(ids))
@@ -366,13 +370,7 @@ def bench_train(args, results, size, lengths, batch):
     data = jax.device_put(_batch(cfg, batch, l), trainer.batch_sharding(mesh))
 
     def add(impl, sec, info=None):
-      tps = batch * l / sec
-      row = {"bench": "train", "impl": impl, "config": size, "batch": batch, "seq_len": l,
-             "chunk": cfg.chunk_size, "dtype": args.dtype, "tokens_per_s": tps,
-             "mfu": roofline.mfu(tps, fl, rf["matmul_flops"]), **(info or {})}
-      rows.append(row)
-      log(f"  train {size} {batch}x{l} {impl:10s}: {tps:9.0f} tok/s  MFU {100 * row['mfu']:.0f}%"
-          + (f"  compile {info['compile_s']:.1f}s" if info else ""))
+      rows.append(_speed_row("train", impl, size, batch, l, cfg, args.dtype, sec, fl, rf, info))
 
     compiled, info = compile_fn(built.train_step, built.state, data)
     box = {"state": built.state}
