@@ -11,6 +11,7 @@ import math
 
 _COMPUTE_DTYPES = ("float32", "bfloat16")
 _REMAT = ("none", "full", "save_matmuls")
+_SSD_FORMS = ("auto", "scan", "parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +37,21 @@ class Mamba2Config:
   # and what the backward pass recomputes.
   compute_dtype: str = "float32"
   remat: str = "none"
+  # How the SSD combines chunks (mamba_train.ssd.ssd_chunked): 'parallel' (every
+  # chunk at once, for GPUs/TPUs), 'scan' (chunk by chunk, ~2x faster on CPU) or
+  # 'auto' (scan on CPU, parallel elsewhere). The scan form runs at
+  # scan_chunk_size (if smaller than chunk_size): its work per token grows with
+  # the chunk and it gains nothing from longer ones (64 is ~2x faster than 256 on
+  # CPU). Neither changes the math, only the rounding.
+  ssd_form: str = "auto"
+  scan_chunk_size: int = 64
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
     object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
     problems = []
     for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand",
-                 "headdim", "ngroups", "chunk_size", "pad_vocab_size_multiple"):
+                 "headdim", "ngroups", "chunk_size", "pad_vocab_size_multiple", "scan_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         problems.append(f"{name} must be a positive integer, got {v!r}")
@@ -61,6 +70,8 @@ class Mamba2Config:
       problems.append(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype!r}")
     if self.remat not in _REMAT:
       problems.append(f"remat must be one of {_REMAT}, got {self.remat!r}")
+    if self.ssd_form not in _SSD_FORMS:
+      problems.append(f"ssd_form must be one of {_SSD_FORMS}, got {self.ssd_form!r}")
     if problems:
       raise ValueError("Invalid Mamba2Config: " + "; ".join(problems))
 
@@ -80,6 +91,12 @@ class Mamba2Config:
   def padded_vocab_size(self) -> int:
     m = self.pad_vocab_size_multiple
     return -(-self.vocab_size // m) * m
+
+  def ssd_plan(self) -> tuple[str, int]:
+    """(form, chunk) the SSD runs with on the current default backend."""
+    from mamba_train.ssd import default_form  # ssd imports nothing from the package
+    form = default_form() if self.ssd_form == "auto" else self.ssd_form
+    return form, (min(self.chunk_size, self.scan_chunk_size) if form == "scan" else self.chunk_size)
 
   def replace(self, **kw) -> "Mamba2Config":
     return dataclasses.replace(self, **kw)

@@ -28,15 +28,19 @@ def forward_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
          3. state passing        2 (c+1)^2 h p n / seq_len   (a (c+1) x (c+1) product)
          4. state -> output      2 h p n
   plus the LM head 2 d V. The intra-chunk terms grow with Q, the state passing
-  with c: that is the chunk-size trade-off. Elementwise work (norms, gates,
-  exponentials) is left out, as is the convention for MFU.
+  with c: that is the chunk-size trade-off. Q and the form are those the model
+  runs with (`cfg.ssd_plan()`); the scan form passes states elementwise, so term 3
+  is 0 there. Elementwise work (norms, gates, exponentials) and the decays' own
+  small matmuls are left out, as is the convention for MFU.
   """
   d, i, h, p = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.headdim
-  g, n, k, q = cfg.ngroups, cfg.d_state, cfg.d_conv, cfg.chunk_size
+  g, n, k = cfg.ngroups, cfg.d_state, cfg.d_conv
+  form, q = cfg.ssd_plan()
   c = -(-seq_len // q)
   proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
   conv = 2 * k * (i + 2 * g * n)
-  ssd = 2 * q * g * n + 2 * q * h * p + 2 * h * p * n + 2 * (c + 1) ** 2 * h * p * n / seq_len + 2 * h * p * n
+  passing = 2 * (c + 1) ** 2 * h * p * n / seq_len if form == "parallel" else 0.0
+  ssd = 2 * q * g * n + 2 * q * h * p + 2 * h * p * n + passing + 2 * h * p * n
   return cfg.n_layer * (proj + conv + ssd) + 2 * d * cfg.padded_vocab_size
 
 

@@ -190,10 +190,11 @@ def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
     dt = jnp.where(mask[..., None], dt, 0.0)
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
+  form, chunk = cfg.ssd_plan()
   y, ssm = ssd_chunked(
       x.astype(cd), dt, A,
       bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n),
-      cfg.chunk_size, D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
+      chunk, D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx, form=form)
   out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 

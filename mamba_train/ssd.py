@@ -19,9 +19,9 @@ Numerical rules kept throughout:
   * every decay (dt * A, its cumulative sums and their exponentials) is float32
     whatever the compute dtype: in bfloat16 the small dt*A terms vanish inside a
     cumulative sum and the error compounds over positions and layers;
-  * segment sums inside a chunk are accumulated from masked copies, never formed
-    as differences of running sums (cumsum[i] - cumsum[j] cancels catastrophically
-    at chunk 256 in float32);
+  * segment sums inside a chunk are sums of the terms they cover, never
+    differences of running sums (cumsum[i] - cumsum[j] loses ~100x accuracy at
+    chunk 256 in float32 with trained dt*A);
   * the matmuls run in the dtype of x (the compute dtype) and accumulate in float32.
 
 This module imports nothing from the package.
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _acc_dtype(x):
@@ -46,7 +47,7 @@ def _tril(t: int, k: int = 0):
 
 
 def segsum(a):
-  """Stable segment sums: out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, else -inf.
+  """Stable segment sums (the reference form; `_segsums` is the one the scan uses): out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, else -inf.
 
   a: (..., t) float32. Built by summing masked copies of `a` down the rows,
   so no large running sums are subtracted.
@@ -58,12 +59,6 @@ def segsum(a):
   return jnp.where(_tril(t, 0), out, -jnp.inf)
 
 
-def _suffix_sum(a):
-  """out[..., s] = sum_{k>s} a[..., k] (exclusive, from the end), without subtraction."""
-  shifted = jnp.concatenate([a[..., 1:], jnp.zeros_like(a[..., :1])], axis=-1)
-  return jnp.flip(jnp.cumsum(jnp.flip(shifted, -1), -1), -1)
-
-
 def _pad_to_chunks(x, pad, value=0):
   if pad == 0:
     return x
@@ -72,7 +67,100 @@ def _pad_to_chunks(x, pad, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None):
+def _segsums_matmul(a):
+  """_segsums by one matmul with a constant 0/1 matrix: O(t^3), for short t."""
+  q = a.shape[-1]
+  upto = a[..., None, :] * jnp.tril(jnp.ones((q, q), a.dtype))  # (..., t, k): a_k for k <= t
+  after = jnp.tril(jnp.ones((q, q), a.dtype), -1)  # (k, s): k > s
+  seg = jnp.einsum("...tk,ks->...ts", upto, after, precision=_HIGHEST)
+  return seg, upto.sum(-1)
+
+
+def _segsums(a, block: int = 16):
+  """Segment and prefix sums of per-step log decays a (..., t).
+
+  Returns seg (..., t, s) = sum_{s<k<=t} a_k (finite but meaningless where s > t:
+  mask it) and the inclusive prefix sums cs (..., t) = sum_{k<=t} a_k.
+
+  Every entry is a sum of the terms it covers (all of one sign), never a
+  difference of running sums, so it keeps float32 accuracy at chunk 256. Two
+  levels keep it cheap: blocks of `block` steps get their sums from a small matmul
+  (`_segsums_matmul`), and an entry spanning blocks S < T adds three partial sums:
+  the rest of block S, the whole blocks between, the start of block T. The masked
+  cumsum of `segsum` costs ~2x the whole SSD on CPU (a log-depth chain of (t, t)
+  elementwise passes); one t x t matmul would cost O(t^3), 3 MFLOP a token per
+  layer at chunk 256. HIGHEST precision: TPUs (bfloat16 passes) and GPUs (TF32)
+  would otherwise round the decays.
+  """
+  q = a.shape[-1]
+  if q <= 4 * block or q % block:
+    return _segsums_matmul(a)
+  nb = q // block
+  # Leading dims flattened: jaxlib 0.10.2's XLA:CPU (YNNPACK fusions) segfaults
+  # running this function's gradient on some rank-5 inputs, e.g. (2, 1, 24, 64, 64).
+  lead = a.shape[:-1]
+  seg_w, cs_w = _segsums_matmul(a.reshape(-1, nb, block))  # (.., T, t', s'), (.., T, t')
+  seg_b, cs_b = _segsums_matmul(cs_w[..., -1])  # over block totals: (.., T, S), (.., T)
+  # between[T, S] = sum of the whole blocks strictly between S and T = seg_b[T-1, S].
+  between = jnp.concatenate([jnp.zeros_like(seg_b[..., :1, :]), seg_b[..., :-1, :]], axis=-2)
+  cross = (seg_w[..., -1, :][..., None, None, :, :]  # rest of block S after s': (.., 1, 1, S, s')
+           + between[..., :, None, :, None]  # (.., T, 1, S, 1)
+           + cs_w[..., :, :, None, None])  # start of block T up to t': (.., T, t', 1, 1)
+  same_block = (jnp.arange(nb)[:, None, None, None] == jnp.arange(nb)[None, None, :, None])
+  seg = jnp.where(same_block, seg_w[..., :, :, None, :], cross).reshape(lead + (q, q))
+  before = jnp.concatenate([jnp.zeros_like(cs_b[..., :1]), cs_b[..., :-1]], axis=-1)  # blocks < T
+  return seg, (cs_w + before[..., None]).reshape(lead + (q,))
+
+
+def _chunk_terms(x, dt, a, B, C, same=None):
+  """What one chunk gives from its own inputs, in the head-major layout.
+
+  x (..., g, r, s, p) in the compute dtype; dt, a (..., g, r, s) float32;
+  B, C (..., g, s, n); same (..., t, s) bool or None (positions in one document).
+  Returns the intra-chunk outputs (..., g, r, t, p) (the diagonal block), the state
+  the chunk leaves at its end from its own inputs (..., g, r, p, n) (the right
+  low-rank factor), both float32, and the prefix sums of a.
+  """
+  cdt, f32 = x.dtype, _acc_dtype(x)
+  seg, cs = _segsums(a)
+  keep = _tril(a.shape[-1])
+  if same is not None:
+    keep = keep & same[..., None, None, :, :]
+  decay = jnp.where(keep, jnp.exp(seg), 0.0)  # (..., g, r, t, s) float32
+  # y_t = sum_s (C_t . B_s) exp(a_{s+1..t}) dt_s x_s. dt scales x (s*p values per
+  # head) rather than the (t, s) matrix, and the scaled x feeds the state too.
+  cb = jnp.einsum("...gtn,...gsn->...gts", C, B, preferred_element_type=f32)
+  m = (cb[..., None, :, :] * decay).astype(cdt)
+  xdt = x.astype(f32) * dt[..., None]
+  y = jnp.einsum("...grts,...grsp->...grtp", m, xdt.astype(cdt), preferred_element_type=f32)
+  # State at the chunk end: the decay to the end scales dt*x, not B, so B (shared
+  # by the r heads of a group) enters one (r*p, s) x (s, n) product per group.
+  to_end = jnp.exp(seg[..., -1, :])  # (..., g, r, s): exp(a_{s+1..end})
+  if same is not None:
+    to_end = jnp.where(same[..., None, None, -1, :], to_end, 0.0)
+  xw = (xdt * to_end[..., None]).astype(cdt)
+  states = jnp.einsum("...grsp,...gsn->...grpn", xw, B, preferred_element_type=f32)
+  return y, states, cs
+
+
+def _state_out(C, state, cs, keep_in=None):
+  """Output of the state entering a chunk (the left low-rank factor):
+  y_t = C_t . H exp(a_{1..t}); zero where keep_in (..., t) is False."""
+  f32 = _acc_dtype(state)
+  y = jnp.einsum("...gtn,...grpn->...grtp", C, state.astype(C.dtype), preferred_element_type=f32)
+  decay_in = jnp.exp(cs)  # (..., g, r, t)
+  if keep_in is not None:
+    decay_in = jnp.where(keep_in[..., None, None, :], decay_in, 0.0)
+  return y * decay_in[..., None]
+
+
+def default_form() -> str:
+  """'scan' on CPU, 'parallel' on accelerators (see `ssd_chunked`)."""
+  return "scan" if jax.default_backend() == "cpu" else "parallel"
+
+
+def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
+                form: str | None = None):
   """Chunked SSD scan.
 
   Args:
@@ -86,6 +174,13 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
     seq_idx: optional (b, l) int document ids of packed sequences, nondecreasing
       along l. No information crosses a change of id, inside or between chunks;
       `initial_state` belongs to the document at position 0.
+    form: how chunks are combined (same math, same results to rounding):
+      'parallel' computes every chunk at once and passes the states between
+      chunks as one (c x c) masked product: most parallelism, for GPUs and TPUs;
+      'scan' walks the chunks with `lax.scan`, carrying the state, so each step's
+      (t, s) intermediates stay in cache and the backward pass recomputes them
+      (remat) instead of storing them: ~2x faster on CPU, where memory traffic
+      dominates. None picks `default_form()`.
 
   Returns:
     y: (b, l, h, p) in x's dtype, and the final state (b, h, p, n) in float32
@@ -95,80 +190,82 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
   g, n = B.shape[-2:]
   if h % g:
     raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+  form = form or default_form()
+  if form not in ("parallel", "scan"):
+    raise ValueError(f"form must be 'parallel' or 'scan', got {form!r}")
   r = h // g
   q = chunk_size
   cdt = x.dtype
   f32 = _acc_dtype(x)
 
   # Pad to whole chunks with dt = 0 and x = 0: decay exp(0) = 1 and no input,
-  # so padded positions cannot change the state.
+  # so padded positions cannot change the state. Then go to the chunk-major,
+  # head-major layout (c, b, g, r, s, p): every einsum has its batch dims leading
+  # (XLA:CPU's dots then need no transposes) and the scan slices the leading axis.
   pad = (-l) % q
   nc = (l + pad) // q
-  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p)
-  dtc = _pad_to_chunks(dt.astype(f32), pad).reshape(b, nc, q, g, r)
-  Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).astype(cdt)
-  Cc = _pad_to_chunks(C, pad).reshape(b, nc, q, g, n).astype(cdt)
-  a = dtc * A.astype(f32).reshape(g, r)  # (b, c, s, g, r) log decay per step
-  a = jnp.moveaxis(a, 2, -1)  # (b, c, g, r, s)
-  dt_s = jnp.moveaxis(dtc, 2, -1)  # (b, c, g, r, s)
+  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(1, 0, 3, 4, 2, 5)
+  dtc = _pad_to_chunks(dt.astype(f32), pad).reshape(b, nc, q, g, r).transpose(1, 0, 3, 4, 2)
+  ac = dtc * A.astype(f32).reshape(g, r, 1)  # log decay per step
+  Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  Cc = _pad_to_chunks(C, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  Dr = None if D is None else D.astype(f32).reshape(g, r, 1, 1)
+  if initial_state is None:
+    init = jnp.zeros((b, g, r, p, n), f32)
+  else:
+    init = initial_state.astype(f32).reshape(b, g, r, p, n)
 
+  same = keep_in = carry = None
   if seq_idx is not None:
     # Pad with the last id so padding joins the last document (it carries no input).
     sq = _pad_to_chunks(seq_idx, pad, 0)
     if pad:
       sq = sq.at[:, l:].set(seq_idx[:, -1:])
-    sq = sq.reshape(b, nc, q)
-    same = sq[:, :, :, None] == sq[:, :, None, :]  # (b, c, t, s)
-    # Documents of each chunk's last position; slot 0 is the initial state's (position 0's).
-    doc_end = jnp.concatenate([sq[:, :1, 0], sq[:, :, -1]], axis=1)  # (b, c+1)
+    sq = sq.reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
+    same = sq[..., :, None] == sq[..., None, :]  # (c, b, t, s)
+    # Document of the state entering each chunk: position 0's for the first.
+    doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # (c, b)
+    keep_in = sq == doc_in[..., None]  # (c, b, t)
+    carry = sq[:, :, -1] == doc_in  # (c, b): the entering state reaches the chunk end
 
-  # 1. Intra-chunk outputs (diagonal blocks): y_t += sum_s C_t.B_s exp(a_{s+1..t}) dt_s x_s.
-  decay = jnp.exp(segsum(a))  # (b, c, g, r, t, s), float32, zero above the diagonal
-  if seq_idx is not None:
-    decay = jnp.where(same[:, :, None, None], decay, 0.0)
-  # dt_s scales x (l*h*p values) rather than the (t, s) matrices (l*Q*h values),
-  # and the scaled x feeds step 2 too.
-  cb = jnp.einsum("bctgn,bcsgn->bcgts", Cc, Bc, preferred_element_type=f32)
-  m = (cb[:, :, :, None] * decay).astype(cdt)
-  xdt = xc.astype(f32) * jnp.moveaxis(dt_s, -1, 2)[..., None]  # (b, c, s, g, r, p) float32
-  y = jnp.einsum("bcgrts,bcsgrp->bctgrp", m, xdt.astype(cdt), preferred_element_type=f32)
+  if form == "scan":
+    def body(state, chunk):
+      xk, dtk, ak, Bk, Ck, same_k, keep_k, carry_k = chunk
+      y, new, cs = _chunk_terms(xk, dtk, ak, Bk, Ck, same_k)
+      y = y + _state_out(Ck, state, cs, keep_k)
+      if Dr is not None:
+        y = y + xk.astype(f32) * Dr
+      through = jnp.exp(cs[..., -1])  # (b, g, r): decay across the whole chunk
+      if carry_k is not None:
+        through = jnp.where(carry_k[:, None, None], through, 0.0)
+      return state * through[..., None, None] + new, y.astype(cdt)
 
-  # 2. State of each chunk at its end, from its own inputs (right low-rank factor).
-  #    The decay scales dt*x, not B: B is shared by the r heads of a group, so the
-  #    contraction over s stays one (r*p, s) x (s, n) product per group and no
-  #    per-head (s, n) copy of B is materialised.
-  decay_to_end = jnp.exp(_suffix_sum(a))  # (b, c, g, r, s)
-  if seq_idx is not None:
-    decay_to_end = jnp.where((sq == sq[:, :, -1:])[:, :, None, None], decay_to_end, 0.0)
-  xw = (xdt * jnp.moveaxis(decay_to_end, -1, 2)[..., None]).astype(cdt)  # (b, c, s, g, r, p)
-  states = jnp.einsum("bcsgrp,bcsgn->bcgrpn", xw, Bc, preferred_element_type=f32)
-
-  # 3. State passing between chunks (the only sequential part, done as a c x c
-  #    masked product since c is small): H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}.
-  if initial_state is None:
-    init = jnp.zeros((b, 1, g, r, p, n), f32)
+    # Remat: the backward pass recomputes each chunk's (t, s) terms from its inputs
+    # rather than reading back a stored (c, b, h, t, s) stack.
+    final, y = jax.lax.scan(jax.checkpoint(body), init,
+                            (xc, dtc, ac, Bc, Cc, same, keep_in, carry))
   else:
-    init = initial_state.astype(f32).reshape(b, 1, g, r, p, n)
-  states = jnp.concatenate([init, states], axis=1)  # (b, c+1, g, r, p, n)
-  chunk_a = jnp.pad(a.sum(-1), [(0, 0), (1, 0), (0, 0), (0, 0)])  # (b, c+1, g, r)
-  chunk_decay = jnp.exp(segsum(jnp.moveaxis(chunk_a, 1, -1)))  # (b, g, r, z_out, z_in)
-  if seq_idx is not None:
-    same_doc = doc_end[:, :, None] == doc_end[:, None, :]
-    chunk_decay = jnp.where(same_doc[:, None, None], chunk_decay, 0.0)
-  states = jnp.einsum("bgrzy,bygrpn->bzgrpn", chunk_decay, states)
-  prev_states, final_state = states[:, :-1], states[:, -1]
+    y, states, cs = _chunk_terms(xc, dtc, ac, Bc, Cc, same)  # leading (c, b)
+    # State passing between chunks (the only sequential part, as a (c+1) x (c+1)
+    # masked product since c is small): H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'},
+    # with slot 0 the initial state and slot z+1 chunk z's own end state.
+    states = jnp.concatenate([init[None], states], axis=0)  # (c+1, b, g, r, p, n)
+    totals = jnp.concatenate([jnp.zeros_like(cs[:1, ..., -1]), cs[..., -1]], axis=0)
+    seg, _ = _segsums(jnp.moveaxis(totals, 0, -1))  # (b, g, r, z_out, z_in)
+    keep = _tril(nc + 1)
+    if seq_idx is not None:
+      doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0)  # (c+1, b)
+      keep = keep & (doc_end[:, None] == doc_end[None, :]).transpose(2, 0, 1)[:, None, None]
+    chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)
+    states = jnp.einsum("bgrzy,ybgrpn->zbgrpn", chunk_decay, states, precision=_HIGHEST)
+    prev, final = states[:-1], states[-1]
+    y = y + _state_out(Cc, prev, cs, keep_in)
+    if Dr is not None:
+      y = y + xc.astype(f32) * Dr
+    y = y.astype(cdt)
 
-  # 4. State -> output (left low-rank factor): y_t += C_t . H_{c-1} exp(a_{1..t}).
-  decay_in = jnp.exp(jnp.cumsum(a, axis=-1))  # (b, c, g, r, t)
-  if seq_idx is not None:
-    decay_in = jnp.where((sq == doc_end[:, :-1, None])[:, :, None, None], decay_in, 0.0)
-  cs = jnp.einsum("bctgn,bcgrpn->bctgrp", Cc, prev_states.astype(cdt), preferred_element_type=f32)
-  y = y + cs * jnp.moveaxis(decay_in, -1, 2)[..., None]
-
-  y = y.reshape(b, nc * q, h, p)[:, :l]
-  if D is not None:
-    y = y + x.astype(f32) * D.astype(f32)[:, None]
-  return y.astype(cdt), final_state.reshape(b, h, p, n)
+  y = y.transpose(1, 0, 4, 2, 3, 5).reshape(b, nc * q, h, p)[:, :l]
+  return y, final.reshape(b, h, p, n)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None):

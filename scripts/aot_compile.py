@@ -155,6 +155,11 @@ def _advice(config, state_bytes: int, hbm: float) -> str:
   return "; ".join(tips)
 
 
+def for_tpu(model_cfg):
+  """ssd_form 'auto' resolves on the host's backend (CPU here): pin TPU's choice."""
+  return model_cfg.replace(ssd_form="parallel") if model_cfg.ssd_form == "auto" else model_cfg
+
+
 def compile_train_step(config, topology: str) -> dict:
   """Compile the run's train step for `topology`; return the report (see module doc).
   Raises DoesNotFit when XLA refuses or the per-device peak exceeds HBM."""
@@ -166,7 +171,7 @@ def compile_train_step(config, topology: str) -> dict:
   bandwidth = chip.hbm_bandwidth * per_device
 
   resolved = run_config.validate(config, num_devices=len(devices), reference=base.get_config())
-  model_cfg = resolved["model"]
+  model_cfg = for_tpu(resolved["model"])
   mesh = make_mesh(config.mesh, devices)
   optimizer, schedule = make_optimizer(config.optim, config.steps)
   step = trainer.make_train_step(model_cfg, optimizer, schedule, mesh, grad_accum=config.optim.grad_accum)
@@ -225,6 +230,7 @@ def compile_forward(model_cfg, batch: int, seq_len: int, topology: str = "v6e:1x
   gen, topo, devices = tpu_devices(topology)
   chip = roofline.TPU_CHIPS[gen]
   mesh = make_mesh({"data": -1}, devices)
+  model_cfg = for_tpu(model_cfg)
   model = nnx.eval_shape(lambda: Mamba2LM(model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
   rep = NamedSharding(mesh, P())

@@ -129,7 +129,7 @@ def _speed_row(kind, impl, size, batch, l, cfg, dtype, sec, flops_per_token, rf,
   """One forward/train table row (tokens/s and MFU against this run's roofline), logged."""
   tps = batch * l / sec
   row = {"bench": kind, "impl": impl, "config": size, "batch": batch, "seq_len": l,
-         "chunk": cfg.chunk_size, "dtype": dtype, "tokens_per_s": tps,
+         "chunk": cfg.ssd_plan()[1], "dtype": dtype, "tokens_per_s": tps,
          "mfu": roofline.mfu(tps, flops_per_token, rf["matmul_flops"]), **(info or {})}
   log(f"  {kind} {size} {batch}x{l} {impl:10s}: {tps:9.0f} tok/s  MFU {100 * row['mfu']:.0f}%"
       + (f"  compile {info['compile_s']:.1f}s" if info else ""))
@@ -152,13 +152,15 @@ def peers_available(args) -> list[str]:
   return out
 
 
+# The peers run at the chunk size our model runs with (cfg.ssd_plan(): 64 on CPU),
+# which is also their fastest on this CPU (see the ssd chunk sweep).
 def torch_model(cfg, dtype: str):
   import torch
   import transformers
   tcfg = transformers.Mamba2Config(
       hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer, vocab_size=cfg.padded_vocab_size,
       num_heads=cfg.nheads, head_dim=cfg.headdim, n_groups=cfg.ngroups, state_size=cfg.d_state,
-      expand=cfg.expand, conv_kernel=cfg.d_conv, chunk_size=cfg.chunk_size, tie_word_embeddings=True,
+      expand=cfg.expand, conv_kernel=cfg.d_conv, chunk_size=cfg.ssd_plan()[1], tie_word_embeddings=True,
       use_cache=True)
   torch.manual_seed(0)
   model = transformers.Mamba2ForCausalLM(tcfg)
@@ -171,7 +173,7 @@ def m2jax_model(cfg):
   import mamba2_jax
   mcfg = mamba2_jax.Mamba2Config(
       vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model, state_size=cfg.d_state,
-      head_dim=cfg.headdim, chunk_size=cfg.chunk_size, expand=cfg.expand, conv_kernel=cfg.d_conv,
+      head_dim=cfg.headdim, chunk_size=cfg.ssd_plan()[1], expand=cfg.expand, conv_kernel=cfg.d_conv,
       num_hidden_layers=cfg.n_layer)
   return mcfg, mamba2_jax.Mamba2ForCausalLM(mcfg, rngs=nnx.Rngs(0))
 

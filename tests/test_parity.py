@@ -57,11 +57,13 @@ SMALL = {
 }
 
 
-@pytest.mark.parametrize("name", list(SMALL))
-def test_logits_match_transformers_small(tmp_path, name):
+# On CPU 'auto' is the scan form; one case also runs the accelerators' parallel form.
+@pytest.mark.parametrize("name,form", [(n, "auto") for n in SMALL] + [("chunks_ragged_untied", "parallel")])
+def test_logits_match_transformers_small(tmp_path, name, form):
   kw = SMALL[name]
   ref_model = hf_model(tmp_path, **kw)
-  ours = load_model(tmp_path)
+  ours = load_model(tmp_path, ssd_form=form)
+  assert ours.config.ssd_plan()[0] == ("scan" if form == "auto" else form)
   assert ours.config.ngroups == kw["n_groups"]
   assert ours.config.tie_embeddings == ref_model.config.tie_word_embeddings
   ids = torch.randint(0, kw["vocab_size"], (2, 45), generator=torch.Generator().manual_seed(1))

@@ -8,10 +8,13 @@ import pytest
 from mamba_train import ssd
 
 # Jitted once per module: eager op-by-op dispatch compiles every primitive anew.
-ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5)
+ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames="form")
 ssd_sequential = jax.jit(ssd.ssd_sequential)
 ssd_step = jax.jit(ssd.ssd_step)
 segsum = jax.jit(ssd.segsum)
+segsums = jax.jit(ssd._segsums)
+# Both ways of combining chunks: 'scan' (the CPU default) and 'parallel' (accelerators).
+FORMS = ["scan", "parallel"]
 
 
 def make_inputs(seed, b, l, h, p, g, n, dtype):
@@ -54,24 +57,26 @@ def _kwargs(option, h0, seq):
           "both": dict(initial_state=h0, seq_idx=seq)}[option]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case,option", F64_CASES)
-def test_chunked_matches_sequential_float64(case, option):
+def test_chunked_matches_sequential_float64(case, option, form):
   l, q, g = case
   with jax.enable_x64(True):
     x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float64)
     kw = _kwargs(option, h0, packed_ids(l, 2, l))
-    y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, **kw)
+    y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, form=form, **kw)
     y2, s2 = ssd_sequential(x, dt, A, B, C, D=D, **kw)
     assert y1.dtype == jnp.float64
     assert rel(y1, y2) < 1e-10
     assert rel(s1, s2) < 1e-10
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("l,q,g", [(100, 32, 2)])
-def test_chunked_matches_sequential_float32(l, q, g):
+def test_chunked_matches_sequential_float32(l, q, g, form):
   x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float32)
   seq = packed_ids(l + 1, 2, l)
-  y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, initial_state=h0, seq_idx=seq)
+  y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, initial_state=h0, seq_idx=seq, form=form)
   with jax.enable_x64(True):
     f64 = lambda t: jnp.asarray(np.asarray(t, np.float64))
     y2, s2 = ssd_sequential(*map(f64, (x, dt, A, B, C)), D=f64(D), initial_state=f64(h0), seq_idx=seq)
@@ -79,8 +84,9 @@ def test_chunked_matches_sequential_float32(l, q, g):
   assert rel(s1, s2) < 1e-5
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("option", ["both"])  # the plain path's gradients: test_gradients_float32
-def test_gradients_match_sequential_float64(option):
+def test_gradients_match_sequential_float64(option, form):
   l, q, g = 45, 16, 2
   with jax.enable_x64(True):
     x, dt, A, B, C, D, h0 = make_inputs(3, 2, l, 4, 3, g, 5, jnp.float64)
@@ -93,7 +99,7 @@ def test_gradients_match_sequential_float64(option):
       y, s = fn(x, dt, A, B, C, D=D, **kw)
       return jnp.sum(y * wy) + jnp.sum(s * ws)
 
-    chunked = lambda *a, **k: ssd.ssd_chunked(*a, q, **k)
+    chunked = lambda *a, **k: ssd.ssd_chunked(*a, q, form=form, **k)
     args = (x, dt, A, B, C, D, h0)
     g1 = jax.jit(jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(7))))(*args)
     g2 = jax.jit(jax.grad(lambda *a: loss(ssd.ssd_sequential, *a), argnums=tuple(range(7))))(*args)
@@ -105,12 +111,13 @@ def test_gradients_match_sequential_float64(option):
       assert rel(a, b) < 1e-10, name
 
 
-def test_gradients_float32():
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_float32(form):
   x, dt, A, B, C, D, h0 = make_inputs(5, 2, 70, 4, 8, 1, 16, jnp.float32)
   f = lambda fn: jax.jit(jax.grad(
       lambda x, dt, B: jnp.sum(fn(x, dt, A, B, C, D=D, initial_state=h0)[0] ** 2),
       argnums=(0, 1, 2)))(x, dt, B)
-  g1 = f(lambda *a, **k: ssd.ssd_chunked(*a, 32, **k))
+  g1 = f(lambda *a, **k: ssd.ssd_chunked(*a, 32, form=form, **k))
   g2 = f(ssd.ssd_sequential)
   for a, b in zip(g1, g2):
     assert rel(a, b) < 1e-5
@@ -170,6 +177,11 @@ def test_segsum_is_stable_where_differences_of_cumsums_are_not():
   err_diff = np.max(np.abs(diff - ref))
   assert err_stable < 1e-6
   assert err_diff > 10 * err_stable
+  # The matmul form the chunked scan uses is as stable, and its prefix sums match.
+  seg, cs = segsums(a32)
+  mm = np.asarray(jnp.where(jnp.tril(jnp.ones((256, 256), bool)), jnp.exp(seg), 0.0))
+  assert np.max(np.abs(mm - ref)) < 1e-6
+  assert np.max(np.abs(np.asarray(cs) - np.cumsum(a64, -1))) < 1e-4
 
 
 def test_decay_must_stay_float32():

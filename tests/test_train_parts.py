@@ -59,8 +59,10 @@ def test_weight_decay_skips_biases_norms_and_ssm_parameters():
 
 @pytest.mark.parametrize("chunk", [32, 128])
 def test_flop_count_matches_xla(chunk):
-  # One layer: XLA's cost analysis counts a scanned layer body once, whatever the trip count.
-  cfg = config_for("tiny", d_model=256, n_layer=1, vocab_size=256, d_state=32, headdim=64, chunk_size=chunk)
+  # One layer, and the parallel SSD form: XLA's cost analysis counts a scan body
+  # once, whatever the trip count (the layer scan, and the CPU's chunk scan).
+  cfg = config_for("tiny", d_model=256, n_layer=1, vocab_size=256, d_state=32, headdim=64,
+                   chunk_size=chunk, ssd_form="parallel")
   model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   ids = jnp.zeros((2, 256), jnp.int32)
@@ -70,6 +72,11 @@ def test_flop_count_matches_xla(chunk):
   # of the segment sums: O(Q^2) additions per token and head, 10% of the total at Q = 128.
   assert 0.85 < ours / xla < 1.0, (ours, xla)
   assert metrics.train_flops_per_token(cfg, 256) == 3 * ours
+  # The scan form runs at scan_chunk_size and passes states without a matmul.
+  scan = cfg.replace(ssd_form="scan", scan_chunk_size=chunk)
+  h, pn = cfg.nheads, cfg.headdim * cfg.d_state
+  passing = 2 * (256 // chunk + 1) ** 2 * h * pn / 256
+  assert metrics.forward_flops_per_token(scan, 256) == pytest.approx(ours - passing)
 
 
 def test_mfu_and_peak_table():
