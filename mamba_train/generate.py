@@ -117,14 +117,18 @@ def _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, p
     i, _, _, _, done = carry
     return (i < max_new_tokens) & ~jnp.all(done)
 
-  def body(carry):
-    i, tok, cache, out, done = carry
-    logits, cache = step(model, tok, cache)
-    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), logits))
-    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
-    return i + 1, nxt, cache, out, done | (nxt == eos_id)
+  # Weights and states per layer, unstacked once out here: see Mamba2LM.step_unrolled.
+  layers = model.unstacked_layers()
+  states = [jax.tree.map(lambda a, i=i: a[i], cache.states()) for i in range(len(layers))]
 
-  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, cache, out, done))
+  def body(carry):
+    i, tok, states, out, done = carry
+    h, states = model.step_unrolled(tok, layers, states)
+    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), model.logits(h)))
+    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
+    return i + 1, nxt, states, out, done | (nxt == eos_id)
+
+  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, states, out, done))
   return out, n
 
 
