@@ -1,5 +1,9 @@
 """mamba_train: pretrain and finetune Mamba-2 (SSD) language models in JAX."""
 
+from mamba_train import xla_flags as _xla_flags
+
+_xla_flags.apply_cpu_defaults()  # first: it must precede JAX's CPU backend (see the module)
+
 from mamba_train.config import Mamba2Config, SIZES, config_for
 from mamba_train.model import Mamba2LM
 # Eager, and after the model: importing the submodule mamba_train.generate binds the

@@ -1,0 +1,39 @@
+"""The XLA:CPU default mamba_train applies on import (mamba_train.xla_flags)."""
+
+import os
+import subprocess
+import sys
+
+from mamba_train import xla_flags
+
+
+def test_flag_is_added_once_and_respects_the_user():
+  env = {"XLA_FLAGS": "--xla_foo=1"}
+  assert xla_flags.apply_cpu_defaults(env)
+  assert env["XLA_FLAGS"] == "--xla_foo=1 " + xla_flags.YNN_FLAG
+  assert not xla_flags.apply_cpu_defaults(env)  # already there: unchanged
+  assert env["XLA_FLAGS"].count("ynn_fusion_type") == 1
+  mine = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT"}
+  assert not xla_flags.apply_cpu_defaults(mine)
+  assert mine["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT"
+  keep = {"MAMBA_TRAIN_KEEP_XLA_FLAGS": "1"}
+  assert not xla_flags.apply_cpu_defaults(keep) and "XLA_FLAGS" not in keep
+
+
+_PROBE = """
+import sys
+if sys.argv[1] == "import":
+  import mamba_train  # noqa: F401
+import jax, jax.numpy as jnp
+hlo = jax.jit(lambda a: a @ a).lower(jnp.ones((64, 64))).compile().as_text()
+print("YNN" if "__ynn_fusion" in hlo else "NOYNN")
+"""
+
+
+def test_importing_the_package_turns_off_ynn_fusions():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MAMBA_TRAIN_KEEP_XLA_FLAGS")}
+  env["JAX_PLATFORMS"] = "cpu"
+  run = lambda mode: subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, capture_output=True,
+                                    text=True, check=True).stdout.split()[-1]
+  assert run("import") == "NOYNN"
+  assert run("plain") == "YNN"  # the probe can tell: without the package, XLA uses them
