@@ -12,7 +12,7 @@ ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames="form")
 ssd_sequential = jax.jit(ssd.ssd_sequential)
 ssd_step = jax.jit(ssd.ssd_step)
 segsum = jax.jit(ssd.segsum)
-segsums = jax.jit(ssd._segsums)
+segsums = jax.jit(ssd._segsums, static_argnums=1)
 # Both ways of combining chunks: 'scan' (the CPU default) and 'parallel' (accelerators).
 FORMS = ["scan", "parallel"]
 
@@ -49,7 +49,7 @@ def rel(a, b):
 # are spread over the shapes rather than crossed with them.
 F64_CASES = [((5, 8, 1), "both"), ((8, 8, 1), "plain"), ((37, 8, 3), "plain"),
              ((37, 8, 3), "initial_state"), ((37, 8, 3), "seq_idx"), ((37, 8, 3), "both"),
-             ((64, 16, 2), "both")]
+             ((64, 16, 2), "both"), ((160, 128, 1), "both")]  # chunk 128: two-level segment sums
 
 
 def _kwargs(option, h0, seq):
@@ -177,11 +177,13 @@ def test_segsum_is_stable_where_differences_of_cumsums_are_not():
   err_diff = np.max(np.abs(diff - ref))
   assert err_stable < 1e-6
   assert err_diff > 10 * err_stable
-  # The matmul form the chunked scan uses is as stable, and its prefix sums match.
-  seg, cs = segsums(a32)
-  mm = np.asarray(jnp.where(jnp.tril(jnp.ones((256, 256), bool)), jnp.exp(seg), 0.0))
-  assert np.max(np.abs(mm - ref)) < 1e-6
-  assert np.max(np.abs(np.asarray(cs) - np.cumsum(a64, -1))) < 1e-4
+  # The forms the chunked scan uses (two-level, and one matmul) are as stable, and
+  # their prefix sums match.
+  for two_level in (True, False):
+    seg, cs = segsums(a32, two_level)
+    mm = np.asarray(jnp.where(jnp.tril(jnp.ones((256, 256), bool)), jnp.exp(seg), 0.0))
+    assert np.max(np.abs(mm - ref)) < 1e-6
+    assert np.max(np.abs(np.asarray(cs) - np.cumsum(a64, -1))) < 1e-4
 
 
 def test_decay_must_stay_float32():
