@@ -26,7 +26,7 @@ from configs import base
 from mamba_train import metrics as metrics_lib
 from mamba_train import distributed
 from mamba_train import checkpoint, data, run_config, trainer
-from mamba_train.config import Mamba2Config
+from mamba_train.config import RUNTIME_FIELDS, Mamba2Config
 from mamba_train.load import load_model
 from mamba_train.mesh import make_mesh
 from mamba_train.synthetic_data import SyntheticLoader
@@ -69,7 +69,7 @@ def make_loaders(config, model_cfg, workdir=None):
 
 def load_init_params(path, model_cfg):
   """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
-  runtime = {k: getattr(model_cfg, k) for k in ("compute_dtype", "remat", "chunk_size")}
+  runtime = {k: getattr(model_cfg, k) for k in RUNTIME_FIELDS}
   model = load_model(path, **runtime)
   init_only = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
   theirs, ours = model.config.to_dict(), model_cfg.to_dict()
@@ -221,7 +221,7 @@ def check_resumable(ckpt, config, *, force: bool) -> None:
     saved = ckpt.saved_config(steps[-1])["model"]
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
-  runtime = ("compute_dtype", "remat", "chunk_size")  # change no weights
+  runtime = RUNTIME_FIELDS  # change no weights
   ours = Mamba2Config.from_dict(config.model.to_dict()).to_dict()
   theirs = Mamba2Config.from_dict(saved).to_dict()
   differ = {k: (theirs[k], ours[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}

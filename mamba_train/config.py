@@ -12,6 +12,9 @@ import math
 _COMPUTE_DTYPES = ("float32", "bfloat16")
 _REMAT = ("none", "full", "save_matmuls")
 _SSD_FORMS = ("auto", "scan", "parallel")
+# Fields that steer how the model runs, not its weights: a checkpoint restores
+# across them, and resuming a run may change them.
+RUNTIME_FIELDS = ("compute_dtype", "remat", "chunk_size", "ssd_form", "scan_chunk_size")
 
 
 @dataclasses.dataclass(frozen=True)

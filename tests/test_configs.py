@@ -128,3 +128,19 @@ def test_command_line_errors_before_compiling(tmp_path):
   assert proc.returncode != 0
   assert "batch_size 6 does not divide over the data-parallel devices" in proc.stderr
   assert "compiled" not in proc.stderr
+
+
+def test_runtime_fields_change_no_weights():
+  """train.py resumes and finetunes across RUNTIME_FIELDS: none may change a parameter shape."""
+  import jax
+  from flax import nnx
+  from mamba_train import Mamba2LM, config_for
+  from mamba_train.config import RUNTIME_FIELDS
+  shapes = lambda cfg: jax.tree.map(lambda a: a.shape, nnx.state(
+      nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+  cfg = config_for("tiny")
+  other = {"compute_dtype": "bfloat16", "remat": "full", "chunk_size": 32, "ssd_form": "parallel",
+           "scan_chunk_size": 16}
+  assert set(other) == set(RUNTIME_FIELDS)
+  for name, value in other.items():
+    assert shapes(cfg.replace(**{name: value})) == shapes(cfg), name
