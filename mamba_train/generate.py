@@ -28,7 +28,7 @@ from flax import nnx
 
 from mamba_train import sharding
 from mamba_train.cache import Mamba2Cache
-from mamba_train.model import Mamba2LM
+from mamba_train.model import Mamba2LM, unstack
 
 # Longest prompt accepted. The released models were trained at context 2048 and
 # a state-space model carries any length in its fixed state, so this limit is
@@ -119,7 +119,7 @@ def _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, p
 
   # Weights and states per layer, unstacked once out here: see Mamba2LM.step_unrolled.
   layers = model.unstacked_layers()
-  states = [jax.tree.map(lambda a, i=i: a[i], cache.states()) for i in range(len(layers))]
+  states = unstack(cache.states(), len(layers))
 
   def body(carry):
     i, tok, states, out, done = carry

@@ -221,6 +221,11 @@ def block(p, h, cfg, **kw):
   return h + out, state
 
 
+def unstack(tree, n: int) -> list:
+  """[tree with every leaf's index i along axis 0, for i < n]: layer-stacked -> per layer."""
+  return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
+
+
 _REMAT_POLICIES = {
     "full": None,  # recompute everything in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -312,12 +317,11 @@ class Mamba2LM(nnx.Module):
 
   def unstacked_layers(self) -> list[dict[str, Array]]:
     """Each layer's parameters as separate arrays (copies), for `step_unrolled`."""
-    stacked = self.layer_params()
-    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.n_layer)]
+    return unstack(self.layer_params(), self.config.n_layer)
 
   def step_unrolled(self, input_ids, layers, states):
     """`step` with the layers unrolled over per-layer parameters and states (lists:
-    `unstacked_layers()`, and states as `[tree_map(lambda a: a[i], stacked)]`).
+    `unstacked_layers()`, and `unstack(states, n_layer)`).
 
     Decoding is memory-bound: each step reads every weight once. Inside a layer
     scan XLA:CPU first copies the layer's slice of each stacked weight, then

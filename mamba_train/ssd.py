@@ -20,8 +20,8 @@ Numerical rules kept throughout:
     whatever the compute dtype: in bfloat16 the small dt*A terms vanish inside a
     cumulative sum and the error compounds over positions and layers;
   * segment sums inside a chunk are sums of the terms they cover, never
-    differences of running sums (cumsum[i] - cumsum[j] loses ~100x accuracy at
-    chunk 256 in float32 with trained dt*A);
+    differences of running sums (cumsum[i] - cumsum[j] loses 10-100x accuracy
+    at chunk 256 in float32 with trained dt*A);
   * the matmuls run in the dtype of x (the compute dtype) and accumulate in float32.
 
 This module imports nothing from the package.
@@ -47,7 +47,8 @@ def _tril(t: int, k: int = 0):
 
 
 def segsum(a):
-  """Stable segment sums (the reference form; `_segsums` is the one the scan uses): out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, else -inf.
+  """Stable segment sums: out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, else -inf.
+  The reference form; `ssd_chunked` uses `_segsums`.
 
   a: (..., t) float32. Built by summing masked copies of `a` down the rows,
   so no large running sums are subtracted.
@@ -90,9 +91,9 @@ def _segsums(a, two_level: bool = True, block: int = 16):
   levels keep it cheap: blocks of `block` steps get their sums from a small matmul
   (`_segsums_matmul`), and an entry spanning blocks S < T adds three partial sums:
   the rest of block S, the whole blocks between, the start of block T. The masked
-  cumsum of `segsum` costs ~2x the whole SSD on CPU (a log-depth chain of (t, t)
-  elementwise passes); one t x t matmul would cost O(t^3), 3 MFLOP a token per
-  layer at chunk 256. HIGHEST precision: TPUs (bfloat16 passes) and GPUs (TF32)
+  cumsum of `segsum` is a log-depth chain of (t, t) elementwise passes on CPU
+  (the SSD was 1.1-1.2x slower with it at chunk 64, more at longer chunks); one
+  t x t matmul would cost O(t^3), 3 MFLOP a token per layer at chunk 256 (h 24). HIGHEST precision: TPUs (bfloat16 passes) and GPUs (TF32)
   would otherwise round the decays.
   """
   q = a.shape[-1]
