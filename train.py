@@ -221,10 +221,9 @@ def check_resumable(ckpt, config, *, force: bool) -> None:
     saved = ckpt.saved_config(steps[-1])["model"]
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
-  runtime = RUNTIME_FIELDS  # change no weights
   ours = Mamba2Config.from_dict(config.model.to_dict()).to_dict()
   theirs = Mamba2Config.from_dict(saved).to_dict()
-  differ = {k: (theirs[k], ours[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}
+  differ = {k: (theirs[k], ours[k]) for k in ours if k not in RUNTIME_FIELDS and ours[k] != theirs[k]}
   if differ and not force:
     raise run_config.ConfigError(
         f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "

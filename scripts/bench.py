@@ -153,7 +153,7 @@ def peers_available(args) -> list[str]:
 
 
 # The peers run at the chunk size our model runs with (cfg.ssd_plan(): 64 on CPU),
-# which is also their fastest on this CPU (see the ssd chunk sweep).
+# which is also their fastest forward+backward on this CPU (see the ssd chunk sweep).
 def torch_model(cfg, dtype: str):
   import torch
   import transformers
