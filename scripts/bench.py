@@ -194,7 +194,7 @@ def measure_roofline(args, results):
   bw = roofline.copy_bandwidth(mib * 2**20, repeats=args.repeats)
   r.update({f"copy_bytes_per_s_{k}": v for k, v in bw.items()})
   r["copy_bytes_per_s"] = r["copy_bytes_per_s_donated"]
-  if have_torch():
+  if have_torch() and jax.default_backend() == "cpu":  # the peers' CPU rate; off CPU it is not their device
     import torch
     torch.set_num_threads(CORES)
     for dt in sorted({"float32", args.dtype}):
@@ -243,13 +243,17 @@ def bench_ssd(args, results):
     log(f"  ssd {impl:10s} {mode:8s} chunk {chunk}: {row['tokens_per_s']:9.0f} tok/s"
         + (f"  {row['gflops']:6.1f} GFLOP/s" if row["gflops"] else ""))
 
-  for q in chunks:
-    fwd = jax.jit(lambda x, dt, A, B, C, D, q=q: ssd_chunked(x, dt, A, B, C, q, D=D)[0])
-    loss = lambda x, dt, A, B, C, D, q=q: jnp.sum(ssd_chunked(x, dt, A, B, C, q, D=D)[0].astype(F32) * cot)
+  # --ssd_form auto times the backend's default form; "scan,parallel" times both.
+  forms = [None] if args.ssd_form == "auto" else args.ssd_form.split(",")
+  for form, q in ((f, q) for f in forms for q in chunks):
+    impl = "ours" if form is None else f"ours ({form})"
+    fwd = jax.jit(lambda x, dt, A, B, C, D, q=q, f=form: ssd_chunked(x, dt, A, B, C, q, D=D, form=f)[0])
+    loss = lambda x, dt, A, B, C, D, q=q, f=form: jnp.sum(
+        ssd_chunked(x, dt, A, B, C, q, D=D, form=f)[0].astype(F32) * cot)
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
     for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
       compiled, info = compile_fn(fn, x, dt, A, B, C, D)
-      add("ours", q, mode, median_time(lambda: compiled(x, dt, A, B, C, D), args.repeats), info)
+      add(impl, q, mode, median_time(lambda: compiled(x, dt, A, B, C, D), args.repeats), info)
   seq = jax.jit(lambda x, dt, A, B, C, D: ssd_sequential(x, dt, A, B, C, D=D)[0])
   compiled, info = compile_fn(seq, x, dt, A, B, C, D)
   add("sequential", None, "fwd", median_time(lambda: compiled(x, dt, A, B, C, D), max(2, args.repeats // 2)), info)
@@ -298,6 +302,8 @@ def _model_cfg(args, size, **kw):
   over = {"compute_dtype": args.dtype}
   if args.chunk_size:
     over["chunk_size"] = args.chunk_size
+  if args.ssd_form in ("scan", "parallel"):
+    over["ssd_form"] = args.ssd_form
   over.update(kw)
   return config_for(size, **over)
 
@@ -338,12 +344,16 @@ def bench_forward(args, results, size, lengths, batch):
   return rows
 
 
-def _run_config(size, dtype, batch, l, chunk=None):
+def _run_config(size, dtype, batch, l, chunk=None, form="auto", remat=None):
   from configs import base
   c = base.get_config()
   over = {"compute_dtype": dtype}
+  if remat:
+    over["remat"] = remat
   if chunk:
     over["chunk_size"] = chunk
+  if form in ("scan", "parallel"):
+    over["ssd_form"] = form
   c.model.update(config_for(size, **over).to_dict())
   c.batch_size, c.seq_len = batch, l
   c.mesh.update(data=1, fsdp=1, tensor=1)
@@ -365,7 +375,7 @@ def bench_train(args, results, size, lengths, batch):
   rows = []
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   for l in lengths:
-    config = _run_config(size, args.dtype, batch, l, args.chunk_size)
+    config = _run_config(size, args.dtype, batch, l, args.chunk_size, args.ssd_form, args.remat)
     built = trainer.build(config, mesh)
     cfg = built.model_cfg
     fl = metrics.train_flops_per_token(cfg, l)
@@ -504,7 +514,7 @@ def bench_compile(args, results, size):
     _, info = compile_fn(jax.jit(lambda p, i: nnx.merge(graphdef, p)(i)), params, ids)
     rows.append({"bench": "compile", "impl": "ours", "program": "forward", "config": size, "n_layer": depth,
                  "batch": batch, "seq_len": l, "target": "cpu", **info})
-    config = _run_config(size, args.dtype, batch, l, args.chunk_size)
+    config = _run_config(size, args.dtype, batch, l, args.chunk_size, args.ssd_form, args.remat)
     config.model.n_layer = depth
     from mamba_train.optim import make_optimizer
     from aot_compile import abstract_train_state, abstract_batch
@@ -805,13 +815,25 @@ def main(argv=None):
   ap.add_argument("--new_tokens", type=int, default=32, help="decode: tokens per timed loop")
   ap.add_argument("--compare", action="store_true", help="time the peers on the same shapes")
   ap.add_argument("--skip_tpu", action="store_true", help="compile: skip the TPU AOT figure")
-  ap.add_argument("--roofline_n", type=int, default=2048, help="matmul size of the roofline")
-  ap.add_argument("--roofline_mib", type=int, default=256, help="buffer size of the copy bandwidth")
+  ap.add_argument("--remat", default=None, choices=["none", "full", "save_matmuls"],
+                  help="train: what the backward pass recomputes (default: the config's, none)")
+  ap.add_argument("--ssd_form", default="auto", help="auto (the backend's default), scan or parallel; "
+                  "ssd also takes 'scan,parallel' to time both")
+  ap.add_argument("--roofline_n", type=int, default=None, help="matmul size of the roofline "
+                  "(default 2048 on CPU, 8192 on accelerators)")
+  ap.add_argument("--roofline_mib", type=int, default=None, help="buffer size of the copy bandwidth "
+                  "(default 256 MiB on CPU, 2048 on accelerators)")
   ap.add_argument("--out", default=None, help="write results.json and results.md here")
   ap.add_argument("--plots", action="store_true", help="PNG plots into --out")
   args = ap.parse_args(argv)
   if args.repeats < 1:
     ap.error("--repeats must be >= 1")
+  if not set(args.ssd_form.split(",")) <= {"auto", "scan", "parallel"} or (
+      "," in args.ssd_form and args.what != "ssd"):
+    ap.error(f"--ssd_form must be auto, scan or parallel (ssd also takes 'scan,parallel'), got {args.ssd_form!r}")
+  accel = jax.default_backend() != "cpu"
+  args.roofline_n = args.roofline_n or (8192 if accel else 2048)
+  args.roofline_mib = args.roofline_mib or (2048 if accel else 256)
   args.chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else None
   sizes = (args.config or ("tiny,130m" if args.what == "all" else "tiny")).split(",")
   lengths_arg = [int(x) for x in args.lengths.split(",")] if args.lengths else None
@@ -819,10 +841,15 @@ def main(argv=None):
   def lengths(default):
     return [args.seq_len] if args.seq_len else (lengths_arg or default)
 
-  # Shapes per size that fit this machine: (forward lengths, batch), (train lengths, batch), decode contexts.
+  # Shapes per size: (forward lengths, batch), (train lengths, batch), decode contexts.
+  # On CPU, what fits a 2-core machine; on an accelerator, batches that fill it.
   defaults = {
       "tiny": dict(fwd=([256, 512, 1024, 2048], 4), train=([256, 512, 1024], 4), ctx=[128, 512, 2048]),
       "130m": dict(fwd=([512, 2048], 1), train=([512], 1), ctx=[128, 1024]),
+  } if not accel else {
+      "130m": dict(fwd=([2048], 16), train=([2048], 16), ctx=[128, 2048]),
+      "370m": dict(fwd=([2048], 16), train=([2048], 8), ctx=[128, 2048]),
+      "1.3b": dict(fwd=([2048], 8), train=([2048], 4), ctx=[128, 2048]),
   }
   results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "machine": f"{platform.processor() or platform.machine()}, {CORES} cores, "
