@@ -14,7 +14,8 @@ _REMAT = ("none", "full", "save_matmuls")
 _SSD_FORMS = ("auto", "scan", "parallel")
 # Fields that steer how the model runs, not its weights: a checkpoint restores
 # across them, and resuming a run may change them.
-RUNTIME_FIELDS = ("compute_dtype", "remat", "chunk_size", "ssd_form", "scan_chunk_size", "gpu_chunk_size")
+RUNTIME_FIELDS = ("compute_dtype", "remat", "chunk_size", "ssd_form", "scan_chunk_size",
+                  "parallel_chunk_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +46,15 @@ class Mamba2Config:
   # 'auto' (scan on CPU, parallel elsewhere). The scan form runs at
   # scan_chunk_size (if smaller than chunk_size): its work per token grows with
   # the chunk and it gains nothing from longer ones (64 is ~2x faster than 256 on
-  # CPU). On GPUs the parallel form runs at gpu_chunk_size (if smaller): on an
-  # H200, chunk 128 ran the 130m and 1.3b forward 1.5x faster than 256 (the
-  # (t, s) decay and score stacks grow with the chunk; docs/bench/gpu.md).
+  # CPU). The parallel form runs at parallel_chunk_size (if smaller): its (t, s)
+  # decay and score stacks grow with the chunk and its state passing with the
+  # number of chunks, and 128 balances them: on an H200 the 130m and 1.3b forward
+  # ran 1.5x faster than at 256 (docs/bench/gpu.md), and for a TPU v6e XLA counts
+  # 23% fewer bytes for the 2.7b forward at l=4096 (64 counts 50% more than 256).
   # None of these changes the math, only the rounding.
   ssd_form: str = "auto"
   scan_chunk_size: int = 64
-  gpu_chunk_size: int = 128
+  parallel_chunk_size: int = 128
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
@@ -59,7 +62,7 @@ class Mamba2Config:
     problems = []
     for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand",
                  "headdim", "ngroups", "chunk_size", "pad_vocab_size_multiple", "scan_chunk_size",
-                 "gpu_chunk_size"):
+                 "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         problems.append(f"{name} must be a positive integer, got {v!r}")
@@ -102,14 +105,10 @@ class Mamba2Config:
 
   def ssd_plan(self) -> tuple[str, int]:
     """(form, chunk) the SSD runs with on the current default backend."""
-    import jax
     from mamba_train.ssd import default_form  # ssd imports nothing from the package
     form = default_form() if self.ssd_form == "auto" else self.ssd_form
-    if form == "scan":
-      return form, min(self.chunk_size, self.scan_chunk_size)
-    if jax.default_backend() == "gpu":
-      return form, min(self.chunk_size, self.gpu_chunk_size)
-    return form, self.chunk_size
+    cap = self.scan_chunk_size if form == "scan" else self.parallel_chunk_size
+    return form, min(self.chunk_size, cap)
 
   def replace(self, **kw) -> "Mamba2Config":
     return dataclasses.replace(self, **kw)

@@ -140,7 +140,7 @@ def test_runtime_fields_change_no_weights():
       nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))), nnx.Param))
   cfg = config_for("tiny")
   other = {"compute_dtype": "bfloat16", "remat": "full", "chunk_size": 32, "ssd_form": "parallel",
-           "scan_chunk_size": 16, "gpu_chunk_size": 32}
+           "scan_chunk_size": 16, "parallel_chunk_size": 32}
   assert set(other) == set(RUNTIME_FIELDS)
   for name, value in other.items():
     assert shapes(cfg.replace(**{name: value})) == shapes(cfg), name
@@ -148,14 +148,14 @@ def test_runtime_fields_change_no_weights():
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
-    ("gpu", 256, ("parallel", 128)), ("gpu", 64, ("parallel", 64)),
-    ("tpu", 256, ("parallel", 256))])
+    ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("parallel", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
-  """The chunk the SSD runs at: capped by scan_chunk_size on CPU (scan form) and by
-  gpu_chunk_size on GPUs; TPUs run the configured chunk. An explicit form wins."""
+  """The form and chunk the SSD runs at: the scan form (CPU) capped by scan_chunk_size,
+  the parallel form (accelerators, or asked for) by parallel_chunk_size."""
   import jax
   from mamba_train import config_for
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   cfg = config_for("tiny", chunk_size=chunk)
   assert cfg.ssd_plan() == want
-  assert cfg.replace(ssd_form="parallel").ssd_plan() == ("parallel", want[1] if backend != "cpu" else chunk)
+  assert cfg.replace(ssd_form="parallel").ssd_plan() == ("parallel", min(chunk, 128))
+  assert cfg.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan() == ("scan", 16)
