@@ -80,6 +80,21 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> dict[str, flo
   return {"fresh": 2.0 * n * 4 / t_fresh, "donated": 2.0 * n * 4 / t_donated}
 
 
+def matvec_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, k: int = 1024) -> float:
+  """Bytes/s of a float32 (k x n) matrix read by a batch-1 `x @ W` (n = nbytes / 4k):
+  the read stream that batch-1 decoding is made of. Only reads count (the output is
+  tiny), where `copy_bandwidth` counts a read and a write stream; decode rows report
+  utilisation against both. (On the 2-core dev VM the two came out alike, ~23 GB/s,
+  while a chain of a 130m model's smaller matvecs read ~17 GB/s, numpy's alike:
+  per-call overhead, not bandwidth.)"""
+  n = max(1, nbytes // (4 * k))
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  w = jax.random.normal(k1, (k, n), jnp.float32)
+  x = jax.random.normal(k2, (1, k), jnp.float32)
+  mv = jax.jit(lambda x, w: x @ w)
+  return 4.0 * k * n / time_call(lambda: mv(x, w), repeats)
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
   """Model FLOPs utilisation: achieved model FLOP/s over the peak."""
   return tokens_per_s * flops_per_token / peak_flops

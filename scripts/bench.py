@@ -194,6 +194,7 @@ def measure_roofline(args, results):
   bw = roofline.copy_bandwidth(mib * 2**20, repeats=args.repeats)
   r.update({f"copy_bytes_per_s_{k}": v for k, v in bw.items()})
   r["copy_bytes_per_s"] = r["copy_bytes_per_s_donated"]
+  r["matvec_bytes_per_s"] = roofline.matvec_bandwidth(mib * 2**20, repeats=args.repeats)
   if have_torch() and jax.default_backend() == "cpu":  # the peers' CPU rate; off CPU it is not their device
     import torch
     torch.set_num_threads(CORES)
@@ -443,9 +444,12 @@ def bench_decode(args, results, size, contexts, batch):
   def add(impl, ctx, tps, extra=None):
     row = {"bench": "decode", "impl": impl, "config": size, "batch": batch, "seq_len": ctx,
            "dtype": args.dtype, "tokens_per_s": tps,
-           "bw_util": roofline.bandwidth_utilisation(tps, per_tok, rf["copy_bytes_per_s"]), **(extra or {})}
+           "bw_util": roofline.bandwidth_utilisation(tps, per_tok, rf["copy_bytes_per_s"]),
+           "matvec_util": roofline.bandwidth_utilisation(tps, per_tok, rf["matvec_bytes_per_s"]),
+           **(extra or {})}
     rows.append(row)
-    log(f"  decode {size} b{batch} ctx {ctx} {impl:16s}: {tps:9.1f} tok/s  bandwidth {100 * row['bw_util']:.0f}%")
+    log(f"  decode {size} b{batch} ctx {ctx} {impl:16s}: {tps:9.1f} tok/s  bandwidth {100 * row['bw_util']:.0f}%"
+        f" of copy, {100 * row['matvec_util']:.0f}% of matvec")
 
   got = decode_benchmark(cfg, prompt_lens=contexts, batch=batch, new_tokens=new,
                          host_tokens=min(new, 16), recompute_tokens=2, repeats=max(3, args.repeats // 2),
@@ -694,7 +698,8 @@ def markdown(results) -> str:
   for p in results.get("parts", []):
     rfp = p.get("roofline") or {}
     out.append(f"- `{p['command']}` ({p['date']}, {p.get('seconds') or 0:.0f} s): matmul "
-               f"{rfp.get('matmul_flops', 0) / 1e9:.0f} GFLOP/s, copy {rfp.get('copy_bytes_per_s', 0) / 1e9:.1f} GB/s")
+               f"{rfp.get('matmul_flops', 0) / 1e9:.0f} GFLOP/s, copy {rfp.get('copy_bytes_per_s', 0) / 1e9:.1f} GB/s"
+               + (f", matvec read {rfp['matvec_bytes_per_s'] / 1e9:.1f} GB/s" if rfp.get("matvec_bytes_per_s") else ""))
   if results.get("parts"):
     out += ["", "MFU and bandwidth figures of each row use the roofline measured in its own run.", ""]
   rf = results.get("roofline")
@@ -714,9 +719,10 @@ def markdown(results) -> str:
       ("train", "Train step (forward, backward, AdamW)",
        [("config", ""), ("impl", ""), ("batch", ""), ("seq_len", ""), ("dtype", ""), ("tokens_per_s", ""),
         ("mfu", "pct"), ("compile_s", ""), ("compile_cpu_s", ""), ("peak_bytes", "mib"), ("ours_over_this", "x")]),
-      ("decode", "Decode (greedy, tokens/s; bandwidth = bytes per token x tokens/s over copy bandwidth)",
+      ("decode", "Decode (greedy, tokens/s; bytes per token x tokens/s over the copy bandwidth, "
+                 "and over the batch-1 matvec read rate)",
        [("config", ""), ("impl", ""), ("batch", ""), ("seq_len", ""), ("tokens_per_s", ""),
-        ("bw_util", "pct"), ("ours_over_this", "x")]),
+        ("bw_util", "pct"), ("matvec_util", "pct"), ("ours_over_this", "x")]),
       ("compile", "Compile time (wall and this process's CPU seconds)",
        [("impl", ""), ("program", ""), ("config", ""), ("n_layer", ""), ("batch", ""), ("seq_len", ""),
         ("target", ""), ("compile_s", ""), ("compile_cpu_s", ""), ("xla_flops", ""), ("xla_bytes", "")]),
@@ -732,7 +738,7 @@ def markdown(results) -> str:
     names = {"tokens_per_s": "tokens/s", "gflops": "GFLOP/s", "frac_matmul_peak": "of matmul peak",
              "mfu": "MFU", "compile_s": "compile s", "compile_cpu_s": "compile cpu s",
              "peak_bytes": "peak MiB", "temp_bytes": "scratch MiB", "ours_over_this": "ours / this",
-             "bw_util": "bandwidth util", "xla_flops": "XLA FLOPs", "xla_bytes": "XLA bytes"}
+             "bw_util": "of copy bandwidth", "matvec_util": "of matvec read rate", "xla_flops": "XLA FLOPs", "xla_bytes": "XLA bytes"}
     out += [f"## {title}", "", "| " + " | ".join(names.get(c, c) for c, _ in cols) + " |",
             "|" + "---|" * len(cols)]
     for r in rs:

@@ -28,3 +28,4 @@ def test_bench_smoke(tmp_path):
   md = (out / "results.md").read_text()
   assert "## Train step" in md and "| ours |" in md.replace("| tiny | ours |", "| ours |")
   assert (out / "train_tiny.png").stat().st_size > 0
+  assert res["roofline"]["matvec_bytes_per_s"] > 0
