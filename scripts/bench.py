@@ -305,6 +305,8 @@ def _model_cfg(args, size, **kw):
     over["chunk_size"] = args.chunk_size
   if args.ssd_form in ("scan", "parallel"):
     over["ssd_form"] = args.ssd_form
+  if args.remat:
+    over["remat"] = args.remat
   over.update(kw)
   return config_for(size, **over)
 
@@ -345,17 +347,10 @@ def bench_forward(args, results, size, lengths, batch):
   return rows
 
 
-def _run_config(size, dtype, batch, l, chunk=None, form="auto", remat=None):
+def _run_config(args, size, batch, l):
   from configs import base
   c = base.get_config()
-  over = {"compute_dtype": dtype}
-  if remat:
-    over["remat"] = remat
-  if chunk:
-    over["chunk_size"] = chunk
-  if form in ("scan", "parallel"):
-    over["ssd_form"] = form
-  c.model.update(config_for(size, **over).to_dict())
+  c.model.update(_model_cfg(args, size).to_dict())
   c.batch_size, c.seq_len = batch, l
   c.mesh.update(data=1, fsdp=1, tensor=1)
   return c
@@ -376,7 +371,7 @@ def bench_train(args, results, size, lengths, batch):
   rows = []
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   for l in lengths:
-    config = _run_config(size, args.dtype, batch, l, args.chunk_size, args.ssd_form, args.remat)
+    config = _run_config(args, size, batch, l)
     built = trainer.build(config, mesh)
     cfg = built.model_cfg
     fl = metrics.train_flops_per_token(cfg, l)
@@ -518,7 +513,7 @@ def bench_compile(args, results, size):
     _, info = compile_fn(jax.jit(lambda p, i: nnx.merge(graphdef, p)(i)), params, ids)
     rows.append({"bench": "compile", "impl": "ours", "program": "forward", "config": size, "n_layer": depth,
                  "batch": batch, "seq_len": l, "target": "cpu", **info})
-    config = _run_config(size, args.dtype, batch, l, args.chunk_size, args.ssd_form, args.remat)
+    config = _run_config(args, size, batch, l)
     config.model.n_layer = depth
     from mamba_train.optim import make_optimizer
     from aot_compile import abstract_train_state, abstract_batch
@@ -624,7 +619,7 @@ def bench_memory(args, results, size, lengths, batch):
   rows = []
   model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
-  config = _run_config(size, args.dtype, batch, lengths[0], args.chunk_size)
+  config = _run_config(args, size, batch, lengths[0])
   opt, sched = make_optimizer(config.optim, config.steps)
   step = trainer.make_train_step(cfg, opt, sched, mesh)
   st = abstract_train_state(cfg, opt, trainer.state_shardings(cfg, opt, mesh))
@@ -822,7 +817,7 @@ def main(argv=None):
   ap.add_argument("--compare", action="store_true", help="time the peers on the same shapes")
   ap.add_argument("--skip_tpu", action="store_true", help="compile: skip the TPU AOT figure")
   ap.add_argument("--remat", default=None, choices=["none", "full", "save_matmuls"],
-                  help="train: what the backward pass recomputes (default: the config's, none)")
+                  help="what the backward pass recomputes (default: the config's, none)")
   ap.add_argument("--ssd_form", default="auto", help="auto (the backend's default), scan or parallel; "
                   "ssd also takes 'scan,parallel' to time both")
   ap.add_argument("--roofline_n", type=int, default=None, help="matmul size of the roofline "
