@@ -221,6 +221,12 @@ def block(p, h, cfg, **kw):
   return h + out, state
 
 
+def block_step(p, h, cfg, state):
+  """`block` for one position (h: (b, d)), from and to a layer state."""
+  out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, state)
+  return h + out, state
+
+
 def unstack(tree, n: int) -> list:
   """[tree with every leaf's index i along axis 0, for i < n]: layer-stacked -> per layer."""
   return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
@@ -310,8 +316,7 @@ class Mamba2LM(nnx.Module):
 
     def body(h, xs):
       p, state = xs
-      out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, state)
-      return h + out, state
+      return block_step(p, h, cfg, state)
 
     return jax.lax.scan(body, self.embed(input_ids), (self.layer_params(), states))
 
@@ -332,8 +337,7 @@ class Mamba2LM(nnx.Module):
     cfg = self.config
     h, new = self.embed(input_ids), []
     for p, state in zip(layers, states):
-      out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, state)
-      h = h + out
+      h, state = block_step(p, h, cfg, state)
       new.append(state)
     return h, new
 

@@ -95,8 +95,9 @@ def _segsums(a, two_level: bool = True, block: int = 16):
   the rest of block S, the whole blocks between, the start of block T. The masked
   cumsum of `segsum` is a log-depth chain of (t, t) elementwise passes on CPU
   (the SSD was 1.1-1.2x slower with it at chunk 64, more at longer chunks); one
-  t x t matmul would cost O(t^3), 3 MFLOP a token per layer at chunk 256 (h 24). HIGHEST precision: TPUs (bfloat16 passes) and GPUs (TF32)
-  would otherwise round the decays.
+  t x t matmul (`_segsums_matmul`, what two_level=False runs) costs O(t^3), 3 MFLOP
+  a token per layer at chunk 256 (h 24). HIGHEST precision: TPUs (bfloat16
+  passes) and GPUs (TF32) would otherwise round the decays.
   """
   q = a.shape[-1]
   if not two_level or q <= 4 * block or q % block:
@@ -184,9 +185,9 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
       'parallel' computes every chunk at once and passes the states between
       chunks as one (c x c) masked product: most parallelism, for GPUs and TPUs;
       'scan' walks the chunks with `lax.scan`, carrying the state, so each step's
-      (t, s) intermediates stay in cache and the backward pass recomputes them
-      (remat) instead of storing them: ~2x faster on CPU, where memory traffic
-      dominates. None picks `default_form()`.
+      (t, s) intermediates stay in cache: ~2x faster on CPU, where memory traffic
+      dominates. Both recompute the (t, s) terms in the backward pass (remat)
+      instead of storing them. None picks `default_form()`.
 
   Returns:
     y: (b, l, h, p) in x's dtype, and the final state (b, h, p, n) in float32
