@@ -17,19 +17,24 @@ import os
 import shutil
 import sys
 
-import jax
-import tqdm
-from absl import app, flags
-from ml_collections import config_flags
+from mamba_train.xla_flags import apply_cpu_defaults
 
-from configs import base
-from mamba_train import metrics as metrics_lib
-from mamba_train import distributed
-from mamba_train import checkpoint, data, run_config, trainer
-from mamba_train.config import RUNTIME_FIELDS, Mamba2Config
-from mamba_train.load import load_model
-from mamba_train.mesh import make_mesh
-from mamba_train.synthetic_data import SyntheticLoader
+apply_cpu_defaults()  # before JAX starts its CPU backend (see the module)
+
+import jax  # noqa: E402
+import tqdm  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from configs import base  # noqa: E402
+from mamba_train import checkpoint, data  # noqa: E402
+from mamba_train import metrics as metrics_lib  # noqa: E402
+from mamba_train.interop.load import load_model, saved_configs  # noqa: E402
+from mamba_train.model.config import NOT_IN_WEIGHTS  # noqa: E402
+from mamba_train.parallel import distributed  # noqa: E402
+from mamba_train.parallel.mesh import make_mesh  # noqa: E402
+from mamba_train.train import hooks, run_config, step as steps  # noqa: E402
+from mamba_train.train.state import with_shardings  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
@@ -52,9 +57,9 @@ def make_loaders(config, model_cfg, workdir=None):
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.source == "synthetic":
-    train = SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed, **kw)
+    train = data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed, **kw)
     held_out = lambda: itertools.islice(
-        SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
+        data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
         config.eval_batches)
     return train, held_out
   data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
@@ -69,11 +74,10 @@ def make_loaders(config, model_cfg, workdir=None):
 
 def load_init_params(path, model_cfg):
   """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
-  runtime = {k: getattr(model_cfg, k) for k in RUNTIME_FIELDS}
-  model = load_model(path, **runtime)
-  init_only = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
+  model = load_model(path)
+  ignored = ("dt_min", "dt_max", "dt_init_floor", "A_init_range") + NOT_IN_WEIGHTS  # init only
   theirs, ours = model.config.to_dict(), model_cfg.to_dict()
-  differ = {k: (ours[k], theirs[k]) for k in ours if k not in init_only and ours[k] != theirs[k]}
+  differ = {k: (ours[k], theirs[k]) for k in ours if k not in ignored and ours[k] != theirs[k]}
   if differ:
     raise run_config.ConfigError(f"init_from {path!r} does not match config.model in "
                                  f"(config, checkpoint) = {differ}")
@@ -96,7 +100,7 @@ def main(argv):
     sys.exit(f"error: {e}")
   try:
     train(_CONFIG.value, _WORKDIR.value)
-  except (run_config.ConfigError, trainer.NonFiniteLossError, checkpoint.ShapeMismatchError) as e:
+  except (run_config.ConfigError, hooks.NonFiniteLossError, checkpoint.ShapeMismatchError) as e:
     sys.exit(f"error: {e}")
 
 
@@ -130,10 +134,10 @@ def train(config, workdir):
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
-  built = trainer.build(config, mesh, params=params)
+  built = steps.build(config, mesh, params=params)
   state = built.state
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  flops_per_token = metrics_lib.train_flops_per_token(model_cfg, config.seq_len)
+  flops_per_token = metrics_lib.train_flops_per_token(model_cfg, built.runtime, config.seq_len)
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
   tokens_per_step = config.batch_size * config.seq_len
   logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
@@ -142,7 +146,7 @@ def train(config, workdir):
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
   # shardings (which may differ from the saving run's), with the data iterator.
-  target = checkpoint.abstract(state, jax.tree.map(lambda x: x.sharding, state))
+  target = with_shardings(state, jax.tree.map(lambda x: x.sharding, state))
   restored_step, restored = ckpt.restore(target, train_loader)
   if restored_step is not None:
     state = restored
@@ -151,7 +155,7 @@ def train(config, workdir):
   preemption = checkpoint.PreemptionWatcher()
 
   # ===== step function =====
-  first_batch = trainer.to_global(next(train_loader), mesh)
+  first_batch = steps.to_global(next(train_loader), mesh)
   with metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
@@ -160,7 +164,7 @@ def train(config, workdir):
   writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
                                                          or f"{config.name}-{stamp}"},
                                      run_config=config.to_dict(), is_main=is_main)
-  throughput = trainer.Throughput()
+  throughput = hooks.Throughput()
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 
   def log(step, state, metrics):
@@ -174,19 +178,19 @@ def train(config, workdir):
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
   def evaluate(step, state, metrics):
-    batches = (trainer.to_global(b, mesh) for b in held_out())
-    row = trainer.evaluate(built.eval_step, state.params, batches)
+    batches = (steps.to_global(b, mesh) for b in held_out())
+    row = steps.evaluate(built.eval_step, state.params, batches)
     writer.write(step, row)
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
     throughput.reset()  # evaluation time is not training time
 
-  hooks = [
-      trainer.Hook("nonfinite", 1, trainer.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
-      trainer.Hook("log", config.log_every, log),
-      trainer.Hook("eval", config.eval_every, evaluate),
+  periodic = [
+      hooks.Hook("nonfinite", 1, hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
+      hooks.Hook("log", config.log_every, log),
+      hooks.Hook("eval", config.eval_every, evaluate),
       # Asynchronous: returns once the state is copied to host memory.
-      trainer.Hook("checkpoint", config.checkpoint_every,
-                   lambda step, state, _: ckpt.save(step, state, train_loader, config.to_dict())),
+      hooks.Hook("checkpoint", config.checkpoint_every,
+                 lambda step, state, _: ckpt.save(step, state, train_loader, config.to_dict())),
   ]
 
   batch = first_batch
@@ -196,12 +200,12 @@ def train(config, workdir):
       state, step_metrics = train_step(state, batch)
       throughput.tick()
       bar.update(1)
-      trainer.run_hooks(hooks, step, config.steps, state, step_metrics)
+      hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
       if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
         logging.warning("SIGTERM received: saving step %d and exiting", step)
         break
       if step < config.steps:
-        batch = trainer.to_global(next(train_loader), mesh)
+        batch = steps.to_global(next(train_loader), mesh)
     final = int(state.step)
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
       ckpt.save(final, state, train_loader, config.to_dict(), force=True)
@@ -214,16 +218,16 @@ def train(config, workdir):
 
 def check_resumable(ckpt, config, *, force: bool) -> None:
   """Refuse to resume a workdir whose checkpoints hold another model (unless forced)."""
-  steps = ckpt.steps()
-  if not steps:
+  saved_steps = ckpt.steps()
+  if not saved_steps:
     return
   try:
-    saved = ckpt.saved_config(steps[-1])["model"]
+    saved = ckpt.saved_config(saved_steps[-1])
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
-  ours = Mamba2Config.from_dict(config.model.to_dict()).to_dict()
-  theirs = Mamba2Config.from_dict(saved).to_dict()
-  differ = {k: (theirs[k], ours[k]) for k in ours if k not in RUNTIME_FIELDS and ours[k] != theirs[k]}
+  ours = run_config.model_config(config).to_dict()
+  theirs = saved_configs(saved)[0].to_dict()
+  differ = {k: (theirs[k], ours[k]) for k in ours if k not in NOT_IN_WEIGHTS and ours[k] != theirs[k]}
   if differ and not force:
     raise run_config.ConfigError(
         f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "

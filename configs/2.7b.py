@@ -8,5 +8,5 @@ from configs import base
 
 def get_config():
   c = base.mamba2_pretrain("2.7b")
-  c.model.remat = "full"  # recompute activations in the backward pass: memory before speed
+  c.runtime.remat = "full"  # recompute activations in the backward pass: memory before speed
   return c

@@ -7,7 +7,7 @@ scripts read them), and the config is locked, so a misspelt key is an error.
 
 import ml_collections
 
-from mamba_train.config import Mamba2Config
+from mamba_train import Mamba2Config, Runtime, config_for
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -27,10 +27,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)
   c.checkpoint_keep = 3  # keep the newest k checkpoints (0 = keep all)
 
-  # --- the model: Mamba2Config fields under mamba_ssm's names ---
+  # --- the model's architecture: Mamba2Config fields under mamba_ssm's names ---
   c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())
 
-  # --- optimizer (mamba_train/optim.py) ---
+  # --- how the model runs (mamba_train/model/runtime.py); changes no weight ---
+  # compute_dtype: float32 | bfloat16 (the matmuls; the rest stays float32)
+  # remat: none | full | save_matmuls (what the backward pass recomputes)
+  # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
+  # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
+  c.runtime = ml_collections.ConfigDict(Runtime().to_dict())
+
+  # --- optimizer (mamba_train/train/optim.py) ---
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-3,  # peak learning rate
       schedule="cosine",  # cosine | wsd | constant
@@ -55,10 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
   # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp split that axis across them
   # (slow network) and data / fsdp / tensor then count devices inside one (fast links):
-  # each mesh axis is dcn_<axis> x <axis> (mamba_train/mesh.py).
+  # each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
-  # and for CPUs a nominal 170 GFLOP/s (XLA's float32 matmul rate on a 2-core dev box).
+  # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).
   c.peak_flops = 0.0
 
   # --- Weights & Biases ---
@@ -83,14 +90,14 @@ def mamba2_pretrain(size: str) -> ml_collections.ConfigDict:
   in batches of 0.5M tokens, AdamW (0.9, 0.95), weight decay 0.1, clip 1.0,
   warmup then cosine to 10% of the peak, bfloat16 matmuls with float32 weights,
   parameters and optimizer state sharded over all devices (FSDP)."""
-  from mamba_train.config import config_for
   c = get_config()
   c.name = f"mamba2-{size}"
   c.seq_len = 2048
   c.batch_size = 256  # x 2048 = 0.5M tokens per step
   c.steps = 300_000_000_000 // (c.batch_size * c.seq_len)  # 572,204
   c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 5000
-  c.model.update(config_for(size, compute_dtype="bfloat16").to_dict())
+  c.model.update(config_for(size).to_dict())
+  c.runtime.compute_dtype = "bfloat16"
   c.optim.lr = MAMBA2_LR[size]
   c.data.source = "corpus"
   c.mesh.update(data=1, fsdp=-1, tensor=1)

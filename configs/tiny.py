@@ -6,7 +6,7 @@ minutes on a CPU, on the default corpus.
 """
 
 from configs import base
-from mamba_train.config import config_for
+from mamba_train import config_for
 
 
 def get_config():

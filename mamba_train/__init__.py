@@ -1,21 +1,23 @@
-"""mamba_train: pretrain and finetune Mamba-2 (SSD) language models in JAX."""
+"""mamba_train: pretrain and finetune Mamba-2 (SSD) language models in JAX.
 
-from mamba_train import xla_flags as _xla_flags
+The public API. Importing the package changes nothing global (no environment
+variables, no XLA flags); entry points set those (see `xla_flags`).
+"""
 
-_xla_flags.apply_cpu_defaults()  # first: it must precede JAX's CPU backend (see the module)
-
-from mamba_train.config import Mamba2Config, SIZES, config_for
-from mamba_train.model import Mamba2LM
-# Eager, and after the model: importing the submodule mamba_train.generate binds the
-# package attribute `generate` to the module; this import rebinds it to the function.
+# After the model modules load, `generate` names the function: importing the
+# submodule mamba_train.generate binds the package attribute to the module, and
+# this import rebinds it.
 from mamba_train.generate import generate
+from mamba_train.model.config import SIZES, Mamba2Config, config_for
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.runtime import Runtime
 
-__all__ = ["Mamba2Config", "Mamba2LM", "SIZES", "config_for", "generate", "load_model"]
+__all__ = ["Mamba2Config", "Mamba2LM", "Runtime", "SIZES", "config_for", "generate", "load_model"]
 
 
 def __getattr__(name):
   # Lazy: loading pulls in safetensors and the checkpoint stack only when used.
   if name == "load_model":
-    from mamba_train.load import load_model
+    from mamba_train.interop.load import load_model
     return load_model
   raise AttributeError(name)

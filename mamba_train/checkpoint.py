@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mamba_train.model.mamba2 import param_shapes, shape_problems
+
 log = logging.getLogger(__name__)
 
 
@@ -80,9 +82,6 @@ class Checkpointer:
     self.last_saved = step
     return self.manager.save(step, args=args, force=force)
 
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
-
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
@@ -104,10 +103,10 @@ class Checkpointer:
 
   def check_shapes(self, step: int, abstract_state) -> None:
     """Raise ShapeMismatchError listing every parameter whose shape differs."""
-    saved = _shapes(_state_tree(self.manager, step)["params"])
-    wanted = _shapes(abstract_state["params"] if isinstance(abstract_state, dict)
-                     else abstract_state.params)
-    bad = _shape_problems(saved, wanted)
+    saved = param_shapes(_state_tree(self.manager, step)["params"])
+    wanted = param_shapes(abstract_state["params"] if isinstance(abstract_state, dict)
+                          else abstract_state.params)
+    bad = shape_problems(wanted, saved)
     if bad:
       raise ShapeMismatchError(
           f"checkpoint step {step} in {self.directory} does not fit the model config: "
@@ -192,25 +191,6 @@ def _state_tree(manager, step) -> dict:
   return meta.tree if hasattr(meta, "tree") else meta
 
 
-def _shape_problems(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
-  """Every parameter whose saved shape differs from the config's, or that only one side has."""
-  bad = [f"{k}: checkpoint {saved.get(k)} vs config {v}" for k, v in wanted.items()
-         if saved.get(k) != v]
-  return bad + [f"{k}: in the checkpoint only" for k in saved if k not in wanted]
-
-
-def _shapes(tree) -> dict[str, tuple]:
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-  return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(v.shape)
-          for path, v in flat}
-
-
-def abstract(state_like, shardings):
-  """ShapeDtypeStructs carrying the target shardings (what restore fills in)."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state_like, shardings)
-
-
 def restore_params(path, abstract_params=None) -> Any:
   """Only the parameters of a checkpoint step directory (`<workdir>/checkpoints/<step>`),
   on this process's first device, for finetuning and export. `abstract_params`,
@@ -220,8 +200,7 @@ def restore_params(path, abstract_params=None) -> Any:
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
     tree = _state_tree(mgr, int(path.name))
     if abstract_params is not None:
-      saved, wanted = _shapes(tree["params"]), _shapes(abstract_params)
-      bad = _shape_problems(saved, wanted)
+      bad = shape_problems(param_shapes(abstract_params), param_shapes(tree["params"]))
       if bad:
         raise ShapeMismatchError(f"{path} does not fit the model config: " + "; ".join(bad))
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Sequence
 
 import jax
@@ -26,16 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mamba_train import sharding
-from mamba_train.cache import Mamba2Cache
-from mamba_train.model import Mamba2LM, unstack
+from mamba_train.metrics import Timer
+from mamba_train.model.cache import Mamba2Cache
+from mamba_train.model.mamba2 import Mamba2LM, unstack
+from mamba_train.parallel import sharding
 
 # Longest prompt accepted. The released models were trained at context 2048 and
 # a state-space model carries any length in its fixed state, so this limit is
 # about prefill memory, not the cache: the chunked scan's intermediates grow
-# linearly with l (measured at 130m, batch 1: 330 MB of scratch at 4096 tokens,
-# so about 1.3 GB at this limit).
-# Pass max_prompt_len= to `generate` for more.
+# linearly with l (docs/bench/design_notes.md). Pass max_prompt_len= to
+# `generate` for more.
 MAX_PROMPT_LEN = 16384
 _MIN_BUCKET = 16
 
@@ -101,7 +100,7 @@ def sample(key, logits, temperature, top_k, top_p):
 # The device program: prefill, then a while_loop of step + sample.
 
 
-def _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
+def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
                  max_new_tokens, *, buffer_len: int):
   """Sample up to max_new_tokens (traced, <= buffer_len) tokens starting from
   `logits`/`cache`. Returns the tokens (b, buffer_len) int32 (pad after a
@@ -137,7 +136,7 @@ def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_k
                       eos_id, pad_id, max_new_tokens, *, buffer_len):
   model = nnx.merge(graphdef, params)
   logits, cache = prefill(model, input_ids, mask)
-  return _decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
+  return decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
                       max_new_tokens, buffer_len=buffer_len)
 
 
@@ -256,17 +255,17 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id),
           jnp.int32(max_new_tokens))
   # The active mesh and rules decide the cache's sharding constraints at trace time.
-  signature = (graphdef, buffer_len, ids.shape, tuple(sharding._ACTIVE),  # pylint: disable=protected-access
+  signature = (graphdef, buffer_len, ids.shape, sharding.active(),
                tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params)))
   compile_s = 0.0
   if signature not in _COMPILED:
-    t0 = time.perf_counter()
-    _COMPILED[signature] = _generate_program.lower(graphdef, *args, buffer_len=buffer_len).compile()
-    compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  out, n = _COMPILED[signature](*args)
-  out, n = np.asarray(out), int(n)
-  run_s = time.perf_counter() - t0
+    with Timer() as t:
+      _COMPILED[signature] = _generate_program.lower(graphdef, *args, buffer_len=buffer_len).compile()
+    compile_s = t.seconds
+  with Timer() as t:
+    out, n = _COMPILED[signature](*args)
+    out, n = np.asarray(out), int(n)
+  run_s = t.seconds
 
   out = out[:, :n]  # like transformers: stop at the step where every sequence ended
   new_tokens = 0
@@ -307,153 +306,3 @@ def generate(model: Mamba2LM, prompt_ids, max_new_tokens: int, *, temperature: f
                                top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
                                pad_id=pad_id, max_prompt_len=max_prompt_len)
   return out
-
-
-# ----------------------------------------------------------------------------
-# Decode benchmark: on-device loop vs host loop vs recompute (scripts/bench.py decode).
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill_program(graphdef, params, input_ids):
-  return prefill(nnx.merge(graphdef, params), input_ids)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _loop_program(graphdef, params, logits, cache, *, max_new_tokens):
-  """The decode loop alone (greedy, no EOS), from a prefilled cache."""
-  return _decode_loop(nnx.merge(graphdef, params), logits, cache, jax.random.key(0),
-                      jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.int32(-1), jnp.int32(0),
-                      jnp.int32(max_new_tokens), buffer_len=max_new_tokens)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(3,))
-def _greedy_step_program(graphdef, params, token, cache):
-  logits, cache = step(nnx.merge(graphdef, params), token, cache)
-  return jnp.argmax(logits, -1).astype(jnp.int32), cache
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _recompute_program(graphdef, params, buffer, pos):
-  """Greedy next token from a full forward pass over the whole buffer (b, L);
-  the token after position `pos` (causal, so positions past it do not matter)."""
-  logits = nnx.merge(graphdef, params)(buffer)
-  return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, pos, 1, keepdims=False), -1)
-
-
-def _timed(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - t0
-
-
-def _temp_bytes(compiled) -> int | None:
-  try:
-    return int(compiled.memory_analysis().temp_size_in_bytes)
-  except Exception:  # not every backend reports it
-    return None
-
-
-def random_model(cfg, seed: int = 0) -> Mamba2LM:
-  """A randomly initialised model, the initialiser compiled as one program (run
-  op by op it costs minutes at 130m on a CPU)."""
-  return nnx.jit(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(seed)))()
-
-
-def decode_benchmark(model, prompt_lens: Sequence[int] = (128, 1024, 4096), *,
-                     batch: int = 1, new_tokens: int = 32, host_tokens: int | None = None,
-                     recompute_tokens: int = 3, repeats: int = 3, seed: int = 0,
-                     log=print) -> list[dict]:
-  """Greedy decode throughput at each prompt length, three ways:
-
-  * device: the whole loop of `new_tokens` steps as one while_loop program (what
-    `generate` runs after its prefill), from a prefilled cache;
-  * host: a Python loop calling a jitted one-token step, reading each token back
-    to the host as a real loop must (to check for EOS);
-  * recompute: no cache, a full forward pass over the whole prefix per token.
-
-  model: a Mamba2LM, or a Mamba2Config to initialise at random.
-  Times exclude compilation (each program is compiled and run once first); the
-  device and host loops report the best of `repeats` runs (this is for noisy
-  shared machines; recompute, the slow one, runs once).
-  Returns one dict per length: tokens/s for each way (batch * tokens / s), the
-  prefill time, compile times, the cache size and the compiled programs' scratch
-  memory (bytes; None where the backend does not report it).
-  """
-  if not isinstance(model, Mamba2LM):
-    model = random_model(model, seed)
-  graphdef, params = nnx.split(model)
-  cfg = model.config
-  host_tokens = host_tokens or new_tokens
-  rng = np.random.default_rng(seed)
-  rows = []
-  loop = None
-  for l in prompt_lens:
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, l)), jnp.int32)
-    row = {"prompt_len": l, "batch": batch}
-
-    t0 = time.perf_counter()
-    pre = _prefill_program.lower(graphdef, params, ids).compile()
-    row["prefill_compile_s"] = time.perf_counter() - t0
-    row["prefill_temp_bytes"] = _temp_bytes(pre)
-    _timed(pre, params, ids)
-    (logits, cache), row["prefill_s"] = _timed(pre, params, ids)
-    row["cache_bytes"] = cache.nbytes
-
-    # Device loop: the loop program alone; its shapes do not depend on l.
-    t0 = time.perf_counter()
-    if loop is None:
-      loop = _loop_program.lower(graphdef, params, logits, cache,
-                                 max_new_tokens=new_tokens).compile()
-    row["loop_compile_s"] = time.perf_counter() - t0
-    row["loop_temp_bytes"] = _temp_bytes(loop)
-    _timed(loop, params, logits, cache)
-    t = []
-    for _ in range(repeats):
-      (dev_tokens, _), dt = _timed(loop, params, logits, cache)
-      t.append(dt)
-    row["device_tok_s"] = batch * (new_tokens - 1) / min(t)  # the first token is from prefill
-
-    # Host loop: one jitted step per token, the token read back each time.
-    fresh = lambda: jax.tree.map(jnp.copy, cache)  # the step donates its cache
-    first = jnp.argmax(logits, -1).astype(jnp.int32)
-    _greedy_step_program(graphdef, params, first, fresh())  # compile and warm
-    t = []
-    for _ in range(repeats):
-      tok, c = first, fresh()
-      host = [np.asarray(tok)]
-      t0 = time.perf_counter()
-      for _ in range(host_tokens - 1):
-        tok, c = _greedy_step_program(graphdef, params, tok, c)
-        host.append(np.asarray(tok))  # the per-token host round trip
-      t.append(time.perf_counter() - t0)
-    row["host_tok_s"] = batch * (host_tokens - 1) / min(t)
-    n_cmp = min(host_tokens, new_tokens)
-    row["host_matches_device"] = bool(np.array_equal(np.stack(host, 1)[:, :n_cmp],
-                                                     np.asarray(dev_tokens)[:, :n_cmp]))
-
-    # Recompute: a fixed buffer of l + recompute_tokens positions, one full pass per token.
-    buf = jnp.concatenate([ids, jnp.zeros((batch, recompute_tokens), jnp.int32)], 1)
-    rec = _recompute_program.lower(graphdef, params, buf, jnp.int32(l - 1)).compile()
-    _timed(rec, params, buf, jnp.int32(l - 1))
-    t0 = time.perf_counter()
-    for i in range(recompute_tokens):
-      nxt = rec(params, buf, jnp.int32(l - 1 + i))
-      buf = buf.at[:, l + i].set(nxt)
-      np.asarray(nxt)
-    row["recompute_tok_s"] = batch * recompute_tokens / (time.perf_counter() - t0)
-    row["device_vs_host"] = row["device_tok_s"] / row["host_tok_s"]
-    row["device_vs_recompute"] = row["device_tok_s"] / row["recompute_tok_s"]
-    if log:
-      log(format_row(row))
-    rows.append(row)
-  return rows
-
-
-def format_row(row: dict) -> str:
-  mb = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}MB"
-  return (f"prompt {row['prompt_len']:>6}  device {row['device_tok_s']:8.1f} tok/s  "
-          f"host {row['host_tok_s']:8.1f} tok/s  recompute {row['recompute_tok_s']:8.2f} tok/s  "
-          f"(device/host {row['device_vs_host']:.2f}x, device/recompute "
-          f"{row['device_vs_recompute']:.0f}x)  prefill {row['prefill_s']:.2f}s  "
-          f"cache {mb(row['cache_bytes'])}  prefill scratch {mb(row['prefill_temp_bytes'])}  "
-          f"loop scratch {mb(row['loop_temp_bytes'])}")

@@ -1,9 +1,12 @@
-"""Training metrics: the FLOP count of Mamba-2, MFU, device memory, and the
-writers that put logged values into `metrics.jsonl` and Weights & Biases.
+"""Measures of a run and of a program: the FLOP count of Mamba-2, the one table of
+chip peaks, MFU, XLA's own counts and memory analysis of a compiled program, device
+memory, the one timer, and the writer that puts logged values into
+`metrics.jsonl` and Weights & Biases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -12,83 +15,148 @@ from typing import Any, Mapping
 
 import jax
 
-from mamba_train.config import Mamba2Config
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.runtime import Runtime
 
 
-def forward_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
-  """Matmul FLOPs of one forward pass, per token, as `ssd_chunked` computes them.
-
-  With d d_model, i d_inner, h heads, p headdim, g groups, n d_state, k conv
-  kernel, V padded vocabulary, Q chunk size and c = ceil(seq_len / Q) chunks,
-  per layer:
-    in_proj    2 d (2i + 2gn + h)        out_proj  2 i d
-    conv       2 k (i + 2gn)
-    SSD  1. C.B inside a chunk   2 Q g n     and its product with x   2 Q h p
-         2. chunk end states     2 h p n
-         3. state passing        2 (c+1)^2 h p n / seq_len   (a (c+1) x (c+1) product)
-         4. state -> output      2 h p n
-  plus the LM head 2 d V. The intra-chunk terms grow with Q, the state passing
-  with c: that is the chunk-size trade-off. Q and the form are those the model
-  runs with (`cfg.ssd_plan()`); the scan form passes states elementwise, so term 3
-  is 0 there. Elementwise work (norms, gates, exponentials) and the decays' own
-  small matmuls are left out, as is the convention for MFU.
+def ssd_flops_per_token(h: int, p: int, n: int, g: int, q: int, seq_len: int,
+                        form: str = "parallel") -> float:
+  """Matmul FLOPs of the SSD's forward per token, as `ssd.ssd_chunked` computes them,
+  for h heads of dim p, state n, g groups, chunk q and c = ceil(seq_len / q) chunks:
+    1. C.B inside a chunk   2 q g n     and its product with x   2 q h p
+    2. chunk end states     2 h p n
+    3. state passing        2 (c+1)^2 h p n / seq_len   (a (c+1) x (c+1) product;
+                            the scan form passes states elementwise: 0)
+    4. state -> output      2 h p n
+  The intra-chunk terms grow with q, the state passing with c: that is the chunk
+  size trade-off. The decays' own small matmuls are left out (not the model's).
   """
-  d, i, h, p = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.headdim
-  g, n, k = cfg.ngroups, cfg.d_state, cfg.d_conv
-  form, q = cfg.ssd_plan()
   c = -(-seq_len // q)
+  passing = 2 * (c + 1) ** 2 * h * p * n / seq_len if form == "parallel" else 0.0
+  return 2 * q * g * n + 2 * q * h * p + 2 * h * p * n + passing + 2 * h * p * n
+
+
+def forward_flops_per_token(cfg: Mamba2Config, runtime: Runtime, seq_len: int) -> float:
+  """Matmul FLOPs of one forward pass, per token, as the model computes them with
+  `runtime` (resolved: its form and chunk decide the SSD terms).
+
+  With d d_model, i d_inner, h heads, g groups, n d_state, k conv kernel and V the
+  padded vocabulary, per layer: in_proj 2 d (2i + 2gn + h), out_proj 2 i d, conv
+  2 k (i + 2gn), and the SSD (`ssd_flops_per_token`); plus the LM head 2 d V.
+  Elementwise work (norms, gates, exponentials) is left out, as is the convention
+  for MFU.
+  """
+  d, i, h = cfg.d_model, cfg.d_inner, cfg.nheads
+  g, n, k = cfg.ngroups, cfg.d_state, cfg.d_conv
+  form, q = runtime.ssd_plan(cfg.chunk_size)
   proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
   conv = 2 * k * (i + 2 * g * n)
-  passing = 2 * (c + 1) ** 2 * h * p * n / seq_len if form == "parallel" else 0.0
-  ssd = 2 * q * g * n + 2 * q * h * p + 2 * h * p * n + passing + 2 * h * p * n
+  ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form)
   return cfg.n_layer * (proj + conv + ssd) + 2 * d * cfg.padded_vocab_size
 
 
-def train_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
+def train_flops_per_token(cfg: Mamba2Config, runtime: Runtime, seq_len: int) -> float:
   """Forward plus backward (twice the forward); recomputation under remat is not counted."""
-  return 3.0 * forward_flops_per_token(cfg, seq_len)
+  return 3.0 * forward_flops_per_token(cfg, runtime, seq_len)
 
 
-# Dense bfloat16 peak FLOP/s per device (per chip; per GPU), from vendor data sheets.
-PEAK_FLOPS: dict[str, float] = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
-    "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-    "NVIDIA B200": 2250e12,
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Per-chip datasheet figures: dense bfloat16 FLOP/s, HBM bytes and bytes/s.
+  `kinds` are the `device_kind` prefixes JAX reports for it."""
+  name: str
+  kinds: tuple[str, ...]
+  peak_flops: float
+  hbm_bytes: int
+  hbm_bandwidth: float
+
+
+# Vendor datasheets, per chip (TPU) or per GPU.
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", ("TPU v4",), 275e12, 32 * GIB, 1.2e12),
+    "v5e": Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 819e9),
+    "v5p": Chip("TPU v5p", ("TPU v5p", "TPU v5"), 459e12, 95 * GIB, 2.76e12),
+    "v6e": Chip("TPU v6e", ("TPU v6 lite", "TPU v6e"), 918e12, 32 * GIB, 1.6e12),
+    "a100": Chip("NVIDIA A100", ("NVIDIA A100",), 312e12, 80 * GIB, 2.04e12),
+    "h100": Chip("NVIDIA H100", ("NVIDIA H100",), 989e12, 80 * GIB, 3.35e12),
+    "h200": Chip("NVIDIA H200", ("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12),
+    "b200": Chip("NVIDIA B200", ("NVIDIA B200",), 2250e12, 180 * 10**9, 8e12),
 }
 
-
-# CPUs vary too much for a table; this nominal figure is XLA's float32 matmul
-# rate measured on this project's 2-core dev machine (shared/REFERENCE.md).
+# CPUs vary too much for a table; a nominal float32 matmul rate of a 2-core
+# development machine (shared/REFERENCE.md). Set config.peak_flops for yours.
 CPU_PEAK_FLOPS = 170e9
 
 
+def chip_of(device: jax.Device) -> Chip | None:
+  """The table entry whose `kinds` start the device's kind (longest match), or None."""
+  kind = getattr(device, "device_kind", "")
+  matches = [(len(k), c) for c in CHIPS.values() for k in c.kinds if kind.startswith(k)]
+  return max(matches, key=lambda m: m[0])[1] if matches else None
+
+
 def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | None:
-  """The override if positive, else the table entry whose name starts the device
-  kind, else CPU_PEAK_FLOPS on a CPU, else None (MFU is then not reported)."""
+  """The override if positive, else the chip table's peak, else CPU_PEAK_FLOPS on
+  a CPU, else None (MFU is then not reported)."""
   if override and override > 0:
     return float(override)
-  kind = getattr(device, "device_kind", "")
-  for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-    if kind.startswith(name):
-      return PEAK_FLOPS[name]
+  chip = chip_of(device)
+  if chip is not None:
+    return chip.peak_flops
   if device.platform == "cpu":
     return CPU_PEAK_FLOPS
   return None
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_per_device: float | None,
-        num_devices: int) -> float | None:
+        num_devices: int = 1) -> float | None:
+  """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak."""
   if not peak_per_device:
     return None
   return tokens_per_sec * flops_per_token / (peak_per_device * num_devices)
+
+
+def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float, bandwidth: float) -> dict:
+  """The time a program needs at the peaks: the larger of its compute and memory times."""
+  t_compute, t_memory = flops / peak_flops, bytes_accessed / bandwidth
+  return {"compute_s": t_compute, "memory_s": t_memory, "time_s": max(t_compute, t_memory),
+          "bound": "compute" if t_compute >= t_memory else "memory",
+          "intensity": flops / max(bytes_accessed, 1.0)}
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+  """Bytes of a compiled program from XLA's memory analysis: arguments, outputs,
+  temporaries (scratch), aliased (outputs written into donated inputs), and the
+  peak estimate arguments + outputs + temporaries - aliased."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - backends without the analysis
+    return None
+  if m is None:
+    return None
+  out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+         "generated_code_bytes": int(m.generated_code_size_in_bytes)}
+  out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                       - out["alias_bytes"])
+  return out
+
+
+def compiled_cost(compiled) -> dict[str, float]:
+  """XLA's own FLOP and byte counts of a compiled program (empty if unavailable).
+  XLA counts a scanned (while-loop) body once, whatever its trip count: scale the
+  body by the trip count, or count an unrolled copy, before calling them totals."""
+  try:
+    c = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001
+    return {}
+  if isinstance(c, (list, tuple)):
+    c = c[0] if c else {}
+  c = c or {}
+  return {k: float(c[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in c}
 
 
 def memory_stats(device: jax.Device) -> dict[str, float]:
@@ -131,10 +199,6 @@ class MetricsWriter:
           mode=wandb_cfg["mode"], project=wandb_cfg["project"], name=wandb_cfg["name"] or None,
           dir=workdir, config=dict(run_config), resume="allow")
 
-  @property
-  def wandb_dir(self) -> str | None:
-    return None if self._wandb is None else os.path.dirname(self._wandb.dir)
-
   def write(self, step: int, values: Mapping[str, Any]) -> None:
     if not self.is_main:
       return
@@ -154,12 +218,25 @@ class MetricsWriter:
 
 
 class Timer:
-  """`with Timer() as t: ...` then `t.seconds`."""
+  """Wall and process-CPU seconds: `with Timer() as t: ...` then `t.seconds` and
+  `t.cpu_seconds`; or `t = Timer()` and read `t.elapsed` as it runs."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    self._t0, self._c0 = time.perf_counter(), time.process_time()
+    self.seconds = self.cpu_seconds = 0.0
+
+  @property
+  def elapsed(self) -> float:
+    return time.perf_counter() - self._t0
 
   def __enter__(self):
-    self._t0, self.seconds = time.perf_counter(), 0.0
+    self.reset()
     return self
 
   def __exit__(self, *exc):
-    self.seconds = time.perf_counter() - self._t0
+    self.seconds = self.elapsed
+    self.cpu_seconds = time.process_time() - self._c0
     return False

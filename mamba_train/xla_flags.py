@@ -1,18 +1,17 @@
-"""XLA:CPU defaults this package applies on import (before JAX starts a backend).
+"""The XLA:CPU default that mamba_train's entry points apply before JAX starts
+a backend (train.py, scripts/, benchmarks/ and the test suite call
+`apply_cpu_defaults` first; importing the library changes nothing).
 
-jaxlib 0.10's XLA:CPU hands matmuls and the elementwise/reduction work around them
-to YNNPACK fusions by default. For Mamba-2 that is slower: on a 2-core AVX2 host
-(EPYC Zen 3) turning the fusions off made the 130m train step 1.35x faster (MFU
-40% -> 57% of the measured matmul rate), the tiny one 1.2x and the SSD's
-forward+backward 1.3x, while a plain 2048^3 matmul runs at the same rate either
-way (scripts/bench.py; docs/bench/results.md). The YNN fusions also crashed
+jaxlib's XLA:CPU hands matmuls and the elementwise and reduction work around them
+to YNNPACK fusions by default. For Mamba-2 turning them off is faster: train
+steps and the SSD gain while a plain matmul runs at the same rate either way
+(docs/bench/design_notes.md has the figures). The YNN fusions also crashed
 (SIGSEGV) running one SSD gradient in testing. The flag only touches the CPU
 backend; GPUs and TPUs are unaffected.
 
 Not applied when XLA_FLAGS already sets xla_cpu_experimental_ynn_fusion_type
 (yours wins) or MAMBA_TRAIN_KEEP_XLA_FLAGS=1. It cannot apply once JAX has
-created its CPU backend (import mamba_train before running any JAX computation,
-as train.py and scripts/ do).
+created its CPU backend: call it before running any JAX computation.
 """
 
 import os

@@ -15,7 +15,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from absl import app, flags
+from mamba_train.xla_flags import apply_cpu_defaults
+
+apply_cpu_defaults()  # before JAX starts its CPU backend
+
+from absl import app, flags  # noqa: E402
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
 _OUT = flags.DEFINE_string("out", None, "Output directory (must not exist or be empty).")
@@ -23,9 +27,6 @@ _FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm"], "Output layout.
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight dtype on disk.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
-
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-
 
 def find_tokenizer(ckpt: Path) -> Path | None:
   for d in [ckpt, *ckpt.parents][:4]:
@@ -35,21 +36,21 @@ def find_tokenizer(ckpt: Path) -> Path | None:
 
 
 def eos_of(tokenizer_file: Path) -> tuple[str | None, int | None]:
-  from tokenizers import Tokenizer
-  tok = Tokenizer.from_file(str(tokenizer_file))
-  for name in EOS_NAMES:
-    i = tok.token_to_id(name)
-    if i is not None:
-      return name, i
-  return None, None
+  """The tokenizer's end-of-text token and id, found as data preparation finds it."""
+  from mamba_train.data.tokenizer import load_tokenizer
+  try:
+    info = load_tokenizer(str(tokenizer_file))
+  except ValueError:  # no end-of-text token: the export has none either
+    return None, None
+  return info.tokenizer.id_to_token(info.eos_id), info.eos_id
 
 
 def main(argv):
   del argv
   if not _CKPT.value or not _OUT.value:
     sys.exit("export.py needs --checkpoint and --out (see --help)")
-  from mamba_train import export
-  from mamba_train.load import load_model
+  from mamba_train.interop import export
+  from mamba_train.interop.load import load_model
 
   ckpt = Path(_CKPT.value)
   model = load_model(ckpt)

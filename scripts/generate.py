@@ -13,12 +13,16 @@ program's run time (prefill included), and the compile time is reported apart.
 """
 
 import os
-import time
 
-from absl import app, flags
+from mamba_train.xla_flags import apply_cpu_defaults
 
-import mamba_train
-from mamba_train.generate import MAX_PROMPT_LEN, generate_with_stats
+apply_cpu_defaults()  # before JAX starts its CPU backend
+
+from absl import app, flags  # noqa: E402
+
+import mamba_train  # noqa: E402
+from mamba_train.generate import MAX_PROMPT_LEN, generate_with_stats  # noqa: E402
+from mamba_train.metrics import Timer  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Model directory (transformers, mamba_ssm, ...).",
                              required=True)
@@ -64,9 +68,9 @@ def main(argv):
   if _IGNORE_EOS.value:
     eos = None
 
-  t0 = time.perf_counter()
-  model = mamba_train.load_model(_MODEL.value)
-  print(f"loaded {_MODEL.value} in {time.perf_counter() - t0:.1f}s: {model.config}")
+  with Timer() as t:
+    model = mamba_train.load_model(_MODEL.value)
+  print(f"loaded {_MODEL.value} in {t.seconds:.1f}s: {model.config}, {model.runtime}")
   try:
     out, stats = generate_with_stats(
         model, ids, _MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,

@@ -11,9 +11,13 @@
 Rerunning with the same inputs returns at once; --force rebuilds.
 """
 
-from absl import app, flags, logging
+from mamba_train.xla_flags import apply_cpu_defaults
 
-from mamba_train import data
+apply_cpu_defaults()  # before JAX starts its CPU backend
+
+from absl import app, flags, logging  # noqa: E402
+
+from mamba_train import data  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Files, directory, glob or hub dataset name.")
 _NAME = flags.DEFINE_string("name", None, "Output directory name under --root.")

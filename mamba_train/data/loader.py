@@ -22,7 +22,6 @@ import functools
 import logging
 import math
 import os
-import time
 
 import grain
 import numpy as np
@@ -196,29 +195,3 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   raise ValueError(
       f"{where!r} was tokenized with {metadata['tokenizer']!r} but the config names "
       f"tokenizer {tokenizer!r}; prepare the data with that tokenizer or change the config.")
-
-
-def to_global(batch: dict, mesh, partition_spec):
-  """Assembles each process's rows into globally sharded jax.Arrays.
-
-  Process p holds global rows [p*b, (p+1)*b), as the loaders hand them out, so
-  the global batch equals the one a single process would load.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  sharding = jax.sharding.NamedSharding(mesh, partition_spec)
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
-
-
-def loader_throughput(data_dir: str, seq_len: int = 2048, batch: int = 8,
-                      seconds: float = 5.0, worker_count: int = 0, num_threads: int = 2) -> float:
-  """Tokens (input positions) per second the train loader delivers to one process."""
-  it = make_train_loader(data_dir, seq_len=seq_len, global_batch_size=batch, seed=0,
-                         worker_count=worker_count, num_threads=num_threads)
-  try:
-    next(it)  # Start-up (threads, workers, first page faults) is not throughput.
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-      n += next(it)["input_ids"].size
-    return n / (time.perf_counter() - start)
-  finally:
-    it.close()  # Stops worker processes and frees their shared memory now, not at exit.

@@ -23,8 +23,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from mamba_train import convert
-from mamba_train.model import Mamba2LM
+from mamba_train.interop import convert
+from mamba_train.model.mamba2 import Mamba2LM
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -53,15 +53,10 @@ def _cast(sd: dict, dtype: str) -> dict:
 
 
 def _tokenizer_files(dst: Path, tokenizer_file: Path, eos_token: str | None):
-  """tokenizer.json plus the two small files AutoTokenizer looks for."""
+  """tokenizer.json plus the small files AutoTokenizer looks for."""
   shutil.copy(tokenizer_file, dst / "tokenizer.json")
-  cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000}
-  if eos_token:
-    cfg.update(eos_token=eos_token, bos_token=eos_token, unk_token=eos_token, pad_token=eos_token)
-  (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-  if eos_token:
-    special = {k: eos_token for k in ("eos_token", "bos_token", "unk_token", "pad_token")}
-    (dst / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+  for name, contents in convert.hf_tokenizer_files(eos_token).items():
+    (dst / name).write_text(json.dumps(contents, indent=2))
 
 
 def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None,
@@ -72,11 +67,11 @@ def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None
   # The true vocabulary: transformers then never samples a padding row.
   sd = _cast(convert.params_to_state_dict(model.params(), cfg, "hf", vocab_rows=cfg.vocab_size), dtype)
   hf_cfg = convert.ours_to_hf_config(cfg, vocab_rows=cfg.vocab_size, eos_token_id=eos_token_id,
-                                     bos_token_id=eos_token_id, pad_token_id=eos_token_id)
-  hf_cfg["torch_dtype"] = dtype
+                                     bos_token_id=eos_token_id, pad_token_id=eos_token_id,
+                                     dtype=dtype)
   with _atomic_dir(Path(out), overwrite) as tmp:
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    save_file(sd, str(tmp / convert.HF_WEIGHTS), metadata={"format": "pt"})
+    (tmp / convert.CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
     if tokenizer_file:
       _tokenizer_files(tmp, Path(tokenizer_file), eos_token)
   return Path(out)
@@ -95,10 +90,10 @@ def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: b
   for k, v in sd.items():
     t = torch.from_numpy(np.asarray(v, np.float32)) if dtype == "bfloat16" else torch.from_numpy(v)
     tensors[k] = t.to(torch_dtype).contiguous()
-  # The tied head is the embedding itself in mamba_ssm's state dict.
-  if cfg.tie_embeddings:
-    tensors["lm_head.weight"] = tensors["backbone.embedding.weight"]
+  # Tied names share one tensor, as in the released checkpoints.
+  for alias, source in convert.tied_aliases(cfg, "mamba_ssm").items():
+    tensors[alias] = tensors[source]
   with _atomic_dir(Path(out), overwrite) as tmp:
-    torch.save(tensors, tmp / "pytorch_model.bin")
-    (tmp / "config.json").write_text(json.dumps(convert.ours_to_mamba_ssm_config(cfg), indent=2))
+    torch.save(tensors, tmp / convert.MAMBA_SSM_WEIGHTS)
+    (tmp / convert.CONFIG_FILE).write_text(json.dumps(convert.ours_to_mamba_ssm_config(cfg), indent=2))
   return Path(out)

@@ -1,7 +1,10 @@
-"""The model's own config: small, frozen and typed, built once at the entry point.
+"""The architecture: what the weights are. Small, frozen and typed, built once at
+the entry point.
 
 Field names follow mamba_ssm (d_model, n_layer, d_state, ...). Derived sizes
-(d_inner, nheads, padded vocabulary) are properties, never configured.
+(d_inner, nheads, padded vocabulary) are properties, never configured. How the
+model runs on a machine (compute dtype, remat, SSD form and chunk caps) is not here:
+see `runtime.Runtime`.
 """
 
 from __future__ import annotations
@@ -9,13 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-_COMPUTE_DTYPES = ("float32", "bfloat16")
-_REMAT = ("none", "full", "save_matmuls")
-_SSD_FORMS = ("auto", "scan", "parallel")
-# Fields that steer how the model runs, not its weights: a checkpoint restores
-# across them, and resuming a run may change them.
-RUNTIME_FIELDS = ("compute_dtype", "remat", "chunk_size", "ssd_form", "scan_chunk_size",
-                  "parallel_chunk_size")
+# Fields on which no parameter depends: a checkpoint restores across them.
+NOT_IN_WEIGHTS = ("chunk_size",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +26,9 @@ class Mamba2Config:
   expand: int = 2
   headdim: int = 64
   ngroups: int = 1
+  # The chunk of the SSD's block decomposition, as mamba_ssm and transformers
+  # record it. Every chunk size computes the same function, so no parameter
+  # depends on it; the runtime may cap it (`runtime.Runtime`).
   chunk_size: int = 256
   dt_min: float = 0.001
   dt_max: float = 0.1
@@ -37,32 +38,13 @@ class Mamba2Config:
   norm_eps: float = 1e-5
   pad_vocab_size_multiple: int = 16
   tie_embeddings: bool = True
-  # Precision and memory: parameters are always float32; these steer the matmuls
-  # and what the backward pass recomputes.
-  compute_dtype: str = "float32"
-  remat: str = "none"
-  # How the SSD combines chunks (mamba_train.ssd.ssd_chunked): 'parallel' (every
-  # chunk at once, for GPUs/TPUs), 'scan' (chunk by chunk, ~2x faster on CPU) or
-  # 'auto' (scan on CPU, parallel elsewhere). The scan form runs at
-  # scan_chunk_size (if smaller than chunk_size): its work per token grows with
-  # the chunk and it gains nothing from longer ones (64 is ~2x faster than 256 on
-  # CPU). The parallel form runs at parallel_chunk_size (if smaller): its (t, s)
-  # decay and score stacks grow with the chunk and its state passing with the
-  # number of chunks, and 128 balances them: on an H200 the 130m and 1.3b forward
-  # ran 1.5x faster than at 256 (docs/bench/gpu.md), and for a TPU v6e XLA counts
-  # 23% fewer bytes for the 2.7b forward at l=4096 (64 counts 50% more than 256).
-  # None of these changes the math, only the rounding.
-  ssd_form: str = "auto"
-  scan_chunk_size: int = 64
-  parallel_chunk_size: int = 128
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
     object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
     problems = []
     for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand",
-                 "headdim", "ngroups", "chunk_size", "pad_vocab_size_multiple", "scan_chunk_size",
-                 "parallel_chunk_size"):
+                 "headdim", "ngroups", "chunk_size", "pad_vocab_size_multiple"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         problems.append(f"{name} must be a positive integer, got {v!r}")
@@ -77,12 +59,6 @@ class Mamba2Config:
       problems.append(f"dt_limit must be (low, high) with 0 <= low < high, got {self.dt_limit}")
     if not 0.0 < self.dt_min <= self.dt_max:
       problems.append(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
-    if self.compute_dtype not in _COMPUTE_DTYPES:
-      problems.append(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype!r}")
-    if self.remat not in _REMAT:
-      problems.append(f"remat must be one of {_REMAT}, got {self.remat!r}")
-    if self.ssd_form not in _SSD_FORMS:
-      problems.append(f"ssd_form must be one of {_SSD_FORMS}, got {self.ssd_form!r}")
     if problems:
       raise ValueError("Invalid Mamba2Config: " + "; ".join(problems))
 
@@ -102,13 +78,6 @@ class Mamba2Config:
   def padded_vocab_size(self) -> int:
     m = self.pad_vocab_size_multiple
     return -(-self.vocab_size // m) * m
-
-  def ssd_plan(self) -> tuple[str, int]:
-    """(form, chunk) the SSD runs with on the current default backend."""
-    from mamba_train.ssd import default_form  # ssd imports nothing from the package
-    form = default_form() if self.ssd_form == "auto" else self.ssd_form
-    cap = self.scan_chunk_size if form == "scan" else self.parallel_chunk_size
-    return form, min(self.chunk_size, cap)
 
   def replace(self, **kw) -> "Mamba2Config":
     return dataclasses.replace(self, **kw)

@@ -18,9 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mamba_train import sharding
-from mamba_train.config import Mamba2Config
-from mamba_train.model import zero_state
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import zero_state
+from mamba_train.parallel import sharding
 
 Array = jax.Array
 
@@ -57,10 +57,6 @@ class Mamba2Cache:
   def states(self) -> dict[str, Array]:
     """As the stacked states dict that `Mamba2LM.backbone` / `step` take."""
     return {"conv_x": self.conv_x, "conv_bc": self.conv_bc, "ssm": self.ssm}
-
-  @property
-  def batch_size(self) -> int:
-    return self.ssm.shape[1]
 
   @property
   def nbytes(self) -> int:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from mamba_train.config import Mamba2Config
-from mamba_train.mesh import resolve_mesh_shape
-from mamba_train.optim import SCHEDULES, STATE_DTYPES
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.runtime import Runtime
+from mamba_train.parallel.mesh import resolve_mesh_shape
+from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
 
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("synthetic", "corpus")
@@ -30,7 +31,7 @@ def _unknown_keys(config: Mapping, reference: Mapping, prefix: str = "") -> list
   for key, value in config.items():
     if key not in reference:
       out.append(prefix + key)
-    elif key != "model" and isinstance(value, Mapping) and isinstance(reference[key], Mapping):
+    elif key not in ("model", "runtime") and isinstance(value, Mapping) and isinstance(reference[key], Mapping):
       out += _unknown_keys(value, reference[key], f"{prefix}{key}.")
   return out
 
@@ -43,9 +44,17 @@ def model_config(config) -> Mamba2Config:
     raise ConfigError(f"config.model: {e}") from None
 
 
+def runtime(config) -> Runtime:
+  """How the model runs, from `config.runtime` (not yet resolved for a backend)."""
+  try:
+    return Runtime.from_dict(_to_dict(config["runtime"]))
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.runtime: {e}") from None
+
+
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
   """Raise ConfigError listing every problem found; return the resolved pieces:
-  {'model': Mamba2Config, 'mesh': {'data', 'fsdp', 'tensor'}}."""
+  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'tensor'}}."""
   cfg = _to_dict(config)
   problems = []
   if reference is not None:
@@ -58,6 +67,11 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   model = None
   try:
     model = model_config(cfg)
+  except ConfigError as e:
+    problems.append(str(e))
+  rt = None
+  try:
+    rt = runtime(cfg)
   except ConfigError as e:
     problems.append(str(e))
   mesh = None
@@ -90,4 +104,4 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
   if problems:
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
-  return {"model": model, "mesh": mesh}
+  return {"model": model, "runtime": rt, "mesh": mesh}

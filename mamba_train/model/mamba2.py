@@ -6,7 +6,7 @@ run with `jax.lax.scan`, so compile time does not grow with depth. The per-layer
 math is written as pure functions of a dict of that layer's arrays.
 
 Precision policy: parameters float32; the three projections and the LM head run
-in `config.compute_dtype` with float32 accumulation and float32 results; the
+in the runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32 results; the
 residual stream, dt / A / decay, convolution, norms and logits are float32.
 
 Shapes: b batch, l length, d d_model, i d_inner (= h * p), h heads, p headdim,
@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_train import sharding
-from mamba_train.config import Mamba2Config
-from mamba_train.ssd import ssd_chunked, ssd_step
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.runtime import Runtime
+from mamba_train.model.ssd import ssd_chunked, ssd_step
+from mamba_train.parallel import sharding
 
 F32 = jnp.float32
 Array = jax.Array
@@ -166,8 +167,8 @@ def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
   }
 
 
-def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
-  """The Mamba-2 mixer over a sequence.
+def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None):
+  """The Mamba-2 mixer over a sequence, run as `rt` (a resolved runtime) says.
 
   u: (b, l, d) float32. seq_idx: (b, l) document ids. mask: (b, l) bool, False on
   padding: there the conv input and dt are zero, so padding cannot touch the
@@ -175,7 +176,7 @@ def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
   Returns (b, l, d) float32 and the layer state after the last position.
   """
   b, l, _ = u.shape
-  cd = jnp.dtype(cfg.compute_dtype)
+  cd = jnp.dtype(rt.compute_dtype)
   z, xr, bc, dt_raw = _project_in(p, u, cd)
   if state is None:
     state = zero_state(cfg, b)
@@ -190,7 +191,7 @@ def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
     dt = jnp.where(mask[..., None], dt, 0.0)
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
-  form, chunk = cfg.ssd_plan()
+  form, chunk = rt.ssd_plan(cfg.chunk_size)
   y, ssm = ssd_chunked(
       x.astype(cd), dt, A,
       bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n),
@@ -199,10 +200,10 @@ def mixer(p, u, cfg: Mamba2Config, *, seq_idx=None, mask=None, state=None):
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
-def mixer_step(p, u, cfg: Mamba2Config, state):
+def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state."""
   b = u.shape[0]
-  cd = jnp.dtype(cfg.compute_dtype)
+  cd = jnp.dtype(rt.compute_dtype)
   z, xr, bc, dt_raw = _project_in(p, u, cd)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
@@ -215,15 +216,15 @@ def mixer_step(p, u, cfg: Mamba2Config, state):
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
-def block(p, h, cfg, **kw):
+def block(p, h, cfg, rt, **kw):
   """Pre-norm residual block: h + mixer(rmsnorm(h)); the residual stays float32."""
-  out, state = mixer(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, **kw)
+  out, state = mixer(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, **kw)
   return h + out, state
 
 
-def block_step(p, h, cfg, state):
+def block_step(p, h, cfg, rt, state):
   """`block` for one position (h: (b, d)), from and to a layer state."""
-  out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, state)
+  out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, state)
   return h + out, state
 
 
@@ -256,10 +257,15 @@ def _init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
 
 
 class Mamba2LM(nnx.Module):
-  """Mamba-2 language model. `model(input_ids) -> logits (b, l, vocab_size)` in float32."""
+  """Mamba-2 language model. `model(input_ids) -> logits (b, l, vocab_size)` in float32.
 
-  def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
+  `config` is the architecture; `runtime` how it runs (default `Runtime()`), resolved
+  for JAX's default backend unless the caller resolved it for another target.
+  """
+
+  def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs, runtime: Runtime | None = None):
     self.config = config
+    self.runtime = (runtime or Runtime()).resolve()
     init = _init_params(config, rngs.params())
     self.embedding = _param(init["embedding"], ("vocab", "embed"))
     self.layers = nnx.Dict({name: _param(init["layers"][name], ("layers",) + axes)
@@ -282,7 +288,7 @@ class Mamba2LM(nnx.Module):
   def logits(self, h):
     """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows dropped)."""
     cfg = self.config
-    cd = jnp.dtype(cfg.compute_dtype)
+    cd = jnp.dtype(self.runtime.compute_dtype)
     h = rms_norm(h, self.norm_f.get_value(), cfg.norm_eps)
     out = jnp.einsum("...d,vd->...v", h.astype(cd), self.head_weight().astype(cd),
                      preferred_element_type=F32)
@@ -291,7 +297,7 @@ class Mamba2LM(nnx.Module):
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
     final norm, and the per-layer states stacked over layers."""
-    cfg = self.config
+    cfg, rt = self.config, self.runtime
     h = sharding.constrain(self.embed(input_ids), ("batch", "act_length", "act_embed"))
     b = input_ids.shape[0]
     if states is None:
@@ -299,11 +305,11 @@ class Mamba2LM(nnx.Module):
 
     def body(h, xs):
       p, state = xs
-      h, state = block(p, h, cfg, seq_idx=seq_idx, mask=mask, state=state)
+      h, state = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=state)
       return sharding.constrain(h, ("batch", "act_length", "act_embed")), state
 
-    if cfg.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    if rt.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
     h, states = jax.lax.scan(body, h, (self.layer_params(), states))
     return h, states
 
@@ -312,11 +318,11 @@ class Mamba2LM(nnx.Module):
     states stacked over layers as `backbone` returns them. Returns the residual
     stream (b, d) before the final norm and the new states. Never goes through
     the chunked scan, so a step costs the same at any context length."""
-    cfg = self.config
+    cfg, rt = self.config, self.runtime
 
     def body(h, xs):
       p, state = xs
-      return block_step(p, h, cfg, state)
+      return block_step(p, h, cfg, rt, state)
 
     return jax.lax.scan(body, self.embed(input_ids), (self.layer_params(), states))
 
@@ -331,13 +337,13 @@ class Mamba2LM(nnx.Module):
     Decoding is memory-bound: each step reads every weight once. Inside a layer
     scan XLA:CPU first copies the layer's slice of each stacked weight, then
     multiplies, so a step moves the weights twice or more. The decode loop
-    unstacks the weights once, before it starts, and runs this: 2x (130m) to 7x
-    (tiny) tokens/s on CPU. Compile time grows with depth instead (~12 s at 130m).
+    unstacks the weights once, before it starts, and runs this; compile time grows
+    with depth instead (figures: docs/bench/design_notes.md).
     """
-    cfg = self.config
+    cfg, rt = self.config, self.runtime
     h, new = self.embed(input_ids), []
     for p, state in zip(layers, states):
-      h, state = block_step(p, h, cfg, state)
+      h, state = block_step(p, h, cfg, rt, state)
       new.append(state)
     return h, new
 
@@ -355,14 +361,13 @@ class Mamba2LM(nnx.Module):
     return out
 
   @classmethod
-  def from_params(cls, config: Mamba2Config, params: dict[str, Any]) -> "Mamba2LM":
+  def from_params(cls, config: Mamba2Config, params: dict[str, Any],
+                  runtime: Runtime | None = None) -> "Mamba2LM":
     """Build a model holding `params` (as `params()` returns them) without a random init."""
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-    expected = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), model.params())
-    got = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(F32)), params)
-    if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-      bad = _describe_mismatch(expected, got)
-      raise ValueError(f"Parameters do not match the model config: {bad}")
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), runtime=runtime))
+    bad = shape_problems(param_shapes(model.params()), param_shapes(params))
+    if bad:
+      raise ValueError(f"Parameters do not match the model config: {'; '.join(bad)}")
     model.embedding.set_value(jnp.asarray(params["embedding"], F32))
     model.norm_f.set_value(jnp.asarray(params["norm_f"], F32))
     for name in BLOCK_PARAM_AXES:
@@ -372,17 +377,22 @@ class Mamba2LM(nnx.Module):
     return model
 
 
-def _describe_mismatch(expected, got) -> str:
-  flat_e = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: isinstance(x, tuple))[0])
-  flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: isinstance(x, tuple))[0])
-  name = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+def param_shapes(tree) -> dict[str, tuple[int, ...]]:
+  """{'layers/A_log': shape, ...}: every array-like leaf of a parameter tree by its path."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+  return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(v.shape)
+          for path, v in flat}
+
+
+def shape_problems(wanted: dict[str, tuple], got: dict[str, tuple]) -> list[str]:
+  """Every parameter whose shape in `got` differs from `wanted`, or that one side lacks."""
   msgs = []
-  for path in sorted(set(flat_e) | set(flat_g), key=name):
-    e, g = flat_e.get(path), flat_g.get(path)
-    if e is None:
-      msgs.append(f"unexpected {name(path)}")
+  for name in sorted(set(wanted) | set(got)):
+    w, g = wanted.get(name), got.get(name)
+    if w is None:
+      msgs.append(f"unexpected {name}")
     elif g is None:
-      msgs.append(f"missing {name(path)} (expected shape {e[0]})")
-    elif e[0] != g[0]:
-      msgs.append(f"{name(path)}: shape {g[0]}, expected {e[0]}")
-  return "; ".join(msgs) or "structure differs"
+      msgs.append(f"missing {name} (expected shape {w})")
+    elif w != g:
+      msgs.append(f"{name}: shape {g}, expected {w}")
+  return msgs

@@ -15,7 +15,13 @@ from typing import Callable
 
 import numpy as np
 
-from mamba_train.config import Mamba2Config
+from mamba_train.model.config import Mamba2Config
+
+# The files of the outside layouts.
+CONFIG_FILE = "config.json"
+HF_WEIGHTS = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded safetensors: name -> file
+MAMBA_SSM_WEIGHTS = "pytorch_model.bin"
 
 
 @dataclass(frozen=True)
@@ -160,9 +166,19 @@ def params_to_state_dict(params: dict, cfg: Mamba2Config, layout: str, *,
           codec.to_outside(tuple(layers[n][i] for n in ours), cfg))
   if not cfg.tie_embeddings:
     sd[top["lm_head"]] = np.asarray(params["lm_head"])[:rows]
-  elif layout == "mamba_ssm":
-    sd[top["lm_head"]] = sd[top["embedding"]]  # mamba_ssm stores the tied copy
+  else:
+    for alias, source in tied_aliases(cfg, layout).items():
+      sd[alias] = sd[source]
   return sd
+
+
+def tied_aliases(cfg: Mamba2Config, layout: str) -> dict[str, str]:
+  """{name: the name whose tensor it is}: outside names that hold another's tensor.
+  mamba_ssm's state dict stores the tied LM head as the embedding itself."""
+  if layout == "mamba_ssm" and cfg.tie_embeddings:
+    top = {v: k for k, v in TOP_TABLE[layout].items()}
+    return {top["lm_head"]: top["embedding"]}
+  return {}
 
 
 # ----------------------------------------------------------------------------
@@ -207,7 +223,7 @@ def hf_config_to_ours(hf: dict) -> Mamba2Config:
 
 def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
                       eos_token_id: int | None = None, bos_token_id: int | None = None,
-                      pad_token_id: int | None = None) -> dict:
+                      pad_token_id: int | None = None, dtype: str = "float32") -> dict:
   lo, hi = cfg.dt_limit
   return {
       "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -222,7 +238,7 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
       "residual_in_fp32": True, "rms_norm": True, "use_bias": False, "use_conv_bias": True,
       "hidden_act": "silu", "norm_before_gate": False, "rescale_prenorm_residual": False,
       "eos_token_id": eos_token_id, "bos_token_id": bos_token_id, "pad_token_id": pad_token_id,
-      "torch_dtype": "float32",
+      "torch_dtype": dtype,
   }
 
 
@@ -269,6 +285,26 @@ def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
           "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
           "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple,
           "tie_embeddings": cfg.tie_embeddings}
+
+
+def config_layout(outside: dict) -> str | None:
+  """'mamba_ssm' or 'hf' for an outside config.json's contents, None for neither."""
+  if "ssm_cfg" in outside or "d_model" in outside:
+    return "mamba_ssm"
+  if outside.get("model_type") == "mamba2" or "hidden_size" in outside:
+    return "hf"
+  return None
+
+
+def hf_tokenizer_files(eos_token: str | None) -> dict[str, dict]:
+  """The two small files beside tokenizer.json that transformers' AutoTokenizer reads."""
+  files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                     "model_max_length": 1_000_000_000}}
+  if eos_token:
+    special = {k: eos_token for k in ("eos_token", "bos_token", "unk_token", "pad_token")}
+    files["tokenizer_config.json"].update(special)
+    files["special_tokens_map.json"] = special
+  return files
 
 
 def read_json(path) -> dict:

@@ -72,9 +72,8 @@ def _pad_to_chunks(x, pad, value=0):
 
 def _segsums_matmul(a):
   """_segsums by one matmul with a constant 0/1 matrix: O(t^3) FLOPs, but on the
-  matrix units, and the fewest bytes: what the parallel form uses on accelerators
-  (for the 2.7b forward at chunk 256 on a TPU v6e, XLA counts 2.2 GB per layer
-  against 8.3 GB for the two-level form, at 3x its FLOPs: v6e is memory-bound)."""
+  matrix units, and the fewest bytes: what the parallel form uses on accelerators,
+  which are memory-bound here (XLA's counts: docs/bench/design_notes.md)."""
   q = a.shape[-1]
   upto = a[..., None, :] * jnp.tril(jnp.ones((q, q), a.dtype))  # (..., t, k): a_k for k <= t
   after = jnp.tril(jnp.ones((q, q), a.dtype), -1)  # (k, s): k > s
@@ -93,11 +92,11 @@ def _segsums(a, two_level: bool = True, block: int = 16):
   levels keep it cheap: blocks of `block` steps get their sums from a small matmul
   (`_segsums_matmul`), and an entry spanning blocks S < T adds three partial sums:
   the rest of block S, the whole blocks between, the start of block T. The masked
-  cumsum of `segsum` is a log-depth chain of (t, t) elementwise passes on CPU
-  (the SSD was 1.1-1.2x slower with it at chunk 64, more at longer chunks); one
-  t x t matmul (`_segsums_matmul`, what two_level=False runs) costs O(t^3), 3 MFLOP
-  a token per layer at chunk 256 (h 24). HIGHEST precision: TPUs (bfloat16
-  passes) and GPUs (TF32) would otherwise round the decays.
+  cumsum of `segsum` is a log-depth chain of (t, t) elementwise passes on CPU,
+  slower than these matmuls (docs/bench/design_notes.md); one t x t matmul
+  (`_segsums_matmul`, what two_level=False runs) costs O(t^3) FLOPs, which grow
+  with the chunk. HIGHEST precision: TPUs (bfloat16 passes) and GPUs (TF32) would
+  otherwise round the decays.
   """
   q = a.shape[-1]
   if not two_level or q <= 4 * block or q % block:
@@ -161,13 +160,8 @@ def _state_out(C, state, cs, keep_in=None):
   return y * decay_in[..., None]
 
 
-def default_form() -> str:
-  """'scan' on CPU, 'parallel' on accelerators (see `ssd_chunked`)."""
-  return "scan" if jax.default_backend() == "cpu" else "parallel"
-
-
 def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
-                form: str | None = None):
+                form: str = "parallel"):
   """Chunked SSD scan.
 
   Args:
@@ -185,9 +179,9 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
       'parallel' computes every chunk at once and passes the states between
       chunks as one (c x c) masked product: most parallelism, for GPUs and TPUs;
       'scan' walks the chunks with `lax.scan`, carrying the state, so each step's
-      (t, s) intermediates stay in cache: ~2x faster on CPU, where memory traffic
+      (t, s) intermediates stay in cache: faster on CPU, where memory traffic
       dominates. Both recompute the (t, s) terms in the backward pass (remat)
-      instead of storing them. None picks `default_form()`.
+      instead of storing them. The caller picks (`runtime.default_form`).
 
   Returns:
     y: (b, l, h, p) in x's dtype, and the final state (b, h, p, n) in float32
@@ -197,7 +191,6 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
   g, n = B.shape[-2:]
   if h % g:
     raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
-  form = form or default_form()
   if form not in ("parallel", "scan"):
     raise ValueError(f"form must be 'parallel' or 'scan', got {form!r}")
   r = h // g
@@ -254,9 +247,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
   else:
     # One matmul per segment-sum matrix: the parallel form is for matrix units.
     # Remat, as in the scan form: the backward pass recomputes the (c, b, h, t, s)
-    # decay and score stacks from the chunk inputs instead of storing them. Stored,
-    # they took the 130m train step at 2 x 2048 tokens from 15.5 to 24.1 GiB of
-    # scratch (XLA's count on CPU), and at 16 x 2048 it did not fit an H200 (159 GiB).
+    # decay and score stacks from the chunk inputs instead of storing them: stored,
+    # they dominate a train step's memory (docs/bench/design_notes.md).
     terms = jax.checkpoint(functools.partial(_chunk_terms, two_level=False))
     y, states, cs = terms(xc, dtc, ac, Bc, Cc, same)  # leading (c, b)
     # State passing between chunks (the only sequential part, as a (c+1) x (c+1)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from mamba_train.sharding import MESH_AXES
+from mamba_train.parallel.sharding import MESH_AXES
 
 DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
 
@@ -90,11 +90,6 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   except Exception:  # noqa: BLE001 - any topology mismatch falls back to plain order
     grid = np.asarray(devices).reshape(dims)
   return Mesh(grid, MESH_AXES)
-
-
-def data_parallel_size(mesh: Mesh) -> int:
-  """How many ways the batch is split: data x fsdp."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def device_granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:

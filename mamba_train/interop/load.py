@@ -1,0 +1,131 @@
+"""`load_model(path)`: a Mamba2LM from whatever a user points at.
+
+Recognised layouts:
+  * a training workdir (its newest checkpoint), its `checkpoints/` directory, or
+    one checkpoint step `<workdir>/checkpoints/<step>` (Orbax);
+  * a transformers directory (`config.json` with model_type mamba2 and
+    `model.safetensors`, possibly sharded with `model.safetensors.index.json`);
+  * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
+    reading it needs torch, the `test` or `bench` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mamba_train import checkpoint
+from mamba_train.interop import convert
+from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.runtime import Runtime
+
+
+def detect_layout(path: Path) -> str:
+  cfg_file = path / convert.CONFIG_FILE
+  if not path.exists():
+    raise FileNotFoundError(f"{path} does not exist")
+  if checkpoint.find_step_dir(path) is not None:
+    return "checkpoint"
+  if path.is_dir() and cfg_file.exists():
+    layout = convert.config_layout(convert.read_json(cfg_file))
+    if layout is not None:
+      return layout
+  raise ValueError(
+      f"{path} is not a model directory this library knows: expected a training workdir or "
+      f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2 directory "
+      f"(config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+  index = path / convert.HF_WEIGHTS_INDEX
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  elif (path / convert.HF_WEIGHTS).exists():
+    files = [convert.HF_WEIGHTS]
+  else:
+    raise FileNotFoundError(f"{path} has no model.safetensors (nor a sharded index): "
+                            f"save the model with save_pretrained(..., safe_serialization=True)")
+  sd = {}
+  for f in files:
+    sd.update(load_file(str(path / f)))
+  return sd
+
+
+def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError(f"Reading {file} needs PyTorch: pip install -e '.[test]' "
+                      f"(which installs the CPU build torch==2.13.0)") from e
+  if not file.exists():
+    raise FileNotFoundError(f"{file} is missing")
+  sd = torch.load(file, map_location="cpu", weights_only=True)
+  return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()}
+
+
+def _configs(cfg: Mamba2Config, runtime: Runtime | None, overrides: dict):
+  """(architecture, runtime) with `overrides` applied: Runtime fields, or config
+  fields no weight depends on (chunk_size)."""
+  rt_names = {f.name for f in dataclasses.fields(Runtime)}
+  arch = {k: v for k, v in overrides.items() if k not in rt_names}
+  bad = sorted(set(arch) - set(NOT_IN_WEIGHTS))
+  if bad:
+    raise ValueError(f"load_model cannot override {bad}: they change the weights; it takes "
+                     f"Runtime fields {sorted(rt_names)} and {list(NOT_IN_WEIGHTS)}")
+  rt = (runtime or Runtime()).replace(**{k: v for k, v in overrides.items() if k in rt_names})
+  return cfg.replace(**arch), rt
+
+
+def load_hf(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  cfg, rt = _configs(convert.hf_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
+                     runtime, overrides)
+  params = convert.state_dict_to_params(read_safetensors(path), cfg, "hf")
+  return Mamba2LM.from_params(cfg, params, rt)
+
+
+def load_mamba_ssm(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  cfg, rt = _configs(convert.mamba_ssm_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
+                     runtime, overrides)
+  params = convert.state_dict_to_params(read_torch_bin(path / convert.MAMBA_SSM_WEIGHTS), cfg,
+                                        "mamba_ssm")
+  return Mamba2LM.from_params(cfg, params, rt)
+
+
+def load_checkpoint(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  step_dir = checkpoint.find_step_dir(path)
+  cfg, saved_rt = saved_configs(checkpoint.saved_config(step_dir))
+  cfg, rt = _configs(cfg, runtime or saved_rt, overrides)
+  abstract = jax.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)).params())
+  params = checkpoint.restore_params(step_dir, abstract)
+  return Mamba2LM.from_params(cfg, params, rt)
+
+
+def saved_configs(run_config: dict) -> tuple[Mamba2Config, Runtime]:
+  """(architecture, runtime) of a run config saved with a checkpoint. Runs saved
+  before the runtime had its own section kept its fields in `model`."""
+  rt_names = {f.name for f in dataclasses.fields(Runtime)}
+  model = run_config["model"]
+  rt = run_config.get("runtime") or {k: v for k, v in model.items() if k in rt_names}
+  return (Mamba2Config.from_dict({k: v for k, v in model.items() if k not in rt_names}),
+          Runtime.from_dict(rt))
+
+
+def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  """Load a Mamba2LM from a workdir / checkpoint step, a transformers or a mamba_ssm directory.
+
+  `runtime` says how it runs (default: a workdir's own, else `Runtime()`); `overrides`
+  replace Runtime fields or config fields no weight depends on, for example
+  compute_dtype='bfloat16', remat='full', ssd_form='scan' or chunk_size=128.
+  """
+  path = Path(path)
+  layout = detect_layout(path)
+  return {"hf": load_hf, "mamba_ssm": load_mamba_ssm,
+          "checkpoint": load_checkpoint}[layout](path, runtime, **overrides)

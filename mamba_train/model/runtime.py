@@ -1,0 +1,94 @@
+"""How the model runs on a machine, apart from what its weights are (`config.py`).
+
+None of these fields changes a parameter or the function the model computes, only
+speed, memory and rounding, so a checkpoint restores across any of them and a run
+may resume with others.
+
+The caller resolves a runtime for the backend it compiles for
+(`Runtime(...).resolve("tpu")`): the model, the FLOP count and an ahead-of-time
+compile for a TPU then agree, whatever machine Python runs on. A model built with
+an unresolved runtime resolves it for JAX's default backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "save_matmuls")
+SSD_FORMS = ("auto", "scan", "parallel")
+
+
+def default_form(backend: str) -> str:
+  """The SSD form for a backend: 'scan' on CPU, where memory traffic dominates and
+  each chunk's (t, s) terms stay in cache; 'parallel' on the matrix units of GPUs
+  and TPUs (docs/bench/results.md, docs/bench/gpu.md)."""
+  return "scan" if backend == "cpu" else "parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  # The matmuls' dtype; parameters, residual stream, norms, decay and loss stay float32.
+  compute_dtype: str = "float32"
+  # What the backward pass recomputes: nothing, everything, or all but the matmuls.
+  remat: str = "none"
+  # How the SSD combines chunks (`ssd.ssd_chunked`): 'parallel', 'scan', or 'auto'
+  # (`default_form` of the backend the runtime is resolved for).
+  ssd_form: str = "auto"
+  # Caps on the chunk each form runs at (min with `Mamba2Config.chunk_size`). The
+  # scan form's work per token grows with the chunk and it gains nothing from long
+  # ones; the parallel form's (t, s) stacks grow with the chunk and its state
+  # passing with the number of chunks, and 128 balances them. The figures behind
+  # both caps are in docs/bench/results.md and docs/bench/gpu.md.
+  scan_chunk_size: int = 64
+  parallel_chunk_size: int = 128
+
+  def __post_init__(self):
+    problems = []
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      problems.append(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+    if self.remat not in REMAT:
+      problems.append(f"remat must be one of {REMAT}, got {self.remat!r}")
+    if self.ssd_form not in SSD_FORMS:
+      problems.append(f"ssd_form must be one of {SSD_FORMS}, got {self.ssd_form!r}")
+    for name in ("scan_chunk_size", "parallel_chunk_size"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        problems.append(f"{name} must be a positive integer, got {v!r}")
+    if problems:
+      raise ValueError("Invalid Runtime: " + "; ".join(problems))
+
+  @property
+  def resolved(self) -> bool:
+    return self.ssd_form != "auto"
+
+  def resolve(self, backend: str | None = None) -> "Runtime":
+    """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
+    default backend, the machine this process runs on)."""
+    if self.resolved:
+      return self
+    if backend is None:
+      import jax  # only here: choosing for the host is the one place that asks it
+      backend = jax.default_backend()
+    return self.replace(ssd_form=default_form(backend))
+
+  def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
+    """(form, chunk) the SSD runs with for a model whose chunk is `chunk_size`."""
+    if not self.resolved:
+      raise ValueError("ssd_form 'auto' is not resolved: call Runtime.resolve(backend) first")
+    cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
+    return self.ssd_form, min(chunk_size, cap)
+
+  def replace(self, **kw) -> "Runtime":
+    return dataclasses.replace(self, **kw)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Runtime":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"Unknown Runtime fields {unknown}; known fields: {sorted(names)}")
+    return cls(**d)

@@ -1,0 +1,66 @@
+"""TPU slices by name, as devices this host can compile for.
+
+With `libtpu` installed (from PyPI; no TPU needed), `jax.experimental.topologies`
+describes any slice, and `jax.jit(...).lower(...).compile()` with its devices
+compiles for it on a CPU host. Names: those `topologies` knows (v4:2x2x2, v5e:4x4,
+v5p:4x4x4, v6e:2x2, ...) or Cloud TPU slice names (v5p-128, v5e-16, v6e-8, v4-32;
+v4 and v5p names count TensorCores, two per chip, v5e and v6e names count chips).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# Slice names count TensorCores for these generations (two per chip).
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+
+
+def _grid(chips: int, dims: int) -> tuple[int, ...]:
+  """Near-cubic (or square) power-of-two grid of `chips` chips, smallest dims first."""
+  if chips < 1 or chips & (chips - 1):
+    raise ValueError(f"{chips} chips is not a power of two")
+  shape = [1] * dims
+  i = 0
+  while math.prod(shape) < chips:
+    shape[i % dims] *= 2
+    i += 1
+  shape = sorted(shape)  # v5e:2x4, v5p:4x4x8; a 1 goes last (v4:2x2x1)
+  return tuple([d for d in shape if d > 1] + [d for d in shape if d == 1])
+
+
+def topology_name(name: str) -> tuple[str, str]:
+  """('v5e', 'v5e:2x2') from 'v5e:2x2', 'v5litepod-4', 'v5e-4', 'v5p-128', ..."""
+  name = name.strip().lower().replace("v5litepod", "v5e").replace("v6litepod", "v6e")
+  m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)*)", name)
+  if m:
+    return m.group(1), name
+  m = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
+  if not m:
+    raise ValueError(f"unknown TPU topology {name!r}: use e.g. v5e:2x2, v6e:4x4, v5p:4x4x4, "
+                     f"v4:2x2x2, or a slice name such as v5p-128 or v5e-16")
+  gen, n = m.group(1), int(m.group(2))
+  cores = _CORES_PER_CHIP[gen]
+  if n % cores:
+    raise ValueError(f"{name}: {gen} slice names count TensorCores ({cores} per chip)")
+  dims = 3 if gen in ("v4", "v5p") else 2
+  shape = _grid(n // cores, dims)
+  return gen, f"{gen}:" + "x".join(map(str, shape))
+
+
+def tpu_devices(name: str):
+  """(generation, topology name, devices) for a TPU slice, via libtpu, on any host."""
+  gen, topo = topology_name(name)
+  try:
+    from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  except ImportError as e:  # pragma: no cover - every supported jax has it
+    raise RuntimeError("this jax has no jax.experimental.topologies") from e
+  dims = [int(d) for d in topo.split(":")[1].split("x")]
+  bounds = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chip_config_name="default",
+                                        chips_per_host_bounds=bounds[:3], num_slices=1)
+  except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown to it
+    raise RuntimeError(f"could not describe TPU topology {topo!r}: {e}\nIs libtpu installed? "
+                       f"pip install -e '.[tpu]' (or pip install libtpu)") from e
+  return gen, topo, list(desc.devices)

@@ -1,0 +1,85 @@
+"""Periodic work on the training loop: hooks with a period, the guard that stops
+a run whose loss stays non-finite, and the throughput meter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from mamba_train.metrics import Timer
+
+
+@dataclasses.dataclass
+class Hook:
+  """`fn(step, state, metrics)` after every `every` steps (step counts from 1),
+  and after the last step if `at_end`. `metrics` are the step's device arrays:
+  a hook that reads them waits for the step to finish, so only hooks that need
+  them should. `every <= 0` turns the hook off."""
+
+  name: str
+  every: int
+  fn: Callable[[int, Any, dict], None]
+  at_end: bool = True
+
+  def due(self, step: int, last_step: int) -> bool:
+    if self.every <= 0:
+      return False
+    return step % self.every == 0 or (self.at_end and step == last_step)
+
+
+def run_hooks(hooks: Iterable[Hook], step: int, last_step: int, state, metrics: dict) -> None:
+  for hook in hooks:
+    if hook.due(step, last_step):
+      hook.fn(step, state, metrics)
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+class NonFiniteGuard:
+  """Hook body that stops the run after `max_steps` non-finite steps in a row.
+
+  It reads the previous step's streak while the current step runs, so watching
+  every step does not stall the device; the last step is checked at once.
+  """
+
+  def __init__(self, max_steps: int, last_step: int):
+    self.max_steps, self.last_step = max_steps, last_step
+    self._pending = None
+
+  def __call__(self, step: int, state, metrics: dict) -> None:
+    if self._pending is not None:
+      self._check(*self._pending)
+    self._pending = (step, metrics["nonfinite_streak"])
+    if step == self.last_step:
+      self._check(*self._pending)
+
+  def _check(self, step, streak) -> None:
+    streak = int(streak)
+    if self.max_steps > 0 and streak >= self.max_steps:
+      raise NonFiniteLossError(
+          f"the loss or gradient was non-finite for {streak} steps in a row (steps "
+          f"{step - streak + 1}..{step}, optim.max_nonfinite_steps = {self.max_steps}). Those "
+          f"updates were skipped, so the parameters are still those after step {step - streak}. "
+          f"Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
+
+
+class Throughput:
+  """Wall time and tokens between two log points: tokens/s and time per step."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self):
+    self.timer, self.steps = Timer(), 0
+
+  def tick(self):
+    self.steps += 1
+
+  def read(self, tokens_per_step: int) -> dict[str, float]:
+    dt = self.timer.elapsed
+    steps = max(self.steps, 1)
+    out = {"step_time": dt / steps, "tokens_per_sec": tokens_per_step * steps / max(dt, 1e-9)}
+    self.reset()
+    return out

@@ -1,0 +1,102 @@
+"""The train state: one pytree, `TrainState(step, params, opt_state, rng)`, with
+`params` the plain nested dict of `Mamba2LM.params()`, and its shardings.
+
+The shardings come from the parameters' logical axes and the rules table in
+parallel/sharding.py; the optimizer state mirrors the parameters' shardings, so
+FSDP shards both. A fresh state is created directly in its shardings (no full copy
+on one device); an abstract one (shapes and shardings only) is what restore fills
+in and what an ahead-of-time compile takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.parallel import sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: train steps taken (skipped non-finite steps included)
+  params: Any  # Mamba2LM.params(): {"embedding", "norm_f", "layers": {...}[, "lm_head"]}
+  opt_state: Any
+  rng: jax.Array  # uint32[2], split once per step, for anything stochastic
+
+
+def _abstract_model(cfg: Mamba2Config) -> Mamba2LM:
+  return nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_logical_axes(cfg: Mamba2Config) -> dict[str, Any]:
+  """The logical axes of every parameter, as a tree shaped like `Mamba2LM.params()`."""
+  model = _abstract_model(cfg)
+  by_path = {tuple(str(k) for k in path): var.logical_axes
+             for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: by_path[tuple(str(getattr(k, "key", k)) for k in path)], jax.eval_shape(model.params))
+
+
+def param_shapes(cfg: Mamba2Config):
+  """ShapeDtypeStructs of `Mamba2LM.params()`, without creating any array."""
+  return jax.eval_shape(_abstract_model(cfg).params)
+
+
+def param_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES):
+  """NamedShardings for `Mamba2LM.params()`, from the logical axes by `rules`."""
+  return sharding.tree_shardings(param_shapes(cfg), param_logical_axes(cfg), mesh, rules)
+
+
+def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
+                    rules=sharding.DEFAULT_RULES) -> TrainState:
+  """Shardings of the whole TrainState: the optimizer's per-parameter state
+  follows the parameters; its counters and the rest are replicated."""
+  p_sh = param_shardings(cfg, mesh, rules)
+  replicated = NamedSharding(mesh, P())
+  abstract_opt = jax.eval_shape(optimizer.init, param_shapes(cfg))
+  opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+  return TrainState(step=replicated, params=p_sh, opt_state=opt_sh, rng=replicated)
+
+
+def _make_state(cfg, optimizer, key, params=None) -> TrainState:
+  init_key, rng = jax.random.split(key)
+  if params is None:
+    params = Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params), rng=rng)
+
+
+def with_shardings(tree, shardings):
+  """ShapeDtypeStructs of `tree`'s leaves carrying `shardings` (what restore fills in)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
+                         rules=sharding.DEFAULT_RULES) -> TrainState:
+  """The TrainState's shapes and dtypes with its shardings, allocating nothing."""
+  shapes = jax.eval_shape(lambda key: _make_state(cfg, optimizer, key), jax.random.PRNGKey(0))
+  return with_shardings(shapes, state_shardings(cfg, optimizer, mesh, rules))
+
+
+def init_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     seed: int, params=None) -> TrainState:
+  """A fresh TrainState, created directly in its shardings (no full copy on one device).
+
+  `params`, if given (e.g. loaded for finetuning), replace the random init.
+  """
+  shardings = state_shardings(cfg, optimizer, mesh)
+  if params is not None:
+    params = jax.device_put(params, shardings.params)
+  make = lambda key, params: _make_state(cfg, optimizer, key, params)
+  with sharding.use_rules(mesh):
+    return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed), params)

@@ -1,0 +1,183 @@
+"""The loss and the jitted train and eval steps, and `build`: everything a run
+(or a benchmark, or an ahead-of-time compile) needs, from the run config.
+
+Shapes: b batch (global, in sequences), l sequence length, k micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.runtime import Runtime
+from mamba_train.parallel import sharding
+from mamba_train.train import run_config
+from mamba_train.train.optim import make_optimizer, nonfinite_streak
+from mamba_train.train.state import (TrainState, abstract_train_state, init_train_state,
+                                     param_shardings, state_shardings)
+
+F32 = jnp.float32
+BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
+
+
+def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
+              use_seq_idx: bool = True):
+  """Cross entropy in float32, summed over unmasked tokens, and their count.
+
+  Returning sums, not a mean, lets micro-batches add up to exactly the big batch.
+  With use_seq_idx, no state passes between the documents packed in a row.
+  """
+  model = Mamba2LM.from_params(cfg, params, runtime)
+  h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
+  logits = model.logits(h)  # (b, l, vocab) float32
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None].astype(jnp.int32), -1)[..., 0]
+  mask = batch["loss_mask"].astype(F32)
+  return jnp.sum((logz - target_logit) * mask), jnp.sum(mask)
+
+
+def _split_micro(batch, k: int, mesh: Mesh, rules):
+  """(b, l) -> (k, b/k, l). Row j*k + i goes to micro-batch i, so each
+  micro-batch keeps the batch's split over devices and nothing moves."""
+  spec = NamedSharding(mesh, sharding.logical_to_spec((None, "batch", None), rules))
+
+  def split(x):
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, mesh: Mesh, *, grad_accum: int = 1,
+                    rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True) -> Callable:
+  """`step(state, batch) -> (state, metrics)`: one jax.jit with explicit
+  shardings; the incoming state is donated.
+
+  With grad_accum = k the global batch is scanned as k micro-batches; loss and
+  gradient sums are added up and divided by the total token count once, so the
+  update equals the one from the whole batch at once.
+  Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, lr,
+  tokens (unmasked), nonfinite_streak.
+  """
+  st_sh = state_shardings(cfg, optimizer, mesh, rules)
+  b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
+  replicated = NamedSharding(mesh, P())
+
+  def sums_and_grads(params, mb):
+    loss = lambda p: loss_sums(p, mb, cfg, runtime, use_seq_idx)
+    (loss_sum, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return loss_sum, count, grads
+
+  def step(state: TrainState, batch):
+    with sharding.use_rules(mesh, rules):
+      params = state.params
+      if grad_accum == 1:
+        loss_sum, count, grads = sums_and_grads(params, batch)
+      else:
+        def body(carry, mb):
+          loss_sum, count, grads = sums_and_grads(params, mb)
+          acc_loss, acc_count, acc_grads = carry
+          acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
+          acc_grads = jax.lax.with_sharding_constraint(acc_grads, st_sh.params)
+          return (acc_loss + loss_sum, acc_count + count, acc_grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss_sum, count, grads), _ = jax.lax.scan(
+            body, (jnp.zeros((), F32), jnp.zeros((), F32), zeros), _split_micro(batch, grad_accum, mesh, rules))
+      denom = jnp.maximum(count, 1.0)
+      grads = jax.tree.map(lambda g: g / denom, grads)
+      loss = loss_sum / denom
+      updates, opt_state = optimizer.update(grads, state.opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      rng, _ = jax.random.split(state.rng)
+      new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng)
+      metrics = {
+          "loss": loss,
+          "grad_norm": optax.global_norm(grads),
+          "param_norm": optax.global_norm(new_params),
+          "lr": jnp.asarray(schedule(state.step), F32),
+          "tokens": count,
+          "nonfinite_streak": nonfinite_streak(opt_state),
+      }
+      return new_state, metrics
+
+  return jax.jit(step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, replicated),
+                 donate_argnums=(0,))
+
+
+def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=sharding.DEFAULT_RULES,
+                   use_seq_idx: bool = True) -> Callable:
+  """`eval_step(params, batch) -> (loss_sum, token_count)`, jitted with the params' shardings."""
+  p_sh = param_shardings(cfg, mesh, rules)
+  b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
+
+  def step(params, batch):
+    with sharding.use_rules(mesh, rules):
+      return loss_sums(params, batch, cfg, runtime, use_seq_idx)
+
+  return jax.jit(step, in_shardings=(p_sh, b_sh), out_shardings=NamedSharding(mesh, P()))
+
+
+def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, float]:
+  """Mean loss over all unmasked tokens of `batches`, and its perplexity."""
+  total, count = 0.0, 0.0
+  for batch in batches:
+    s, n = eval_step(params, batch)
+    total, count = total + float(s), count + float(n)
+  loss = total / max(count, 1.0)
+  return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0)))}
+
+
+def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """This process's rows of the batch's model inputs -> global arrays split over data x fsdp."""
+  return sharding.to_global({k: batch[k] for k in BATCH_KEYS}, mesh)
+
+
+# ----------------------------------------------------------------------------
+# Everything a run (or a benchmark) needs, built from the run config.
+
+
+@dataclasses.dataclass
+class Built:
+  model_cfg: Mamba2Config
+  runtime: Runtime  # resolved for the mesh's devices
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  state: TrainState  # concrete, or abstract (shapes and shardings) with init=False
+  train_step: Callable  # jitted (state, batch) -> (state, metrics); state donated
+  eval_step: Callable  # jitted (params, batch) -> (loss_sum, count)
+
+
+def build(config, mesh: Mesh, *, params=None, init: bool = True) -> Built:
+  """Model config and runtime, optimizer, the initial sharded TrainState and the
+  jitted steps.
+
+  `config` is a validated run config (see run_config.validate). The runtime is
+  resolved for the platform of the mesh's devices, so a mesh of TPU topology
+  devices on a CPU host compiles what the TPU would run. `params` (e.g. loaded for
+  finetuning) replace the random init; `init=False` builds the state's shapes and
+  shardings only (for an ahead-of-time compile). To time the step:
+  `b = build(config, mesh)`, then `b.train_step.lower(b.state, batch).compile()`
+  with a batch from `to_global`.
+  """
+  model_cfg = run_config.model_config(config)
+  runtime = run_config.runtime(config).resolve(mesh.devices.flat[0].platform)
+  optimizer, schedule = make_optimizer(config.optim, config.steps)
+  if init:
+    state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params)
+  else:
+    state = abstract_train_state(model_cfg, optimizer, mesh)
+  docs = bool(config.data.use_seq_idx)
+  train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
+                               grad_accum=config.optim.grad_accum, use_seq_idx=docs)
+  return Built(model_cfg, runtime, optimizer, schedule, state, train_step,
+               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs))
