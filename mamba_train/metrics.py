@@ -87,7 +87,7 @@ CHIPS: dict[str, Chip] = {
 }
 
 # CPUs vary too much for a table; a nominal float32 matmul rate of a 2-core
-# development machine (shared/REFERENCE.md). Set config.peak_flops for yours.
+# development machine (docs/bench/design_notes.md). Set config.peak_flops for yours.
 CPU_PEAK_FLOPS = 170e9
 
 

@@ -18,7 +18,7 @@
 #      restart with the same --run resumes from the last checkpoint;
 #   4. starts `python train.py --workdir <that> <train args>` on all workers at once,
 #      detached (nohup; a dropped ssh session does not stop training). JAX finds the
-#      other workers from the TPU metadata (mamba_train/distributed.py), so no
+#      other workers from the TPU metadata (mamba_train/parallel/distributed.py), so no
 #      coordinator flags are needed;
 #   5. streams worker 0's log (the job's log: other workers log warnings only) until
 #      Ctrl-C, which stops the streaming, not the run. Every worker keeps its own

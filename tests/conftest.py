@@ -6,6 +6,8 @@
 * XLA:CPU flags that make compiling about 3x faster (less optimisation of the
   generated code). The suite is compile-bound on tiny shapes; numerics stay
   within float32 rounding. Subprocess tests that set XLA_FLAGS add them too.
+* The XLA:CPU default every entry point applies (mamba_train.xla_flags), so the
+  tests compile what train.py runs.
 """
 
 import os
@@ -18,3 +20,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mamb
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_XLA).strip()
+
+from mamba_train.xla_flags import apply_cpu_defaults  # noqa: E402  (after the variables above)
+
+apply_cpu_defaults()

@@ -1,4 +1,5 @@
-"""scripts/aot_compile.py: the real train step compiled for a TPU slice on this CPU
+"""scripts/aot_compile.py and mamba_train/parallel/topology.py: TPU slice names, and
+the real train step compiled for a TPU slice on this CPU
 (libtpu from PyPI, part of the `test` extra), its memory report, and the refusal
 of a config that cannot fit a chip's HBM."""
 
@@ -11,9 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import aot_compile  # noqa: E402
+from mamba_train.parallel.topology import topology_name  # noqa: E402
 
 
 def _require_libtpu():
@@ -33,13 +33,13 @@ def _require_libtpu():
     ("v6e-256", ("v6e", "v6e:16x16")),
 ])
 def test_topology_names(name, expected):
-  assert aot_compile.topology_name(name) == expected
+  assert topology_name(name) == expected
 
 
 def test_bad_topology_names():
   for bad in ("v5p-3", "v7x:2x2", "tpu"):
     with pytest.raises(ValueError):
-      aot_compile.topology_name(bad)
+      topology_name(bad)
 
 
 def _run(*flags):

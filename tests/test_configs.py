@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 
 from configs import base  # noqa: E402
 from mamba_train import SIZES  # noqa: E402
-from mamba_train.run_config import ConfigError, validate  # noqa: E402
+from mamba_train.train.run_config import ConfigError, validate  # noqa: E402
 
 CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune"]
 CONTRACT = ["steps", "batch_size", "seq_len", "seed", "log_every", "eval_every", "checkpoint_every",
@@ -40,10 +40,11 @@ def test_config_loads_and_validates(name):
 @pytest.mark.parametrize("size", ["130m", "370m", "780m", "1.3b", "2.7b"])
 def test_size_recipes(size):
   c = load(size)
-  m = validate(c, num_devices=1, reference=base.get_config())["model"]
+  resolved = validate(c, num_devices=1, reference=base.get_config())
+  m = resolved["model"]
   assert {k: getattr(m, k) for k in SIZES[size]} == SIZES[size]
   assert (m.d_state, m.headdim, m.expand, m.chunk_size, m.padded_vocab_size) == (128, 64, 2, 256, 50288)
-  assert m.compute_dtype == "bfloat16"
+  assert resolved["runtime"].compute_dtype == "bfloat16"
   o = c.optim
   assert (o.b1, o.b2, o.weight_decay, o.clip_norm, o.schedule, o.final_lr_frac) == (
       0.9, 0.95, 0.1, 1.0, "cosine", 0.1)
@@ -131,31 +132,43 @@ def test_command_line_errors_before_compiling(tmp_path):
 
 
 def test_runtime_fields_change_no_weights():
-  """train.py resumes and finetunes across RUNTIME_FIELDS: none may change a parameter shape."""
+  """train.py resumes and finetunes across every Runtime field and the config fields in
+  NOT_IN_WEIGHTS: none may change a parameter shape."""
+  import dataclasses
+
   import jax
   from flax import nnx
-  from mamba_train import Mamba2LM, config_for
-  from mamba_train.config import RUNTIME_FIELDS
-  shapes = lambda cfg: jax.tree.map(lambda a: a.shape, nnx.state(
-      nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))), nnx.Param))
-  cfg = config_for("tiny")
-  other = {"compute_dtype": "bfloat16", "remat": "full", "chunk_size": 32, "ssd_form": "parallel",
+  from mamba_train import Mamba2LM, Runtime, config_for
+  from mamba_train.model.config import NOT_IN_WEIGHTS
+  shapes = lambda cfg, rt: jax.tree.map(lambda a: a.shape, nnx.state(
+      nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)), nnx.Param))
+  cfg, rt = config_for("tiny"), Runtime()
+  other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
            "scan_chunk_size": 16, "parallel_chunk_size": 32}
-  assert set(other) == set(RUNTIME_FIELDS)
+  assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
-    assert shapes(cfg.replace(**{name: value})) == shapes(cfg), name
+    assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name
+  assert NOT_IN_WEIGHTS == ("chunk_size",)
+  assert shapes(cfg.replace(chunk_size=32), rt) == shapes(cfg, rt)
 
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
     ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("parallel", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
-  """The form and chunk the SSD runs at: the scan form (CPU) capped by scan_chunk_size,
-  the parallel form (accelerators, or asked for) by parallel_chunk_size."""
+  """The form and chunk the SSD runs at, resolved for the target backend whatever
+  backend Python runs on: the scan form (CPU) capped by scan_chunk_size, the
+  parallel form (accelerators, or asked for) by parallel_chunk_size. Unresolved,
+  the model resolves for JAX's default backend."""
   import jax
-  from mamba_train import config_for
+  from flax import nnx
+  from mamba_train import Mamba2LM, Runtime, config_for
+  rt = Runtime()
+  assert rt.resolve(backend).ssd_plan(chunk) == want
+  assert rt.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
+  assert rt.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
+  with pytest.raises(ValueError, match="not resolved"):
+    rt.ssd_plan(chunk)
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  cfg = config_for("tiny", chunk_size=chunk)
-  assert cfg.ssd_plan() == want
-  assert cfg.replace(ssd_form="parallel").ssd_plan() == ("parallel", min(chunk, 128))
-  assert cfg.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan() == ("scan", 16)
+  model = nnx.eval_shape(lambda: Mamba2LM(config_for("tiny", chunk_size=chunk), rngs=nnx.Rngs(0)))
+  assert model.runtime.ssd_plan(chunk) == want

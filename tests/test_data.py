@@ -265,11 +265,12 @@ def test_eval_loader_covers_validation_once_and_pads(jsonl_dataset):
 
 def test_to_global_single_process(jsonl_dataset):
   import jax
-  from jax.sharding import Mesh, PartitionSpec as P
+  from mamba_train.parallel import sharding
+  from mamba_train.parallel.mesh import make_mesh
   path, _ = jsonl_dataset
   b = next(data.make_train_loader(path, seq_len=SEQ_LEN, global_batch_size=2, seed=0))
-  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-  g = data.to_global(b, mesh, P("data"))
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  g = sharding.to_global(b, mesh)
   assert g["input_ids"].shape == (2, SEQ_LEN)
   np.testing.assert_array_equal(np.asarray(g["seq_idx"]), b["seq_idx"])
 

@@ -22,11 +22,11 @@ import pytest
 from flax import nnx
 
 import mamba_train
-from mamba_train import sharding
-from mamba_train.cache import CACHE_AXES, Mamba2Cache
-from mamba_train.config import Mamba2Config
 from mamba_train.generate import generate, generate_with_stats, prefill, step
-from mamba_train.model import Mamba2LM
+from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.parallel import sharding
 
 # Chunk 8 so prompts of 5 and 21 tokens fall shorter and longer than a chunk,
 # the latter with a ragged tail; two groups so B/C sharing is exercised.

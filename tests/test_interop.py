@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 from transformers import AutoTokenizer, Mamba2Config as HFConfig, Mamba2ForCausalLM
 
 import mamba_train
-from mamba_train import Mamba2Config, Mamba2LM, export, load_model
+from mamba_train import Mamba2Config, Mamba2LM, load_model
+from mamba_train.interop import export
 from mamba_train.data import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

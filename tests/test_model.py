@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mamba_train import Mamba2Config, Mamba2LM, config_for
-from mamba_train.model import Mamba2LM as _M
+from mamba_train import Mamba2Config, Mamba2LM, Runtime, config_for
 
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
                    vocab_size=100)
@@ -36,7 +35,7 @@ def test_bfloat16_compute_stays_near_float32(params):
   The float32 run itself is at 1e-6 of a float64 reference, for scale."""
   x = ids()
   f32 = forward(Mamba2LM.from_params(CFG, params), x)
-  bf16 = forward(Mamba2LM.from_params(CFG.replace(compute_dtype="bfloat16"), params), x)
+  bf16 = forward(Mamba2LM.from_params(CFG, params, Runtime(compute_dtype="bfloat16")), x)
   assert bf16.dtype == jnp.float32  # logits stay float32 whatever the compute dtype
   err = rel(bf16, f32)
   assert err < 2e-2
@@ -48,16 +47,16 @@ def test_bfloat16_compute_stays_near_float32(params):
 
 
 def test_precision_policy_of_parameters(params):
-  model = Mamba2LM.from_params(CFG.replace(compute_dtype="bfloat16"), params)
+  model = Mamba2LM.from_params(CFG, params, Runtime(compute_dtype="bfloat16"))
   for leaf in jax.tree.leaves(model.params()):
     assert leaf.dtype == jnp.float32
 
 
-def _grads(cfg, params):
+def _grads(cfg, params, runtime=None):
   x = ids()
 
   def loss(p):
-    logits = Mamba2LM.from_params(cfg, p)(x)
+    logits = Mamba2LM.from_params(cfg, p, runtime)(x)
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, x[..., None], -1)[..., 0])
   return jax.jit(jax.grad(loss))(params)
 
@@ -69,7 +68,7 @@ def ref_grads(params):
 
 @pytest.mark.parametrize("remat", ["save_matmuls"])  # one policy: each costs a compile
 def test_remat_gives_the_same_gradients(params, ref_grads, remat):
-  g1 = _grads(CFG.replace(remat=remat), params)
+  g1 = _grads(CFG, params, Runtime(remat=remat))
   for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(g1)):
     assert rel(a, b) < 1e-5
 
@@ -108,14 +107,23 @@ def test_released_sizes():
 @pytest.mark.parametrize("kw,match", [
     (dict(d_model=100, headdim=64), "multiple of headdim"),
     (dict(ngroups=3), "multiple of ngroups"),
-    (dict(compute_dtype="float16"), "compute_dtype"),
-    (dict(remat="some"), "remat"),
     (dict(n_layer=0), "n_layer must be a positive integer"),
     (dict(dt_limit=(0.1, 0.01)), "dt_limit"),
 ])
 def test_config_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     Mamba2Config(**{**dict(d_model=64, n_layer=2, headdim=16), **kw})
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(compute_dtype="float16"), "compute_dtype"),
+    (dict(remat="some"), "remat"),
+    (dict(ssd_form="fast"), "ssd_form"),
+    (dict(scan_chunk_size=0), "scan_chunk_size must be a positive integer"),
+])
+def test_runtime_errors(kw, match):
+  with pytest.raises(ValueError, match=match):
+    Runtime(**kw)
 
 
 def test_from_params_names_mismatched_parameters(params):

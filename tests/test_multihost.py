@@ -133,14 +133,14 @@ _DATA_WORKER = textwrap.dedent("""
     import sys
     import numpy as np
     sys.path.insert(0, {root!r})
-    from mamba_train import distributed
+    from mamba_train.parallel import distributed
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=60)
     import jax
     from jax.experimental import multihost_utils
     import train
     from configs import tiny
-    from mamba_train import run_config, trainer
-    from mamba_train.mesh import make_mesh
+    from mamba_train.parallel.mesh import make_mesh
+    from mamba_train.train import run_config, step as trainer
     c = tiny.get_config()
     c.data.source, c.data.dir, c.seq_len, c.batch_size, c.seed = "corpus", {data_dir!r}, 16, 4, 7
     c.mesh.update(dcn_data=2, data=1, fsdp=2)
@@ -214,7 +214,7 @@ def test_missing_peer_times_out_with_a_message(tmp_path):
       import logging, sys
       sys.path.insert(0, {ROOT!r})
       logging.basicConfig(level=logging.INFO)
-      from mamba_train import distributed
+      from mamba_train.parallel import distributed
       distributed.initialize("127.0.0.1:{_free_port()}", 2, 0, init_timeout=2)
   """)
   proc = _start(["-c", script], 2, tmp_path / "p0.log")
@@ -239,7 +239,7 @@ class _FakeDevice:
 
 def test_hybrid_grid_matches_create_hybrid_device_mesh():
   from jax.experimental import mesh_utils
-  from mamba_train.mesh import MESH_AXES, hybrid_device_grid
+  from mamba_train.parallel.mesh import MESH_AXES, hybrid_device_grid
   devices = [_FakeDevice(i, i // 4) for i in range(8)]  # two hosts of four
   ids = np.vectorize(lambda d: d.id)
   for cfg in ({"dcn_data": 2, "data": 1, "fsdp": 2, "tensor": 2},
@@ -255,7 +255,7 @@ def test_hybrid_grid_matches_create_hybrid_device_mesh():
 
 
 def test_mesh_config_errors():
-  from mamba_train.mesh import hybrid_device_grid, resolve_mesh_shape
+  from mamba_train.parallel.mesh import hybrid_device_grid, resolve_mesh_shape
   assert resolve_mesh_shape({"dcn_data": 2, "data": 1, "fsdp": -1, "tensor": 1}, 8) == \
       {"data": 2, "fsdp": 4, "tensor": 1}
   with pytest.raises(ValueError, match="spans 3 hosts or slices, which do not divide the 8"):
@@ -267,7 +267,7 @@ def test_mesh_config_errors():
 
 
 def test_initialize_single_process_and_partial_flags(monkeypatch):
-  from mamba_train import distributed
+  from mamba_train.parallel import distributed
   monkeypatch.setattr(distributed, "detect_cluster", lambda: None)
   assert distributed.initialize() is False  # a plain run joins nothing
   assert distributed.initialize(num_processes=1) is False
@@ -277,7 +277,7 @@ def test_initialize_single_process_and_partial_flags(monkeypatch):
 
 def test_cluster_detection_reads_slurm(monkeypatch):
   """JAX's SLURM detector, through ours: a 4-task step is a job to join, a 1-task one is not."""
-  from mamba_train import distributed
+  from mamba_train.parallel import distributed
   for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_"))]:
     monkeypatch.delenv(key)
   assert distributed.detect_cluster() is None

@@ -63,7 +63,7 @@ def test_logits_match_transformers_small(tmp_path, name, form):
   kw = SMALL[name]
   ref_model = hf_model(tmp_path, **kw)
   ours = load_model(tmp_path, ssd_form=form)
-  assert ours.config.ssd_plan()[0] == ("scan" if form == "auto" else form)
+  assert ours.runtime.ssd_form == ("scan" if form == "auto" else form)
   assert ours.config.ngroups == kw["n_groups"]
   assert ours.config.tie_embeddings == ref_model.config.tie_word_embeddings
   ids = torch.randint(0, kw["vocab_size"], (2, 45), generator=torch.Generator().manual_seed(1))
@@ -118,4 +118,6 @@ def test_public_api():
 
 
 if __name__ == "__main__":
+  from mamba_train.xla_flags import apply_cpu_defaults
+  apply_cpu_defaults()  # as every entry point does, before JAX's first computation
   print(parity_130m(Path(sys.argv[1])))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mamba_train import ssd
+from mamba_train.model import ssd
 
 # Jitted once per module: eager op-by-op dispatch compiles every primitive anew.
 ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames="form")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mamba_train import config_for, metrics, optim, trainer
-from mamba_train.model import Mamba2LM
+from mamba_train import Mamba2LM, Runtime, config_for, metrics
+from mamba_train.train import hooks, optim
 
 OPTIM = dict(lr=1e-2, schedule="cosine", warmup_frac=0.1, decay_frac=0.2, final_lr_frac=0.1,
              b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, state_dtype="float32")
@@ -62,23 +62,24 @@ def test_flop_count_matches_xla(chunk):
   # One layer, and the parallel SSD form: XLA's cost analysis counts a scan body
   # once, whatever the trip count (the layer scan, and the CPU's chunk scan).
   cfg = config_for("tiny", d_model=256, n_layer=1, vocab_size=256, d_state=32, headdim=64,
-                   chunk_size=chunk, ssd_form="parallel")
-  model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+                   chunk_size=chunk)
+  rt = Runtime(ssd_form="parallel")
+  model = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)
   graph, state = nnx.split(model)
   ids = jnp.zeros((2, 256), jnp.int32)
   xla = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, ids).cost_analysis()["flops"] / ids.size
-  ours = metrics.forward_flops_per_token(cfg, 256)
+  ours = metrics.forward_flops_per_token(cfg, rt, 256)
   # XLA also counts what we leave out as not the model's: the elementwise work, and the
   # parallel form's segment sums of the decays, a (Q x Q) x (Q x Q) matmul per chunk and
   # head (2 Q^2 FLOPs per token and head; 22% of the total at Q = 128).
   segsum = 2 * chunk ** 2 * cfg.nheads
   assert 0.85 < (ours + segsum) / xla < 1.0, (ours, segsum, xla)
-  assert metrics.train_flops_per_token(cfg, 256) == 3 * ours
+  assert metrics.train_flops_per_token(cfg, rt, 256) == 3 * ours
   # The scan form runs at scan_chunk_size and passes states without a matmul.
-  scan = cfg.replace(ssd_form="scan", scan_chunk_size=chunk)
+  scan = Runtime(ssd_form="scan", scan_chunk_size=chunk)
   h, pn = cfg.nheads, cfg.headdim * cfg.d_state
   passing = 2 * (256 // chunk + 1) ** 2 * h * pn / 256
-  assert metrics.forward_flops_per_token(scan, 256) == pytest.approx(ours - passing)
+  assert metrics.forward_flops_per_token(cfg, scan, 256) == pytest.approx(ours - passing)
 
 
 def test_mfu_and_peak_table():
@@ -90,24 +91,24 @@ def test_mfu_and_peak_table():
 
 
 def test_nonfinite_guard_stops_after_the_limit():
-  guard = trainer.NonFiniteGuard(max_steps=3, last_step=100)
+  guard = hooks.NonFiniteGuard(max_steps=3, last_step=100)
   for step, streak in [(1, 0), (2, 1), (3, 2), (4, 0), (5, 1), (6, 2)]:
     guard(step, None, {"nonfinite_streak": streak})
   guard(7, None, {"nonfinite_streak": 3})  # read on the next call
-  with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite for 3 steps in a row \(steps 5\.\.7"):
+  with pytest.raises(hooks.NonFiniteLossError, match=r"non-finite for 3 steps in a row \(steps 5\.\.7"):
     guard(8, None, {"nonfinite_streak": 4})
-  last = trainer.NonFiniteGuard(max_steps=1, last_step=2)
+  last = hooks.NonFiniteGuard(max_steps=1, last_step=2)
   last(1, None, {"nonfinite_streak": 0})
-  with pytest.raises(trainer.NonFiniteLossError):
+  with pytest.raises(hooks.NonFiniteLossError):
     last(2, None, {"nonfinite_streak": 1})  # the last step is checked at once
 
 
 def test_hooks_run_on_their_period_and_at_the_end():
   seen = []
-  hooks = [trainer.Hook("a", 3, lambda s, *_: seen.append(("a", s))),
-           trainer.Hook("b", 0, lambda s, *_: seen.append(("b", s)))]
+  periodic = [hooks.Hook("a", 3, lambda s, *_: seen.append(("a", s))),
+              hooks.Hook("b", 0, lambda s, *_: seen.append(("b", s)))]
   for step in range(1, 8):
-    trainer.run_hooks(hooks, step, 7, None, {})
+    hooks.run_hooks(periodic, step, 7, None, {})
   assert seen == [("a", 3), ("a", 6), ("a", 7)]
 
 

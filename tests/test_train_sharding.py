@@ -27,25 +27,26 @@ MESHES = {  # name -> (mesh config, grad_accum)
 
 def _worker(out_dir):
   import jax
-  from mamba_train import config_for, optim, trainer
-  from mamba_train.mesh import make_mesh
-  from mamba_train.sharding import logical_to_spec
-  from mamba_train.synthetic_data import SyntheticLoader
+  from mamba_train import Runtime, config_for
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.parallel.sharding import logical_to_spec
+  from mamba_train.train import optim, state as train_state, step as trainer
+  from mamba_train.data import SyntheticLoader
   assert jax.device_count() == 8, jax.devices()
   # Several chunks and a ragged tail (40 = 2.5 chunks of 16); 4 heads split by tensor=2.
   cfg = config_for("tiny", d_model=32, n_layer=2, d_state=16, headdim=16, chunk_size=16, vocab_size=64)
   ocfg = dict(lr=1e-2, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,
               b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, state_dtype="float32")
   tx, schedule = optim.make_optimizer(ocfg, 10)
-  axes = trainer.param_logical_axes(cfg)
+  axes = train_state.param_logical_axes(cfg)
   results = {}
   for name, (mesh_cfg, accum) in MESHES.items():
     devices = jax.devices()[:1] if name == "single" else jax.devices()
     mesh = make_mesh(mesh_cfg, devices)
     # Random init, created sharded, on two meshes; the others start from the same values.
     from_ref = name not in ("single", "d2f2t2")
-    state = trainer.init_train_state(cfg, tx, mesh, seed=0,
-                                     params=results["single"]["init"] if from_ref else None)
+    state = train_state.init_train_state(cfg, tx, mesh, seed=0,
+                                         params=results["single"]["init"] if from_ref else None)
     init = jax.device_get(state.params)
     mu = state.opt_state.inner_state[1].mu  # chain: clip, adam, decay, lr
     flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}
@@ -53,7 +54,7 @@ def _worker(out_dir):
                  str(logical_to_spec(ax)), list(a.addressable_shards[0].data.shape), list(a.shape)]
              for (k, a), b, ax in zip(flat(state.params).items(), flat(mu).values(),
                                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))}
-    step = trainer.make_train_step(cfg, tx, schedule, mesh, grad_accum=accum)
+    step = trainer.make_train_step(cfg, Runtime().resolve("cpu"), tx, schedule, mesh, grad_accum=accum)
     loader = SyntheticLoader(vocab_size=64, seq_len=40, global_batch_size=8, seed=0)
     losses = []
     for _ in range(STEPS):
@@ -75,7 +76,7 @@ def _nonfinite_steps(step, state, loader, mesh):
   """Two steps with a NaN loss (a NaN loss mask), then a good one: the bad ones
   change nothing and count a streak; the good one applies and resets it."""
   import jax
-  from mamba_train import trainer
+  from mamba_train.train import step as trainer
   before = jax.device_get(state.params)
   out = []
   for bad in (True, True, False):
@@ -166,4 +167,6 @@ def test_nonfinite_steps_are_skipped(runs):
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(HERE))
+  from mamba_train.xla_flags import apply_cpu_defaults
+  apply_cpu_defaults()  # as every entry point does, before JAX's first computation
   _worker(sys.argv[1])

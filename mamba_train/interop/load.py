@@ -11,7 +11,6 @@ Recognised layouts:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -74,7 +73,7 @@ def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
 def _configs(cfg: Mamba2Config, runtime: Runtime | None, overrides: dict):
   """(architecture, runtime) with `overrides` applied: Runtime fields, or config
   fields no weight depends on (chunk_size)."""
-  rt_names = {f.name for f in dataclasses.fields(Runtime)}
+  rt_names = Runtime.field_names()
   arch = {k: v for k, v in overrides.items() if k not in rt_names}
   bad = sorted(set(arch) - set(NOT_IN_WEIGHTS))
   if bad:
@@ -111,7 +110,7 @@ def load_checkpoint(path: Path, runtime: Runtime | None = None, **overrides) -> 
 def saved_configs(run_config: dict) -> tuple[Mamba2Config, Runtime]:
   """(architecture, runtime) of a run config saved with a checkpoint. Runs saved
   before the runtime had its own section kept its fields in `model`."""
-  rt_names = {f.name for f in dataclasses.fields(Runtime)}
+  rt_names = Runtime.field_names()
   model = run_config["model"]
   rt = run_config.get("runtime") or {k: v for k, v in model.items() if k in rt_names}
   return (Mamba2Config.from_dict({k: v for k, v in model.items() if k not in rt_names}),

@@ -16,8 +16,30 @@ import math
 NOT_IN_WEIGHTS = ("chunk_size",)
 
 
+class FrozenFields:
+  """What the frozen config dataclasses share: copies with changes, and plain dicts
+  (JSON, ml_collections) both ways, strict about field names."""
+
+  @classmethod
+  def field_names(cls) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+  def replace(self, **kw):
+    return dataclasses.replace(self, **kw)
+
+  def to_dict(self) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+  @classmethod
+  def from_dict(cls, d: dict):
+    unknown = sorted(set(d) - cls.field_names())
+    if unknown:
+      raise ValueError(f"Unknown {cls.__name__} fields {unknown}; known fields: {sorted(cls.field_names())}")
+    return cls(**d)
+
+
 @dataclasses.dataclass(frozen=True)
-class Mamba2Config:
+class Mamba2Config(FrozenFields):
   d_model: int = 768
   n_layer: int = 24
   vocab_size: int = 50277
@@ -79,22 +101,6 @@ class Mamba2Config:
     m = self.pad_vocab_size_multiple
     return -(-self.vocab_size // m) * m
 
-  def replace(self, **kw) -> "Mamba2Config":
-    return dataclasses.replace(self, **kw)
-
-  def to_dict(self) -> dict:
-    d = dataclasses.asdict(self)
-    d["dt_limit"] = list(d["dt_limit"])
-    d["A_init_range"] = list(d["A_init_range"])
-    return d
-
-  @classmethod
-  def from_dict(cls, d: dict) -> "Mamba2Config":
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"Unknown Mamba2Config fields {unknown}; known fields: {sorted(names)}")
-    return cls(**d)
 
 
 # One table of sizes: the released state-spaces/mamba2-* models and a laptop one.

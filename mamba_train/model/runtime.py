@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mamba_train.model.config import FrozenFields
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_matmuls")
 SSD_FORMS = ("auto", "scan", "parallel")
@@ -27,7 +29,7 @@ def default_form(backend: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Runtime:
+class Runtime(FrozenFields):
   # The matmuls' dtype; parameters, residual stream, norms, decay and loss stay float32.
   compute_dtype: str = "float32"
   # What the backward pass recomputes: nothing, everything, or all but the matmuls.
@@ -78,17 +80,3 @@ class Runtime:
       raise ValueError("ssd_form 'auto' is not resolved: call Runtime.resolve(backend) first")
     cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
     return self.ssd_form, min(chunk_size, cap)
-
-  def replace(self, **kw) -> "Runtime":
-    return dataclasses.replace(self, **kw)
-
-  def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, d: dict) -> "Runtime":
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"Unknown Runtime fields {unknown}; known fields: {sorted(names)}")
-    return cls(**d)

@@ -3,7 +3,7 @@ a learning-rate schedule, and skipping of non-finite steps, all in optax.
 
 Built from `config.optim` (see configs/base.py for the keys). Gradient
 accumulation is not here: the train step scans over micro-batches itself (see
-trainer.py), so the optimizer always sees the gradient of the whole batch.
+train/step.py), so the optimizer always sees the gradient of the whole batch.
 """
 
 from __future__ import annotations
