@@ -9,6 +9,7 @@ function, checkpoint and resume, loop. Periodic work hangs on the loop as hooks.
 """
 
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -53,7 +54,8 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 
 
 def make_loaders(config, model_cfg, workdir=None):
-  """(train iterator, factory of eval-batch iterators), both yielding this process's rows."""
+  """(train iterator, {source name: factory of eval-batch iterators}), both yielding
+  this process's rows. One unnamed ('') eval source unless config.data.mixture is set."""
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.source == "synthetic":
@@ -61,14 +63,27 @@ def make_loaders(config, model_cfg, workdir=None):
     held_out = lambda: itertools.islice(
         data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
         config.eval_batches)
-    return train, held_out
-  data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
-  data.validate_for_model(data.read_metadata(data_dir), model_cfg.vocab_size)
-  tokenizer = os.path.join(data_dir, "tokenizer.json")
+    return train, {"": held_out}
+  if config.data.mixture:
+    sources = data.parse_mixture(config.data.mixture)
+    schedule = data.parse_schedule(config.data.mixture_schedule, len(sources))
+  else:
+    dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
+    sources, schedule = [data.Source(dir_, 1.0)], []
+  try:  # a missing source, another tokenizer or vocabulary: refused before compiling
+    metas = [data.read_metadata(s.dir) for s in sources]
+    for m in metas:
+      data.validate_for_model(m, model_cfg.vocab_size)
+    data.check_sources(sources, metas, config.seq_len)
+  except (OSError, ValueError) as e:
+    raise run_config.ConfigError(str(e)) from None
+  tokenizer = os.path.join(sources[0].dir, "tokenizer.json")
   if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
     shutil.copy(tokenizer, os.path.join(workdir, "tokenizer.json"))  # exports ship it
-  train = data.make_train_loader(data_dir, seed=config.seed, **kw)
-  held_out = lambda: data.make_eval_loader(data_dir, num_batches=config.eval_batches, **kw)
+  train = data.make_mixture_loader(sources, seed=config.seed, schedule=schedule, **kw)
+  named = len(sources) > 1
+  held_out = {s.name if named else "": functools.partial(
+      data.make_eval_loader, s.dir, num_batches=config.eval_batches, **kw) for s in sources}
   return train, held_out
 
 
@@ -155,7 +170,8 @@ def train(config, workdir):
   preemption = checkpoint.PreemptionWatcher()
 
   # ===== step function =====
-  first_batch = steps.to_global(next(train_loader), mesh)
+  first_host_batch = next(train_loader)
+  first_batch = steps.to_global(first_host_batch, mesh)
   with metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
@@ -165,6 +181,7 @@ def train(config, workdir):
                                                          or f"{config.name}-{stamp}"},
                                      run_config=config.to_dict(), is_main=is_main)
   throughput = hooks.Throughput()
+  share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 
   def log(step, state, metrics):
@@ -173,13 +190,19 @@ def train(config, workdir):
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
            "param_norm": m["param_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
-           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0])}
+           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
+           **share.read()}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
   def evaluate(step, state, metrics):
-    batches = (steps.to_global(b, mesh) for b in held_out())
-    row = steps.evaluate(built.eval_step, state.params, batches)
+    rows = {name: steps.evaluate(built.eval_step, state.params,
+                                 (steps.to_global(b, mesh) for b in batches()))
+            for name, batches in held_out.items()}
+    row = steps.pool_eval(rows.values())  # over all sources' tokens
+    for name, r in rows.items():
+      if name:
+        row.update({f"{k}/{name}": v for k, v in r.items()})
     writer.write(step, row)
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
     throughput.reset()  # evaluation time is not training time
@@ -194,6 +217,7 @@ def train(config, workdir):
   ]
 
   batch = first_batch
+  share.add(first_host_batch)
   try:
     throughput.reset()
     for step in range(start_step + 1, config.steps + 1):
@@ -205,7 +229,9 @@ def train(config, workdir):
         logging.warning("SIGTERM received: saving step %d and exiting", step)
         break
       if step < config.steps:
-        batch = steps.to_global(next(train_loader), mesh)
+        host_batch = next(train_loader)
+        share.add(host_batch)
+        batch = steps.to_global(host_batch, mesh)
     final = int(state.step)
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
       ckpt.save(final, state, train_loader, config.to_dict(), force=True)

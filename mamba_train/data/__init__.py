@@ -2,15 +2,20 @@
 
   prepare_dataset / ensure_default_corpus  ->  data/<name>/{train,validation}.npy
   make_train_loader / make_eval_loader     ->  numpy batches for this process
+  make_mixture_loader                      ->  the same from weighted sources (mixture.py)
   SyntheticLoader                          ->  the same batches from a Markov stream, no files
 """
 
 from mamba_train.data.corpus import ensure_default_corpus
-from mamba_train.data.loader import make_eval_loader, make_train_loader, validate_for_model
+from mamba_train.data.loader import (make_eval_loader, make_mixture_loader, make_train_loader,
+                                     validate_for_model)
+from mamba_train.data.mixture import (Source, SourceShare, check_sources, parse_mixture,
+                                      parse_schedule)
 from mamba_train.data.prepare import prepare_dataset, read_metadata
 from mamba_train.data.synthetic import SyntheticLoader
 from mamba_train.data.tokenizer import byte_tokenizer, load_tokenizer
 
-__all__ = ["byte_tokenizer", "ensure_default_corpus", "load_tokenizer", "make_eval_loader",
-           "make_train_loader", "prepare_dataset", "read_metadata", "SyntheticLoader",
-           "validate_for_model"]
+__all__ = ["byte_tokenizer", "check_sources", "ensure_default_corpus", "load_tokenizer",
+           "make_eval_loader", "make_mixture_loader", "make_train_loader", "parse_mixture",
+           "parse_schedule", "prepare_dataset", "read_metadata", "Source", "SourceShare",
+           "SyntheticLoader", "validate_for_model"]
