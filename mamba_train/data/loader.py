@@ -133,7 +133,9 @@ def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
   eos = (inputs == eos_id).astype(np.int32)
   seq_idx = np.where(flat[:, None], np.cumsum(eos, axis=1, dtype=np.int32) - eos, rows[:, 2, :-1])
   return {"input_ids": inputs, "targets": np.ascontiguousarray(rows[:, 0, 1:]),
-          "seq_idx": seq_idx.astype(np.int32), "loss_mask": rows[:, 1, 1:].astype(np.float32)}
+          "seq_idx": seq_idx.astype(np.int32),
+          # A packed row never learns the first token of an example from the one before.
+          "loss_mask": (rows[:, 1, 1:] * (rows[:, 2, 1:] == rows[:, 2, :-1])).astype(np.float32)}
 
 
 def _read_rows(ids: np.ndarray, windows: _Windows, rows: slice, eos_id: int):
