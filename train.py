@@ -87,6 +87,34 @@ def make_loaders(config, model_cfg, workdir=None):
   return train, held_out
 
 
+def make_harness(config, model_cfg, workdir):
+  """`fn(step, params, writer, throughput)` running config.harness.tasks with
+  lm-evaluation-harness and logging harness/<task>/<metric>; None when off."""
+  h = config.harness
+  if not (h.tasks and h.every > 0):
+    return None
+  from mamba_train import Mamba2LM, eval_harness  # lm_eval: the eval extra
+  from mamba_train.data.tokenizer import load_tokenizer
+  tasks = h.tasks.split(",")
+  try:
+    manager = eval_harness.task_manager(h.include_path, tasks)
+    tasks = eval_harness.check_tasks(tasks, manager)
+  except ValueError as e:
+    raise run_config.ConfigError(f"config.harness.tasks: {e}") from None
+  tokenizer = load_tokenizer(os.path.join(workdir, "tokenizer.json"))
+  runtime = run_config.runtime(config)
+
+  def run(step, params, writer, throughput):
+    lm = eval_harness.HarnessLM(Mamba2LM.from_params(model_cfg, params, runtime), tokenizer,
+                                batch_size=h.batch_size)
+    results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
+                                     num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
+                                     bootstrap_iters=0)
+    writer.write(step, eval_harness.flat_metrics(results))
+    throughput.reset()  # evaluation time is not training time
+  return run
+
+
 def load_init_params(path, model_cfg):
   """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
   model = load_model(path)
@@ -146,6 +174,8 @@ def train(config, workdir):
 
   # ===== data =====
   train_loader, held_out = make_loaders(config, model_cfg, workdir)
+
+  harness = make_harness(config, model_cfg, workdir)  # task names checked before compiling
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
@@ -211,6 +241,8 @@ def train(config, workdir):
       hooks.Hook("nonfinite", 1, hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
       hooks.Hook("log", config.log_every, log),
       hooks.Hook("eval", config.eval_every, evaluate),
+      hooks.Hook("harness", config.harness.every if harness else 0,
+                 lambda step, state, _: harness(step, state.params, writer, throughput)),
       # Asynchronous: returns once the state is copied to host memory.
       hooks.Hook("checkpoint", config.checkpoint_every,
                  lambda step, state, _: ckpt.save(step, state, train_loader, config.to_dict())),

@@ -98,3 +98,31 @@ def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(setup):
   with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['tiny_mcq'\].*Found: tiny_gen, tiny_mc, tiny_ppl"):
     eval_harness.check_tasks(["tiny_mc", "tiny_mcq"], eval_harness.task_manager(tasks, ["tiny_mc"]))
   shutil.rmtree(out)
+
+
+def test_training_hook_logs_task_scores(setup, tmp_path):
+  """train.py's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
+  import lm_eval
+  import train
+  from configs import tiny
+  from mamba_train import metrics as metrics_lib
+  from mamba_train.train import hooks
+  model, hf, tasks, _ = setup
+  c = tiny.get_config()
+  c.model.update(n_layer=2)
+  c.harness.update(tasks="tiny_mc", every=1, include_path=tasks, limit=3, batch_size=4)
+  shutil.copy(os.path.join(hf, "tokenizer.json"), tmp_path / "tokenizer.json")
+  run = train.make_harness(c, model.config, str(tmp_path))
+  writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
+  run(5, model.params(), writer, hooks.Throughput())
+  writer.close()
+  row = json.loads(open(tmp_path / "metrics.jsonl").read())
+  theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
+                                   tasks=["tiny_mc"], task_manager=eval_harness_manager(tasks),
+                                   device="cpu", batch_size=4, limit=3, bootstrap_iters=0)
+  assert row["step"] == 5 and row["harness/tiny_mc/acc"] == theirs["results"]["tiny_mc"]["acc,none"]
+
+
+def eval_harness_manager(tasks):
+  from mamba_train import eval_harness
+  return eval_harness.task_manager(tasks, ["tiny_mc"])

@@ -2,6 +2,10 @@
 and the refusals that come before any compile."""
 
 import collections
+import json
+import os
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -142,3 +146,29 @@ def test_missing_source_and_other_tokenizer_refused_before_compile(sources, tmp_
   c.data.mixture = f"{sources['a']}:1,{other}:1"
   with pytest.raises(run_config.ConfigError, match="other.*tokenized with"):
     train.make_loaders(c, run_config.model_config(c))
+
+
+def test_mixture_run_logs_share_and_eval_per_source(tmp_path):
+  """train.py on a two-source mixture: realised token share and eval loss per source."""
+  from test_train_run import ROOT, SMALL
+  a, b = (_prepare(tmp_path, k, LETTERS[k], n_docs=40) for k in "ab")
+  small = [f for f in SMALL if not f.startswith(("--config.data.source", "--config.model.vocab_size",
+                                                  "--config.steps", "--config.eval_every"))]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true",
+         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                      "--xla_cpu_use_fusion_emitters=false"}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run"), *small,
+       "--config.data.source=corpus", f"--config.data.mixture={a}:0.75,{b}:0.25",
+       "--config.model.vocab_size=257", "--config.steps=8", "--config.eval_every=8",
+       "--config.log_every=8", "--config.wandb.mode=disabled"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  merged = {k: v for r in rows for k, v in r.items()}
+  # 8 steps x 8 rows at weights 3:1, in Grain's interleave.
+  assert merged["data/share/a"] == pytest.approx(0.75, abs=1 / 64)
+  assert merged["data/share/a"] + merged["data/share/b"] == pytest.approx(1.0)
+  pooled = (merged["eval_loss/a"] * merged["eval_tokens/a"] + merged["eval_loss/b"]
+            * merged["eval_tokens/b"]) / (merged["eval_tokens/a"] + merged["eval_tokens/b"])
+  assert merged["eval_loss"] == pytest.approx(pooled)

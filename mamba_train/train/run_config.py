@@ -104,6 +104,13 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if cfg["data"].get("source") not in DATA_SOURCES:
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
   problems += _mixture_problems(cfg["data"])
+  harness = cfg.get("harness", {})
+  if harness.get("tasks") and harness.get("every", 0) > 0:
+    if cfg["data"].get("source") != "corpus":
+      problems.append("harness.tasks needs data.source='corpus' (its tokenizer)")
+    if process_count > 1:
+      problems.append("harness.tasks runs in single-process jobs only; run scripts/eval.py "
+                      "on a saved checkpoint instead")
   if problems:
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
   return {"model": model, "runtime": rt, "mesh": mesh}
