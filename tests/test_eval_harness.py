@@ -53,7 +53,8 @@ def test_same_scores_and_generations_as_lm_evals_hf_backend(setup):
   names = ["tiny_mc", "tiny_ppl", "tiny_gen"]
   manager = eval_harness.task_manager(tasks, names)
   ours = eval_harness.run_tasks(
-      eval_harness.HarnessLM(model, load_tokenizer(os.path.join(hf, "tokenizer.json")), batch_size=4),
+      # One batch holds all five prompts: one generate program to compile.
+      eval_harness.HarnessLM(model, load_tokenizer(os.path.join(hf, "tokenizer.json")), batch_size=8),
       names, manager=manager, log_samples=True, bootstrap_iters=0)
   theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
                                    tasks=names, task_manager=manager, device="cpu", batch_size=4,
