@@ -75,6 +75,10 @@ def make_loaders(config, model_cfg, workdir=None):
     for m in metas:
       data.validate_for_model(m, model_cfg.vocab_size)
     data.check_sources(sources, metas, config.seq_len)
+    no_val = [s.dir for s, m in zip(sources, metas) if "validation" not in m["splits"]]
+    if config.eval_every > 0 and no_val:
+      raise ValueError(f"{no_val} hold no validation split; prepare them with a nonzero "
+                       "val_fraction, or set eval_every=0")
   except (OSError, ValueError) as e:
     raise run_config.ConfigError(str(e)) from None
   tokenizer = os.path.join(sources[0].dir, "tokenizer.json")
