@@ -97,7 +97,12 @@ def make_harness(config, model_cfg, workdir):
   h = config.harness
   if not (h.tasks and h.every > 0):
     return None
-  from mamba_train import Mamba2LM, eval_harness  # lm_eval: the eval extra
+  try:
+    from mamba_train import eval_harness
+  except ImportError as e:
+    raise run_config.ConfigError(f"config.harness.tasks needs lm-eval ({e}): "
+                                 "pip install -e '.[eval]'") from None
+  from mamba_train import Mamba2LM
   from mamba_train.data.tokenizer import load_tokenizer
   tasks = h.tasks.split(",")
   try:
