@@ -89,20 +89,15 @@ def test_mixture_resumes_through_orbax_after_a_source_ended(sources, tmp_path):
   """The checkpoint train.py writes (Grain's handler in an Orbax Composite), across a
   schedule change and a capped source's end; the pipeline also pickles for workers."""
   import pickle
-  import grain
-  import orbax.checkpoint as ocp
+  from test_data import orbax_round_trip
   srcs = data.parse_mixture(f"{sources['a']}:1,{sources['b']}:1:epochs=0.5,{sources['c']}:0")
   kw = dict(seq_len=SEQ_LEN, global_batch_size=BATCH, seed=1,
             schedule=data.parse_schedule("2:1,1,1", 3))
   reference = _rows(data.make_mixture_loader(srcs, **kw), 8)
   it = data.make_mixture_loader(srcs, **kw)
   _rows(it, 5)
-  with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
-    mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-    mngr.wait_until_finished()
   fresh = data.make_mixture_loader(srcs, **kw)
-  with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
-    mngr.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+  orbax_round_trip(it, fresh, tmp_path / "ckpt")
   assert _rows(fresh, 3) == reference[5 * BATCH:]
   assert {s for s, _ in reference[:2 * BATCH]} == {"a", "b"}  # c joins at step 2
   assert {s for s, _ in reference[2 * BATCH:]} >= {"a", "c"}
