@@ -111,9 +111,8 @@ def test_training_hook_logs_task_scores(setup, tmp_path):
   model, hf, tasks, _ = setup
   c = tiny.get_config()
   c.model.update(n_layer=2)
-  c.harness.update(tasks="tiny_mc", every=1, include_path=tasks, limit=3, batch_size=4)
-  shutil.copy(os.path.join(hf, "tokenizer.json"), tmp_path / "tokenizer.json")
-  run = train.make_harness(c, model.config, str(tmp_path))
+  c.harness.update(tasks="tiny_mc", every=1, include_path=tasks, limit=3, batch_size="4")
+  run = train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
   writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
   run(5, model.params(), writer, hooks.Throughput())
   writer.close()

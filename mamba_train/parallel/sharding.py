@@ -112,3 +112,15 @@ def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) 
   """
   sh = batch_sharding(mesh, rules)
   return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole value of a (possibly multi-process) array, on every process.
+
+  np.asarray reads only arrays this process holds whole (one process, or a full
+  replica); a program's output over parameters sharded across processes may be
+  split instead, and then every process must take part in the gather."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

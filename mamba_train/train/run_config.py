@@ -108,9 +108,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if harness.get("tasks") and harness.get("every", 0) > 0:
     if cfg["data"].get("source") != "corpus":
       problems.append("harness.tasks needs data.source='corpus' (its tokenizer)")
-    if process_count > 1:
-      problems.append("harness.tasks runs in single-process jobs only; run scripts/eval.py "
-                      "on a saved checkpoint instead")
   if problems:
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
   return {"model": model, "runtime": rt, "mesh": mesh}
