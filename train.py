@@ -130,7 +130,7 @@ def make_harness(config, model_cfg, tokenizer_path):
                                 batch_size=h.batch_size, max_batch_size=h.max_batch_size)
     results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
                                      num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
-                                     bootstrap_iters=0)
+                                     bootstrap_iters=0, env_info=False)
     writer.write(step, eval_harness.flat_metrics(results))
     throughput.reset()  # evaluation time is not training time
   return run

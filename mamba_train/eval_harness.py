@@ -298,17 +298,27 @@ def check_tasks(tasks: Iterable[str], manager) -> list[str]:
 
 def run_tasks(lm: HarnessLM, tasks: list[str], *, manager=None, limit: float | None = None,
               num_fewshot: int | None = None, log_samples: bool = False, seed: int = 0,
-              bootstrap_iters: int = 100_000) -> dict:
+              bootstrap_iters: int = 100_000, env_info: bool = True) -> dict:
   """lm-eval's `simple_evaluate` on our model; returns its results dict.
-  bootstrap_iters (lm-eval's default) only sizes the standard errors; 0 skips them."""
+  bootstrap_iters (lm-eval's default) only sizes the standard errors; 0 skips them.
+  env_info=False leaves out lm-eval's report of the environment (torch's collect_env,
+  which runs pip and nvidia-smi, about 1.5 s), which only its results files show."""
   import lm_eval  # pylint: disable=import-outside-toplevel
+  from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   manager = manager or task_manager(tasks=tasks)
   tasks = check_tasks(tasks, manager)
-  return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                 num_fewshot=num_fewshot, log_samples=log_samples,
-                                 random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                 fewshot_random_seed=seed, batch_size=lm.batch_size_spec,
-                                 max_batch_size=lm.max_batch_size, bootstrap_iters=bootstrap_iters)
+  report = evaluator.add_env_info
+  if not env_info:
+    evaluator.add_env_info = lambda results: None
+  try:
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                   num_fewshot=num_fewshot, log_samples=log_samples,
+                                   random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                   fewshot_random_seed=seed, batch_size=lm.batch_size_spec,
+                                   max_batch_size=lm.max_batch_size,
+                                   bootstrap_iters=bootstrap_iters)
+  finally:
+    evaluator.add_env_info = report
 
 
 def flat_metrics(results: dict, prefix: str = "harness") -> dict[str, float]:
