@@ -71,7 +71,10 @@ def main(argv):
   if _OUT.value:
     from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
     tracker = EvaluationTracker(output_path=_OUT.value)
-    tracker.general_config_tracker.model_name = os.path.abspath(path)
+    # As lm_eval's command line: files go under a directory named after the model.
+    tracker.general_config_tracker.log_experiment_args(
+        model_source="mamba_train", model_args=f"pretrained={os.path.abspath(path)}",
+        system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
     if _SAMPLES.value and samples:

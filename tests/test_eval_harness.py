@@ -333,8 +333,10 @@ def test_training_hook_in_a_two_process_job(background, theirs):
 def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(background, setup):
   _, _, tasks, _ = setup
   out = _finish(background["script"])
-  results = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
-  samples = glob.glob(str(out / "**" / "samples_tiny_mc_*.jsonl"), recursive=True)
+  # In a directory named after the model, as lm_eval's command line names it.
+  named = out / os.path.abspath(setup[1]).replace("/", "__")
+  results = glob.glob(str(named / "results_*.json"))
+  samples = glob.glob(str(named / "samples_tiny_mc_*.jsonl"))
   assert len(results) == 1 and len(samples) == 1
   r = json.load(open(results[0]))
   assert r["n-shot"]["tiny_mc"] == 1 and 0 <= r["results"]["tiny_mc"]["acc,none"] <= 1
