@@ -1,5 +1,5 @@
 """Multi-host on one machine: two processes on 127.0.0.1 (CPU, gloo collectives, two
-simulated devices each) joined by mamba_train.distributed, against one process with
+simulated devices each) joined by mamba_train.parallel.distributed, against one process with
 four devices on the same mesh.
 
 The two-process runs use the hybrid mesh (dcn_data=2 across the processes, fsdp=2
