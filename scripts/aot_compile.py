@@ -30,11 +30,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # `configs` lives at the repository root
   sys.path.insert(0, _ROOT)
 
-# libtpu only compiles here: skip its cloud metadata queries, and let several
-# processes (parallel tests) load it at once.
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -42,24 +37,16 @@ from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
 from mamba_train import metrics  # noqa: E402
-from mamba_train.parallel import sharding  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
 from mamba_train.parallel.topology import tpu_devices  # noqa: E402
 from mamba_train.train import run_config  # noqa: E402
-from mamba_train.train.step import build  # noqa: E402
+from mamba_train.train.step import abstract_batch, build  # noqa: E402
 
 GIB = metrics.GIB
 
 
 class DoesNotFit(RuntimeError):
   pass
-
-
-def abstract_batch(batch_size: int, seq_len: int, mesh):
-  sh = sharding.batch_sharding(mesh)
-  spec = lambda dt: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=sh)
-  return {"input_ids": spec(jnp.int32), "targets": spec(jnp.int32), "seq_idx": spec(jnp.int32),
-          "loss_mask": spec(jnp.float32)}
 
 
 def state_bytes_per_device(state) -> int:

@@ -137,6 +137,14 @@ def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Arr
   return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0)))}
 
 
+def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """A global batch's shapes, dtypes and shardings, for compiling without data."""
+  dtypes = {"loss_mask": jnp.float32}
+  sh = sharding.batch_sharding(mesh)
+  return {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtypes.get(k, jnp.int32), sharding=sh)
+          for k in BATCH_KEYS}
+
+
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """This process's rows of the batch's model inputs -> global arrays split over data x fsdp."""
   return sharding.to_global({k: batch[k] for k in BATCH_KEYS}, mesh)
