@@ -26,7 +26,7 @@ from flax import nnx
 
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
-from mamba_train.model.ssd import ssd_chunked, ssd_step
+from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -191,7 +191,8 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   # the SSD run per slice and exchange a halo and state summaries (parallel/sequence.py).
   split = sharding.sequence_split()
   conv = causal_conv if split is None else functools.partial(split.conv, causal_conv)
-  ssd = ssd_chunked if split is None else functools.partial(split.ssd, ssd_chunked)
+  ssd = (ssd_chunked if split is None
+         else functools.partial(split.ssd, ssd_chunked, pass_states, state_outputs))
   x, conv_x = conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
   bc, conv_bc = conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
   x, bc = jax.nn.silu(x), jax.nn.silu(bc)

@@ -15,9 +15,9 @@ d_conv - 1 inputs (a halo, by one ppermute). Gradients flow through the
 all-gather and the ppermute (their transposes are a reduce-scatter and the
 reverse ppermute).
 
-The functions here are pure: they take the SSD scan and the convolution as
+The functions here are pure: they take the SSD math and the convolution as
 functions (so a fused kernel drops in), the mesh and the axis name, and import
-only the SSD math (the bottom layer). The model reaches them through
+nothing of the package (parallelism knows no model). The model reaches them through
 `parallel.sharding` (`sharding.sequence_split()`), the one module that knows the
 active mesh and rules, so the model never asks which mesh it runs on and its
 imports stay within model/ and parallel.sharding.
@@ -35,8 +35,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
-
-from mamba_train.model.ssd import pass_states, state_outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +81,14 @@ class SequenceSplit:
                         out_specs=(P(None, ax), P(ax)))(x, w, bias, front, seq_idx)
     return y, last[-1]
 
-  def ssd(self, ssd: Callable, x, dt, A, B, C, *args, D=None, initial_state=None, seq_idx=None,
-          **kw):
-    """`ssd(x, dt, A, B, C, *args, D=..., seq_idx=..., **kw)` (`ssd.ssd_chunked`, or a
-    kernel with its arguments) on a sequence split over the axis; same arguments
-    and results as `ssd_chunked` (see the module doc for how)."""
+  def ssd(self, scan: Callable, pass_states: Callable, state_outputs: Callable, x, dt, A, B, C,
+          *args, D=None, initial_state=None, seq_idx=None, **kw):
+    """`scan(x, dt, A, B, C, *args, D=..., initial_state=..., seq_idx=..., **kw)`
+    (`ssd.ssd_chunked`, or a kernel with its arguments) on a sequence split over
+    the axis, with the same arguments and results. `pass_states` and
+    `state_outputs` are the SSD's (`ssd.pass_states`, `ssd.state_outputs`): the
+    summaries are combined and the outputs corrected by the same math as between
+    chunks (see the module doc)."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     self._check_length(l)
@@ -102,7 +103,7 @@ class SequenceSplit:
     def local(x, dt, B, C, ids, A, D, init):
       # From a zero state, typed as varying over the axis like the slice it scans.
       zero = jax.lax.pcast(jnp.zeros_like(init), (ax,), to="varying")
-      y, own = ssd(x, dt, A, B, C, *args, D=D, initial_state=zero, seq_idx=ids, **kw)
+      y, own = scan(x, dt, A, B, C, *args, D=D, initial_state=zero, seq_idx=ids, **kw)
       total = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)  # (b, h)
       gather = lambda t: jax.lax.all_gather(t, ax)  # (devices, ...)
       first_ids, last_ids = gather(ids[:, 0]), gather(ids[:, -1])
