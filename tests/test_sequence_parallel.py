@@ -10,7 +10,6 @@ read what it saved. The long-length test runs in this process on one device.
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -136,18 +135,9 @@ def _worker(out_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, on_simulated_devices):
   out = tmp_path_factory.mktemp("sequence")
-  # Cheaper XLA CPU compiles: the shapes are tiny, so code quality does not matter here.
-  flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  with open(out / "results.json") as f:
-    results = json.load(f)
-  return results, out
+  return on_simulated_devices(__file__, out), out
 
 
 def _rel(got, ref):
