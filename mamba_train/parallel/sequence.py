@@ -111,6 +111,8 @@ class SequenceSplit:
       entering, final = pass_states(init, gather(own), gather(total), doc_end)
       i = jax.lax.axis_index(ax)
       keep_in = ids == doc_end[i][:, None]
+      # In bfloat16 compute, y was rounded once before this float32 sum (on one
+      # device the entering state's term joins before rounding): one more rounding.
       y = y.astype(jnp.float32) + state_outputs(C, entering[i], dt, A, keep_in=keep_in)
       return y.astype(x.dtype), final[None]
 
