@@ -3,10 +3,10 @@
 `-1` on one axis means "all the devices the other axes leave". The shape is
 checked against the device count here, before anything is traced or compiled.
 
-Over several hosts or slices (MaxText's ici / dcn split): `dcn_data`,
-`dcn_fsdp` (and `dcn_sequence`, `dcn_tensor`) say how many granules (TPU slices; hosts elsewhere) an axis spans
-over the slow data-center network, and data / fsdp / tensor then describe one
-granule, over its fast links. The mesh axis is the product: `dcn_data=4,
+Over several hosts or slices (MaxText's ici / dcn split): `dcn_data` and
+`dcn_fsdp` (also `dcn_sequence`, `dcn_tensor`) say how many granules (TPU slices;
+hosts elsewhere) an axis spans over the slow data-center network, and data / fsdp
+/ sequence / tensor then describe one granule, over its fast links. The mesh axis is the product: `dcn_data=4,
 data=1, fsdp=8` is a data axis of 4 across hosts and fsdp 8 inside each, so the
 gradient all-reduce is the only traffic between hosts. With every dcn_* at 1
 (the default) data / fsdp / tensor span all devices, as before.
