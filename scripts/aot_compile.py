@@ -78,8 +78,10 @@ def sequence_advice(config, state_bytes: int, hbm: float, temp_bytes: float | No
   state does not. None when the sequence axis would not help."""
   sp, l = int(config.mesh.get("sequence", 1)), config.seq_len
   room = 0.9 * hbm - state_bytes  # leave XLA a margin
+  if room <= 0:  # the state alone does not fit: shard it (fsdp), splitting l cannot help
+    return None
   if temp_bytes is not None:
-    if room <= 0 or temp_bytes <= room:
+    if temp_bytes <= room:
       return None
     need = sp * 2 ** math.ceil(math.log2(temp_bytes / room))
   elif l // sp >= 4096:  # XLA refused outright: at long lengths, try twice the split
