@@ -20,16 +20,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from mamba_train.parallel.sequence import SequenceSplit
+
+# The sequence axis sits next to tensor: after it, the fastest links. Its traffic
+# is small (a state summary and a conv halo per layer), but on the critical path.
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Logical name -> mesh axis (or axes, or None = replicated).
 # Parameters: 'embed' is the model dimension FSDP shards; 'inner'/'heads'/'vocab'
 # are split by tensor parallelism (whole heads, since d_inner = heads * headdim
 # is laid out head-major). Activations use the act_* names so that the model
-# dimension of activations stays whole while the batch is split.
+# dimension of activations stays whole while the batch is split. 'act_length'
+# splits one sequence over the 'sequence' axis (parallel/sequence.py); the mixer
+# then runs its convolution and SSD under shard_map (`sequence_split`).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("act_length", None),
+    ("act_length", "sequence"),
     ("act_embed", None),
     ("act_inner", "tensor"),
     ("act_vocab", "tensor"),
@@ -77,6 +83,23 @@ def active() -> tuple[Mesh, tuple] | None:
   return _ACTIVE[-1] if _ACTIVE else None
 
 
+def sequence_split() -> SequenceSplit | None:
+  """How the active rules split the length of activations: a `SequenceSplit`
+  (the mixer's shard_map'd convolution and SSD) when 'act_length' maps to one
+  mesh axis of size > 1, else None (the mixer runs as on one device)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+  axis = dict(rules).get("act_length")
+  if isinstance(axis, tuple):
+    if len(axis) != 1:
+      raise ValueError(f"'act_length' must map to one mesh axis, got {axis}")
+    axis = axis[0]
+  if axis is None or mesh.shape[axis] == 1:
+    return None
+  return SequenceSplit(mesh, axis)
+
+
 def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
   """Drop mesh axes from dimensions they do not divide (those stay replicated)."""
   out = []
@@ -100,8 +123,9 @@ def tree_shardings(shapes: Any, logical_axes: Any, mesh: Mesh, rules=DEFAULT_RUL
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
-  """(b, l) batches: sequences split like the activations' batch axis, positions whole."""
-  return NamedSharding(mesh, logical_to_spec(("batch", None), rules))
+  """(b, l) batches: split like the activations' batch and length axes (positions
+  whole unless the sequence axis splits them)."""
+  return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
 
 
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:

@@ -54,7 +54,7 @@ def runtime(config) -> Runtime:
 
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
   """Raise ConfigError listing every problem found; return the resolved pieces:
-  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'tensor'}}."""
+  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'sequence', 'tensor'}}."""
   cfg = _to_dict(config)
   problems = []
   if reference is not None:
@@ -92,6 +92,16 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
           f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
           f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
           + f"; use a multiple of {dp * accum}")
+    sp, l = mesh["sequence"], cfg.get("seq_len")
+    if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
+      problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
+                      f"of at least d_conv - 1 = {model.d_conv - 1} positions")
+    if process_count > 1 and int(cfg["mesh"].get("dcn_sequence", 1)) > 1:
+      # The loaders hand each process whole rows of its own; a sequence split across
+      # hosts needs each process to read the same rows' positions instead (not built).
+      problems.append("mesh.dcn_sequence > 1 across processes is not supported yet: keep the "
+                      "sequence axis inside a host or slice (mesh.sequence) and put dcn_data / "
+                      "dcn_fsdp across them")
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
   if optim.get("schedule") not in SCHEDULES:

@@ -47,7 +47,7 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
 def _split_micro(batch, k: int, mesh: Mesh, rules):
   """(b, l) -> (k, b/k, l). Row j*k + i goes to micro-batch i, so each
   micro-batch keeps the batch's split over devices and nothing moves."""
-  spec = NamedSharding(mesh, sharding.logical_to_spec((None, "batch", None), rules))
+  spec = NamedSharding(mesh, sharding.logical_to_spec((None, "batch", "act_length"), rules))
 
   def split(x):
     x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
