@@ -22,12 +22,14 @@ from mamba_train.xla_flags import apply_cpu_defaults
 apply_cpu_defaults()  # before JAX starts its CPU backend (see the module)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import tqdm  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
 from mamba_train import checkpoint, data  # noqa: E402
+from mamba_train import workdir as workdir_lib  # noqa: E402
 from mamba_train import metrics as metrics_lib  # noqa: E402
 from mamba_train.interop.load import load_model, saved_configs  # noqa: E402
 from mamba_train.model.config import NOT_IN_WEIGHTS  # noqa: E402
@@ -48,6 +50,7 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of proc
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the job (0 = detect).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's rank (-1 = detect).")
 _INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of a configuration or data error.")
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds of silence after which a process counts as dead and the job stops.")
 
@@ -100,8 +103,23 @@ def main(argv):
     sys.exit(f"error: {e}")
   try:
     train(_CONFIG.value, _WORKDIR.value)
-  except (run_config.ConfigError, hooks.NonFiniteLossError, checkpoint.ShapeMismatchError) as e:
-    sys.exit(f"error: {e}")
+  except USER_ERRORS as e:  # the fix is in the message: no traceback unless asked
+    if _DEBUG.value:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except RUN_FAILURES as e:
+    if _DEBUG.value:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+# Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
+USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
+               workdir_lib.WorkdirLockedError)
+# A run that started and cannot go on: one line saying why, exit 1.
+RUN_FAILURES = (hooks.NonFiniteLossError,)
 
 
 def train(config, workdir):
@@ -109,13 +127,39 @@ def train(config, workdir):
   # ===== config =====
   resolved = run_config.validate(config, num_devices=jax.device_count(),
                                  process_count=jax.process_count(), reference=base.get_config())
-  model_cfg = resolved["model"]
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   if not workdir and jax.process_count() > 1:
     # Each process would stamp its own time: they must share one directory.
     raise run_config.ConfigError("--workdir is required when the job spans several processes "
                                  "(a directory every process can reach, e.g. a GCS bucket)")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
+  lock = lock_workdir(workdir)  # before anything is read or written there
+  try:
+    run(config, workdir, resolved, stamp)
+  finally:
+    lock.release()
+
+
+def lock_workdir(workdir) -> workdir_lib.WorkdirLock:
+  """Process 0 takes the workdir's lock for the job; every process learns whether it got it."""
+  lock = workdir_lib.WorkdirLock(workdir)
+  error = ""
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except workdir_lib.WorkdirLockedError as e:
+      error = str(e)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
+      error = error or f"process 0 could not lock {workdir} (its log says why)"
+  if error:
+    raise workdir_lib.WorkdirLockedError(error)
+  return lock
+
+
+def run(config, workdir, resolved, stamp):
+  model_cfg = resolved["model"]
   is_main = jax.process_index() == 0
   # A workdir that holds checkpoints of another model is refused before anything is written.
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
