@@ -228,20 +228,33 @@ def run(config, workdir, resolved, stamp):
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
     throughput.reset()  # evaluation time is not training time
 
+  def save(step, state, metrics, force=False):
+    # Never from a state inside a non-finite streak: its last update was skipped, and the
+    # streak may end the run; the previous save is the one to resume from.
+    if metrics is not None:
+      m = jax.device_get({k: metrics[k] for k in ("loss", "nonfinite_streak")})
+      if int(m["nonfinite_streak"]) > 0 or not math.isfinite(float(m["loss"])):
+        logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
+                        step, int(m["nonfinite_streak"]))
+        return
+    ckpt.save(step, state, train_loader, config.to_dict(), force=force)
+
+  guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   periodic = [
-      hooks.Hook("nonfinite", 1, hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)),
+      hooks.Hook("nonfinite", 1, guard),
       hooks.Hook("log", config.log_every, log),
-      hooks.Hook("eval", config.eval_every, evaluate),
+      # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.
-      hooks.Hook("checkpoint", config.checkpoint_every,
-                 lambda step, state, _: ckpt.save(step, state, train_loader, config.to_dict())),
+      hooks.Hook("checkpoint", config.checkpoint_every, save),
+      hooks.Hook("eval", config.eval_every, evaluate),
   ]
 
-  batch = first_batch
+  batch, step_metrics, done = first_batch, None, start_step
   try:
     throughput.reset()
     for step in range(start_step + 1, config.steps + 1):
       state, step_metrics = train_step(state, batch)
+      done = step
       throughput.tick()
       bar.update(1)
       hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
@@ -250,14 +263,15 @@ def run(config, workdir, resolved, stamp):
         break
       if step < config.steps:
         batch = steps.to_global(next(train_loader), mesh)
+    guard.finish()
     final = int(state.step)
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
-      ckpt.save(final, state, train_loader, config.to_dict(), force=True)
+      save(final, state, step_metrics, force=True)
   finally:
     bar.close()
     writer.close()
     ckpt.close()  # waits for saves in flight
-  logging.info("stopped at step %d of %d in %s", int(state.step), config.steps, workdir)
+    logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
 
 
 def check_resumable(ckpt, config, *, force: bool) -> None:

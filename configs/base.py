@@ -49,7 +49,9 @@ def get_config() -> ml_collections.ConfigDict:
       clip_norm=1.0,  # global gradient norm clip (0 = off)
       grad_accum=1,  # micro-batches per step; batch_size must divide over them and the devices
       state_dtype="float32",  # Adam first moment: float32 | bfloat16
-      max_nonfinite_steps=20,  # stop after this many non-finite steps in a row (each is skipped)
+      # Stop after this many non-finite steps in a row (each is skipped). -1 = auto:
+      # min(20, steps // 4), at least 1, so that a short run cannot pass on skipped steps.
+      max_nonfinite_steps=-1,
   ))
 
   # --- data ---
