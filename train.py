@@ -67,6 +67,9 @@ def make_loaders(config, model_cfg, workdir=None):
     return train, held_out
   data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
   data.validate_for_model(data.read_metadata(data_dir), model_cfg.vocab_size)
+  # Every split the run will read, now: a damaged validation shard must not wait for the first eval.
+  data.check_splits(data_dir, ["train"] + (["validation"] if config.eval_every > 0 else []),
+                    config.seq_len)
   tokenizer = os.path.join(data_dir, "tokenizer.json")
   if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
     shutil.copy(tokenizer, os.path.join(workdir, "tokenizer.json"))  # exports ship it
@@ -117,7 +120,7 @@ def main(argv):
 
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
 USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
-               workdir_lib.WorkdirLockedError)
+               workdir_lib.WorkdirLockedError, data.DataError)
 # A run that started and cannot go on: one line saying why, exit 1.
 RUN_FAILURES = (hooks.NonFiniteLossError,)
 
