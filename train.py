@@ -210,7 +210,8 @@ def run(config, workdir, resolved, stamp):
   # ===== hooks and loop =====
   writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
                                                          or f"{config.name}-{stamp}"},
-                                     run_config=config.to_dict(), is_main=is_main)
+                                     run_config=config.to_dict(), is_main=is_main,
+                                     resumed_from=restored_step)
   throughput = hooks.Throughput()
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 

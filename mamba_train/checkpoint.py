@@ -8,8 +8,8 @@ Layout: `<workdir>/checkpoints/<step>/` holding three items:
 
 Orbax writes each step into a temporary directory and renames it when complete,
 so a save cut off by a crash never becomes a step that a restart can pick.
-A step whose files are damaged is skipped on restore, with a warning naming it
-and the step used instead. Nothing is deleted except by the keep-last-k policy.
+A step any of whose items (state, data, config) is damaged is skipped on restore,
+with a warning naming it and the step used instead. Nothing is deleted except by the keep-last-k policy.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ class Checkpointer:
         item = _grain_item(data_iter)
         data_dir = self.directory / str(s) / "data"
         mine = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        args = dict(state=ocp.args.StandardRestore(abstract_state))
+        # Every item is read, the config too: a step is trusted only if all of it is whole.
+        args = dict(state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore())
         if mine.exists():
           args["data"] = grain.checkpoint.CheckpointRestore(item)
         out = self.manager.restore(s, args=ocp.args.Composite(**args))
@@ -210,12 +211,21 @@ def restore_params(path, abstract_params=None) -> Any:
     return out["state"]["params"]
 
 
+class CheckpointDamagedError(ValueError):
+  pass
+
+
 def saved_config(path) -> dict:
   """The run config stored with a checkpoint step directory."""
   path = Path(path).absolute()
   with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
-    return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    try:
+      return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except ValueError as e:  # JSONDecodeError and Orbax's own
+      raise CheckpointDamagedError(
+          f"the run config of checkpoint {path} is damaged ({type(e).__name__}: "
+          f"{str(e).splitlines()[0][:200]}); use an earlier step of {path.parent}") from None
 
 
 def find_step_dir(path) -> Path | None:

@@ -257,3 +257,52 @@ def test_prepare_data_names_file_and_line(tmp_path):
   assert r.returncode == 2, r.stderr[-2000:]
   assert r.stderr.strip().splitlines()[-1] == (
       f"error: {empty} is empty: it holds no JSON lines. Remove it from --source or fill it.")
+
+
+# ----------------------------------------------------------------------------
+# 6 (issue numbering). The record: damaged steps and replayed rows.
+
+
+def _tiny_state(value):
+  import jax.numpy as jnp
+  return {"params": {"embedding": jnp.full((4, 3), value, jnp.float32)}, "step": jnp.array(value, jnp.int32)}
+
+
+def test_restore_checks_the_config_item_too(tmp_path, caplog):
+  """Garbage in a step's config/metadata alone went unnoticed until an export failed."""
+  import jax
+  from mamba_train import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
+  for step in (1, 2):
+    ck.save(step, _tiny_state(step), loader, {"step_saved": step})
+  ck.close()
+  (tmp_path / "checkpoints" / "2" / "config" / "metadata").write_text("{garbage")
+  with pytest.raises(checkpoint.CheckpointDamagedError, match=r"checkpoints/2 is damaged.*earlier step"):
+    checkpoint.saved_config(tmp_path / "checkpoints" / "2")
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tiny_state(0))
+  with caplog.at_level("WARNING"):
+    step, state = ck.restore(target, loader)
+  ck.close()
+  assert step == 1 and int(state["step"]) == 1
+  assert "resuming from step 1 instead of the newest step 2" in caplog.text
+  assert (tmp_path / "checkpoints" / "2.damaged").exists()
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+  from mamba_train.metrics import MetricsWriter
+  path = tmp_path / "metrics.jsonl"
+  rows = [json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 9)]
+  path.write_text("".join(rows) + '{"step": 9, "lo')  # steps 1..8, then a line cut by a kill
+  w = MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={}, resumed_from=4)
+  for s in (5, 6):
+    w.write(s, {"loss": 0.5})
+  w.close()
+  got = [json.loads(l) for l in path.read_text().splitlines()]
+  assert [r["step"] for r in got] == [1, 2, 3, 4, 4, 5, 6]
+  assert got[4] == {"step": 4, "event": "resumed", "set_aside": "metrics.jsonl.after-4"}
+  assert got[5]["loss"] == 0.5
+  aside = (tmp_path / "metrics.jsonl.after-4").read_text()
+  assert aside == "".join(rows[4:]) + '{"step": 9, "lo\n'  # nothing lost
