@@ -115,6 +115,14 @@ def main(argv):
     if _DEBUG.value:
       raise
     print(f"error: {e}", file=sys.stderr)
+    if isinstance(e, checkpoint.CheckpointWriteError):
+      # The run has closed its files and lock (train's finally blocks). Orbax's writer
+      # threads of the failed save would print pages of tracebacks at interpreter
+      # shutdown: leave without it.
+      logging.shutdown()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)
     sys.exit(1)
 
 
@@ -122,7 +130,7 @@ def main(argv):
 USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
                workdir_lib.WorkdirLockedError, data.DataError)
 # A run that started and cannot go on: one line saying why, exit 1.
-RUN_FAILURES = (hooks.NonFiniteLossError,)
+RUN_FAILURES = (hooks.NonFiniteLossError, checkpoint.CheckpointWriteError)
 
 
 def train(config, workdir):
@@ -199,6 +207,7 @@ def run(config, workdir, resolved, stamp):
     state = restored
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
   start_step = int(state.step)
+  ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))  # disk space
   preemption = checkpoint.PreemptionWatcher()
 
   # ===== step function =====
@@ -246,6 +255,7 @@ def run(config, workdir, resolved, stamp):
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   periodic = [
       hooks.Hook("nonfinite", 1, guard),
+      hooks.Hook("save_failed", 1, lambda *_: ckpt.check()),  # a failed async save stops the run
       hooks.Hook("log", config.log_every, log),
       # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.

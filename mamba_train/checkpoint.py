@@ -14,8 +14,10 @@ with a warning naming it and the step used instead. Nothing is deleted except by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 
 class ShapeMismatchError(ValueError):
   pass
+
+
+class CheckpointWriteError(RuntimeError):
+  """A save failed (a full disk, a lost mount): the run stops rather than train on unsaved."""
 
 
 class _JsonStateIterator:
@@ -70,21 +76,70 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
     self.last_saved: int | None = None
+    self._failed = False
 
   # -- saving --
 
   def save(self, step: int, state, data_iter, config: dict, *, force: bool = False) -> bool:
-    """Starts an asynchronous save; returns once device arrays are copied to host."""
+    """Starts an asynchronous save; returns once device arrays are copied to host.
+    Raises CheckpointWriteError if an earlier save failed."""
+    self.check()
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(_grain_item(data_iter)),
         config=ocp.args.JsonSave(config))
+    try:
+      with _quiet_orbax():  # its traceback of the previous save's failure: we say it in one line
+        saved = self.manager.save(step, args=args, force=force)
+    except OSError as e:  # Orbax waits for the previous save first and re-raises its error
+      raise self._write_error(self.last_saved, e) from None
     self.last_saved = step
-    return self.manager.save(step, args=args, force=force)
+    return saved
+
+  def check(self) -> None:
+    """Raise CheckpointWriteError if an asynchronous save has failed; never waits.
+    Called at every step, so a failed save stops the run at the next step after it."""
+    error = _finished_save_error(self.manager)
+    if error is not None:
+      raise self._write_error(self.last_saved, error)
+
+  def _write_error(self, step, error: BaseException) -> CheckpointWriteError:
+    self._failed = True
+    try:
+      free = f"{shutil.disk_usage(_existing_parent(self.directory)).free / 2**30:.2f} GiB free there"
+    except OSError:
+      free = "free space unknown"
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+    done = [s for s in self.steps() if s != step]
+    last = f"the last complete checkpoint is step {done[-1]}" if done else "no checkpoint is complete"
+    return CheckpointWriteError(f"saving checkpoint step {step} to {self.directory} failed: {reason} "
+                                f"({free}); {last}. Free space (or use another --workdir) and rerun "
+                                "to resume.")
+
+  def preflight(self, state_bytes: int) -> None:
+    """Warn when the disk cannot hold the checkpoints this run keeps (and one being written)."""
+    keep = self.manager._options.max_to_keep if hasattr(self.manager, "_options") else None  # noqa: SLF001
+    need = state_bytes * ((keep or 1) + 1)
+    try:
+      free = shutil.disk_usage(_existing_parent(self.directory)).free
+    except OSError:
+      return
+    if need > free:
+      log.warning("%s has %.2f GiB free but this run's checkpoints need about %.2f GiB (%s of %.2f "
+                  "GiB and one being written): saves will fail. Free space, lower checkpoint_keep "
+                  "or use another --workdir.", self.directory, free / 2**30, need / 2**30,
+                  f"{keep} kept" if keep else "all kept; counting 1", state_bytes / 2**30)
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      with _quiet_orbax():
+        self.manager.wait_until_finished()
+    except OSError as e:
+      if not self._failed:  # already reported at a step
+        raise self._write_error(self.last_saved, e) from None
+    finally:
+      with _quiet_orbax(), contextlib.suppress(OSError):
+        self.manager.close()
 
   # -- restoring --
 
@@ -150,6 +205,45 @@ class Checkpointer:
       raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
                          f"move the directory away to start afresh")
     return None, None
+
+
+def _existing_parent(path: Path) -> Path:
+  while not path.exists() and path != path.parent:
+    path = path.parent
+  return path
+
+
+def _finished_save_error(manager) -> BaseException | None:
+  """The error of a finished asynchronous save, if it failed. Orbax keeps it on its
+  finalize thread and raises it only when the next save or close waits; this reads
+  it without waiting (a private attribute: absent in another version, this says None
+  and the error comes at the next save instead)."""
+  manager.check_for_errors()
+  ref = getattr(manager, "_finalize_thread", None)
+  if ref is None or not hasattr(ref, "map"):
+    return None
+  return ref.map(lambda t: None if t is None or t.is_alive() else getattr(t, "exception", None))
+
+
+class _DropOrbaxRecords(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "/orbax/" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Orbax's own log records (its warnings on reading read-only, its tracebacks of a
+  failed save that we report in one line) are dropped inside this block."""
+  quiet = _DropOrbaxRecords()
+  loggers = [logging.getLogger("absl"), logging.getLogger()]
+  handlers = [h for lg in loggers for h in lg.handlers]
+  for h in handlers:
+    h.addFilter(quiet)
+  try:
+    yield
+  finally:
+    for h in handlers:
+      h.removeFilter(quiet)
 
 
 def _move_aside(directory: Path, steps: list[int]) -> None:

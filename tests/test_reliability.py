@@ -306,3 +306,70 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
   assert got[5]["loss"] == 0.5
   aside = (tmp_path / "metrics.jsonl.after-4").read_text()
   assert aside == "".join(rows[4:]) + '{"step": 9, "lo\n'  # nothing lost
+
+
+# ----------------------------------------------------------------------------
+# 5. A full disk, reported at once. Fault injection: the checkpoint writer (Orbax's
+# JSON item writer, run in the background of every save) raises OSError(ENOSPC).
+
+ENOSPC_PATCH = """
+import errno, orbax.checkpoint as ocp
+async def _full(self, item, directory):
+  raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+ocp.JsonCheckpointHandler._save_fn = _full
+"""
+
+
+def test_failed_async_save_is_raised_with_path_and_free_space(tmp_path, monkeypatch):
+  import errno
+  import orbax.checkpoint as ocp
+  from mamba_train import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  ck.save(1, _tiny_state(1), loader, {})
+  ck.manager.wait_until_finished()
+
+  async def full(self, item, directory):
+    raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
+  ck.save(2, _tiny_state(2), loader, {})
+  with pytest.raises(checkpoint.CheckpointWriteError) as e:
+    ck.check()  # at a step after the failure: raises whether or not it has landed yet
+    ck.save(3, _tiny_state(3), loader, {})  # the next save waits for it
+  msg = str(e.value)
+  assert "\n" not in msg and f"step 2 to {tmp_path / 'checkpoints'} failed: No space left on device" in msg
+  assert "GiB free there" in msg and "the last complete checkpoint is step 1" in msg
+  ck.close()  # reported once: closing does not raise it again
+  assert ck.steps() == [1]
+
+
+def test_preflight_warns_when_the_checkpoints_cannot_fit(tmp_path, caplog):
+  import shutil
+  from mamba_train import checkpoint
+  ck = checkpoint.Checkpointer(tmp_path, keep=3)
+  free = shutil.disk_usage(tmp_path).free
+  with caplog.at_level("WARNING"):
+    ck.preflight(free // 8)  # 4 copies fit
+    assert "saves will fail" not in caplog.text
+    ck.preflight(free // 3)  # 4 copies do not
+  assert "saves will fail" in caplog.text and "3 kept" in caplog.text
+  ck.close()
+
+
+def test_full_disk_stops_train_py_with_one_line(tmp_path):
+  work = tmp_path / "run"
+  cmd, env = _command(work, ["--config.steps=8", "--config.checkpoint_every=2"], 1)
+  cmd = [sys.executable, "-c", ENOSPC_PATCH + "import runpy, sys; sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')", *cmd[1:]]
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr[-3000:]
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: saving checkpoint step 2 to ") and "No space left on device" in last, last
+  assert "GiB free there" in last and "Traceback" not in r.stderr, r.stderr[-3000:]
+  steps = [json.loads(l)["step"] for l in open(work / "metrics.jsonl") if '"loss"' in l]
+  # Stopped at the first step that saw the failure (before logging it), at the latest at
+  # the next save (step 4, after logging it): never trained on past an unreported failure.
+  assert 2 <= max(steps) <= 4
+  assert complete_steps(work) == []
