@@ -39,8 +39,28 @@ from mamba_train.train import hooks, run_config, step as steps  # noqa: E402
 from mamba_train.train.state import with_shardings  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "tiny.py"), "Run config file (configs/*.py).")
+# A misspelt --config.key or a bad value: ml_collections raises it as one of these, with
+# a traceback, and for the default --config already here, where the flag is defined.
+FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError)
+
+
+def bad_flag(e: Exception):
+  """One line and exit 2 (the traceback with --debug)."""
+  if "--debug" in sys.argv:
+    raise e
+  text = " ".join(str(e).replace("\\n", "\n").replace("\\'", "'").split())
+  if len(text) > 1 and text[0] == text[-1] == "'":  # KeyError inside AttributeError: quoted
+    text = text[1:-1]
+  print(f"error: bad flag or --config override: {text} (flags: --help; config keys: "
+        "configs/base.py)", file=sys.stderr)
+  sys.exit(2)
+
+
+try:
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", os.path.join(_HERE, "configs", "tiny.py"), "Run config file (configs/*.py).")
+except FLAG_ERRORS as e:
+  bad_flag(e)
 _FORCE_RESUME = flags.DEFINE_bool(
     "force_resume", False, "Resume a workdir even if its checkpoints hold a different model config.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Output directory; default runs/<config name>-<time>.")
@@ -306,5 +326,12 @@ def check_resumable(ckpt, config, *, force: bool) -> None:
         f"Use another --workdir, or pass --force_resume to restore them anyway.")
 
 
+def parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except FLAG_ERRORS as e:
+    bad_flag(e)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

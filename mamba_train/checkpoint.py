@@ -286,13 +286,19 @@ def _state_tree(manager, step) -> dict:
   return meta.tree if hasattr(meta, "tree") else meta
 
 
+def _read_only(step_dir: Path) -> ocp.CheckpointManager:
+  # Orbax warns at INFO/WARNING about every read-only manager (nothing to delete, no
+  # directory to create); callers hold _quiet_orbax so generate and export print none.
+  return ocp.CheckpointManager(step_dir.parent, item_handlers=_handlers(),
+                               options=ocp.CheckpointManagerOptions(read_only=True))
+
+
 def restore_params(path, abstract_params=None) -> Any:
   """Only the parameters of a checkpoint step directory (`<workdir>/checkpoints/<step>`),
   on this process's first device, for finetuning and export. `abstract_params`,
   if given, is checked against the saved shapes first."""
   path = Path(path).absolute()
-  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+  with _quiet_orbax(), _read_only(path) as mgr:
     tree = _state_tree(mgr, int(path.name))
     if abstract_params is not None:
       bad = shape_problems(param_shapes(abstract_params), param_shapes(tree["params"]))
@@ -312,8 +318,7 @@ class CheckpointDamagedError(ValueError):
 def saved_config(path) -> dict:
   """The run config stored with a checkpoint step directory."""
   path = Path(path).absolute()
-  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+  with _quiet_orbax(), _read_only(path) as mgr:
     try:
       return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     except ValueError as e:  # JSONDecodeError and Orbax's own

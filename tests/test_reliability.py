@@ -373,3 +373,33 @@ def test_full_disk_stops_train_py_with_one_line(tmp_path):
   # the next save (step 4, after logging it): never trained on past an unreported failure.
   assert 2 <= max(steps) <= 4
   assert complete_steps(work) == []
+
+
+# ----------------------------------------------------------------------------
+# 8 (issue numbering). Clean exits.
+
+
+def test_misspelt_config_key_is_one_line_exit_2(tmp_path):
+  r = run_train(tmp_path / "w", "--config.optim.lrr=1")  # a 50-line traceback before
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines() == [
+      "error: bad flag or --config override: 'lrr' Did you mean \"lr\" instead of \"lrr\"? "
+      "(flags: --help; config keys: configs/base.py)"]
+  r = run_train(tmp_path / "w", "--config.optim.lrr=1", "--debug")
+  assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_reading_a_checkpoint_logs_no_library_warnings(tmp_path, caplog):
+  """generate.py printed five Orbax read_only warnings before its answer."""
+  import jax
+  from mamba_train import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
+  ck.save(3, _tiny_state(3), loader, {"k": 1})
+  ck.close()
+  with caplog.at_level("DEBUG"):
+    params = checkpoint.restore_params(tmp_path / "checkpoints" / "3")
+    assert checkpoint.saved_config(tmp_path / "checkpoints" / "3") == {"k": 1}
+  assert float(params["embedding"][0, 0]) == 3.0
+  assert [r for r in caplog.records if "/orbax/" in r.pathname] == []
