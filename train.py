@@ -146,6 +146,8 @@ def main(argv):
     sys.exit(1)
 
 
+MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
+
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
 USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
                workdir_lib.WorkdirLockedError, data.DataError)
@@ -273,25 +275,52 @@ def run(config, workdir, resolved, stamp):
     ckpt.save(step, state, train_loader, config.to_dict(), force=force)
 
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
+  spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)
   periodic = [
       hooks.Hook("nonfinite", 1, guard),
       hooks.Hook("save_failed", 1, lambda *_: ckpt.check()),  # a failed async save stops the run
       hooks.Hook("log", config.log_every, log),
+      hooks.Hook("spike", 1 if config.optim.spike_factor > 0 else 0, spikes),  # before the save
       # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.
       hooks.Hook("checkpoint", config.checkpoint_every, save),
       hooks.Hook("eval", config.eval_every, evaluate),
   ]
 
-  batch, step_metrics, done = first_batch, None, start_step
+  def roll_back(spike: hooks.LossSpike):
+    """To the newest checkpoint (before the spike: the spiking step is never saved), then
+    past the batches since it, which the next steps would otherwise see again."""
+    ckpt.manager.wait_until_finished()
+    back, restored = ckpt.restore(target, train_loader)
+    if back is None or len(rollbacks) >= MAX_ROLLBACKS:
+      raise hooks.NonFiniteLossError(f"{spike}; " + (
+          "no checkpoint to roll back to" if back is None else
+          f"already rolled back {len(rollbacks)} times ({rollbacks})") + ". Lower optim.lr or check the data.")
+    for _ in range(spike.step - back):
+      next(train_loader)
+    rollbacks.append(spike.step)
+    logging.warning("%s: rolled back to step %d and skipped batches %d..%d", spike, back, back + 1,
+                    spike.step)
+    writer.rewind(back, {"event": "rolled_back", "spike_step": spike.step, "spike_loss": spike.loss,
+                         "skipped_batches": [back + 1, spike.step]})
+    spikes.reset()
+    bar.n = back
+    return restored, back
+
+  batch, step_metrics, done, step, rollbacks = first_batch, None, start_step, start_step, []
   try:
     throughput.reset()
-    for step in range(start_step + 1, config.steps + 1):
+    while step < config.steps:
+      step += 1
       state, step_metrics = train_step(state, batch)
       done = step
       throughput.tick()
       bar.update(1)
-      hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
+      try:
+        hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
+      except hooks.LossSpike as spike:
+        state, step = roll_back(spike)
+        step_metrics, done = None, step
       if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
         logging.warning("SIGTERM received: saving step %d and exiting", step)
         break

@@ -52,6 +52,11 @@ def get_config() -> ml_collections.ConfigDict:
       # Stop after this many non-finite steps in a row (each is skipped). -1 = auto:
       # min(20, steps // 4), at least 1, so that a short run cannot pass on skipped steps.
       max_nonfinite_steps=-1,
+      # Loss-spike guard (0 = off): a loss above spike_factor x the mean of the previous
+      # spike_window losses rolls the run back to its last checkpoint and skips the
+      # batches since then (at most 3 times a run). Needs checkpoint_every > 0.
+      spike_factor=0.0,
+      spike_window=20,
   ))
 
   # --- data ---

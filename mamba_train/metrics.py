@@ -225,18 +225,30 @@ class MetricsWriter:
                is_main: bool = True, resumed_from: int | None = None):
     self.is_main = is_main
     self.path = os.path.join(workdir, "metrics.jsonl")
-    aside = set_aside_after(self.path, resumed_from or 0) if is_main else None
-    self._file = open(self.path, "a") if is_main else None
-    if is_main and (resumed_from or aside):
-      marker = {"step": int(resumed_from or 0), "event": "resumed" if resumed_from else "restarted"}
-      self._file.write(json.dumps({**marker, "set_aside": aside}) + "\n")
-      self._file.flush()
+    self._file = None
+    if is_main:
+      self.rewind(resumed_from or 0, {"event": "resumed" if resumed_from else "restarted"},
+                  always=bool(resumed_from))
     self._wandb = None
     if is_main and wandb_cfg["mode"] != "disabled":
       import wandb  # imported here: it is slow to import and tests mostly disable it
       self._wandb = wandb.init(
           mode=wandb_cfg["mode"], project=wandb_cfg["project"], name=wandb_cfg["name"] or None,
           dir=workdir, config=dict(run_config), resume="allow")
+
+  def rewind(self, step: int, marker: Mapping[str, Any], *, always: bool = True) -> None:
+    """The run continues after `step` (a resume, a rollback): rows of later steps are set
+    aside and a marker row `{"step": step, **marker, "set_aside": file}` is written
+    (`always=False`: only if some rows were set aside)."""
+    if not self.is_main:
+      return
+    if self._file is not None:
+      self._file.close()
+    aside = set_aside_after(self.path, step)
+    self._file = open(self.path, "a")
+    if always or aside:
+      self._file.write(json.dumps({"step": int(step), **marker, "set_aside": aside}) + "\n")
+      self._file.flush()
 
   def write(self, step: int, values: Mapping[str, Any]) -> None:
     if not self.is_main:

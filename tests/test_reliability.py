@@ -403,3 +403,41 @@ def test_reading_a_checkpoint_logs_no_library_warnings(tmp_path, caplog):
     assert checkpoint.saved_config(tmp_path / "checkpoints" / "3") == {"k": 1}
   assert float(params["embedding"][0, 0]) == 3.0
   assert [r for r in caplog.records if "/orbax/" in r.pathname] == []
+
+
+# ----------------------------------------------------------------------------
+# 3 (the optional part). The loss-spike guard, against an injected spike: the batch of
+# step POISON gets wrong targets (each shifted by half the vocabulary).
+
+POISON = 14
+POISON_PATCH = f"""
+from mamba_train.train import step as _step
+_real, _calls = _step.to_global, [0]
+def _poisoned(batch, mesh):
+  _calls[0] += 1
+  if _calls[0] == {POISON}:  # call n carries the batch of step n (the first is fetched before the loop)
+    batch = dict(batch, targets=(batch["targets"] + 32) % 64)
+  return _real(batch, mesh)
+_step.to_global = _poisoned
+"""
+
+
+def test_loss_spike_rolls_back_and_skips_the_batches(tmp_path):
+  work = tmp_path / "run"
+  cmd, env = _command(work, ["--config.steps=18", "--config.checkpoint_every=4", "--config.optim.lr=1e-2",
+                             "--config.model.vocab_size=64", "--config.optim.spike_factor=1.5",
+                             "--config.optim.spike_window=6"], 1)
+  cmd = [sys.executable, "-c", POISON_PATCH + "import runpy, sys; sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')", *cmd[1:]]
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"loss spike at step {POISON}" in r.stderr and "rolled back to step 12 and skipped batches 13..14" in r.stderr
+  rows = [json.loads(l) for l in open(work / "metrics.jsonl")]
+  marker = next(row for row in rows if row.get("event") == "rolled_back")
+  assert marker["step"] == 12 and marker["spike_step"] == POISON
+  trained = [row["step"] for row in rows if "loss" in row]
+  assert trained == list(range(1, 19))  # each step once: the spiking steps 13, 14 set aside
+  aside = [json.loads(l) for l in open(work / "metrics.jsonl.after-12")]
+  spiked = next(row["loss"] for row in aside if row["step"] == POISON)
+  assert spiked > 1.5 * max(row["loss"] for row in rows if "loss" in row and row["step"] > 8)
+  assert complete_steps(work)[-1] == 18

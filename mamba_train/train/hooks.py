@@ -3,7 +3,9 @@ a run whose loss stays non-finite, and the throughput meter."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import Any, Callable, Iterable
 
 from mamba_train.metrics import Timer
@@ -88,6 +90,38 @@ class NonFiniteGuard:
           f"{step - streak + 1}..{step}, optim.max_nonfinite_steps = {self.max_steps}). Those "
           f"updates were skipped, so the parameters are still those after step {step - streak}. "
           f"Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
+
+
+class LossSpike(Exception):
+  """Raised by SpikeGuard; the loop rolls back to the last checkpoint and skips batches."""
+
+  def __init__(self, step: int, loss: float, mean: float):
+    super().__init__(f"loss spike at step {step}: {loss:.4g}, above {mean:.4g} (the recent mean)")
+    self.step, self.loss, self.mean = step, loss, mean
+
+
+class SpikeGuard:
+  """Hook body: raises LossSpike when a step's loss is more than `factor` times the
+  mean of the previous `window` finite losses (once there are `window` of them).
+  Reading the loss at every step waits for the step, so the guard is off unless
+  asked for (optim.spike_factor). PaLM and OLMo met such spikes by restarting from
+  a checkpoint before them and skipping the batches in between; the loop does that."""
+
+  def __init__(self, factor: float, window: int):
+    self.factor, self.recent = factor, collections.deque(maxlen=window)
+
+  def __call__(self, step: int, state, metrics: dict) -> None:
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+      return  # the non-finite guard's business
+    if len(self.recent) == self.recent.maxlen:
+      mean = sum(self.recent) / len(self.recent)
+      if loss > self.factor * mean:
+        raise LossSpike(step, loss, mean)
+    self.recent.append(loss)
+
+  def reset(self) -> None:
+    self.recent.clear()
 
 
 class Throughput:

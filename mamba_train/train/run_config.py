@@ -68,6 +68,8 @@ _OPTIM_RANGES = (
     ("eps", lambda v: v > 0, "> 0"),
     ("weight_decay", lambda v: v >= 0, ">= 0"),
     ("clip_norm", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("spike_window", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
 )
 
 
@@ -123,6 +125,8 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
   problems += _optim_problems(optim)
+  if optim.get("spike_factor", 0) and cfg.get("checkpoint_every") == 0:
+    problems.append("optim.spike_factor needs checkpoint_every > 0 (it rolls back to a checkpoint)")
   for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
     if not isinstance(cfg.get(key), int) or cfg[key] < 0:
       problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
