@@ -53,7 +53,8 @@ def main(argv):
   try:
     export.check_out(_OUT.value, _CKPT.value)
     _export(export)
-  except (export.ExportPathError, FileExistsError, FileNotFoundError) as e:
+  except (FileExistsError, FileNotFoundError, ValueError) as e:
+    # The --out checks, a wrong path, not a model, a damaged checkpoint step: the message says.
     _fail(str(e))
 
 

@@ -441,3 +441,13 @@ def test_loss_spike_rolls_back_and_skips_the_batches(tmp_path):
   spiked = next(row["loss"] for row in aside if row["step"] == POISON)
   assert spiked > 1.5 * max(row["loss"] for row in rows if "loss" in row and row["step"] > 8)
   assert complete_steps(work)[-1] == 18
+
+
+def test_scripts_name_a_wrong_checkpoint_in_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  for script, args in (("generate.py", ["--model", str(tmp_path / "nope"), "--ids", "1,2"]),
+                       ("export.py", ["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (script, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope'} does not exist", r.stderr
