@@ -70,8 +70,9 @@ class Checkpointer:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True):
     self.directory = checkpoint_dir(workdir).absolute()
+    self.keep = keep if keep > 0 else None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep if keep > 0 else None, create=True,
+        max_to_keep=self.keep, create=True,
         enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
@@ -118,7 +119,7 @@ class Checkpointer:
 
   def preflight(self, state_bytes: int) -> None:
     """Warn when the disk cannot hold the checkpoints this run keeps (and one being written)."""
-    keep = self.manager._options.max_to_keep if hasattr(self.manager, "_options") else None  # noqa: SLF001
+    keep = self.keep
     need = state_bytes * ((keep or 1) + 1)
     try:
       free = shutil.disk_usage(_existing_parent(self.directory)).free
