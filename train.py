@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -136,16 +137,31 @@ def main(argv):
       raise
     print(f"error: {e}", file=sys.stderr)
     if isinstance(e, checkpoint.CheckpointWriteError):
-      # The run has closed its files and lock (train's finally blocks). Orbax's writer
-      # threads of the failed save would print pages of tracebacks at interpreter
-      # shutdown: leave without it.
-      logging.shutdown()
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(1)
+      # Orbax's writer threads of the failed save would print pages of tracebacks at
+      # interpreter shutdown.
+      _leave(1)
     sys.exit(1)
+  except Exception as e:  # noqa: BLE001 - a collective whose peer is gone, or a bug
+    if _DEBUG.value or jax.process_count() == 1 or not LOST_PEER.search(str(e)):
+      raise
+    step = checkpoint.find_step_dir(_WORKDIR.value)
+    print(f"error: process {jax.process_index()} lost contact with another process of the job "
+          f"({str(e).splitlines()[0][:160]}); the last complete checkpoint is "
+          f"{step or 'none'}; restart every process to resume", file=sys.stderr)
+    _leave(1)  # the runtime's threads would abort at interpreter shutdown
 
 
+def _leave(code: int) -> None:
+  """Exit now, without interpreter shutdown (train's finally blocks have closed the files and
+  released the lock already)."""
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+# What a collective raises when a peer process died (gloo on CPU; the coordination service).
+LOST_PEER = re.compile(r"[Gg]loo|Connection (refused|reset|closed)|task died|heartbeat|UNAVAILABLE")
 MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
 
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
@@ -184,8 +200,12 @@ def lock_workdir(workdir) -> workdir_lib.WorkdirLock:
       error = str(e)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
-      error = error or f"process 0 could not lock {workdir} (its log says why)"
+    try:
+      if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
+        error = error or f"process 0 could not lock {workdir} (its log says why)"
+    except BaseException:
+      lock.release()
+      raise
   if error:
     raise workdir_lib.WorkdirLockedError(error)
   return lock

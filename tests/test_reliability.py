@@ -451,3 +451,24 @@ def test_scripts_name_a_wrong_checkpoint_in_one_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, (script, r.stderr[-2000:])
     assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope'} does not exist", r.stderr
+
+
+def test_lost_peer_in_a_collective_is_one_line(tmp_path):
+  """When a collective (gloo on CPU) notices a dead peer before the heartbeat monitor
+  aborts the process, train.py says so in one line and exits 1, lock released. Faked in
+  one process: process_count 2, and the first collective (the lock's broadcast) fails."""
+  fake = ("import jax\nfrom jax.experimental import multihost_utils\n"
+          "from mamba_train.parallel import distributed\n"
+          "distributed.initialize = lambda *a, **k: False\njax.process_count = lambda: 2\n"
+          "def lost(x): raise RuntimeError('Gloo connectFullMesh failed: Connection refused')\n"
+          "multihost_utils.broadcast_one_to_all = lost\n")
+  work = tmp_path / "run"
+  cmd, env = _command(work, [], 1)
+  cmd = [sys.executable, "-c", fake + "import runpy, sys; sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')", *cmd[1:]]
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr[-3000:]
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: process 0 lost contact with another process of the job (Gloo connectFullMesh failed: "
+      "Connection refused); the last complete checkpoint is none; restart every process to resume")
+  assert "Traceback" not in r.stderr and not (work / ".lock").exists()
