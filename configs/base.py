@@ -49,7 +49,14 @@ def get_config() -> ml_collections.ConfigDict:
       clip_norm=1.0,  # global gradient norm clip (0 = off)
       grad_accum=1,  # micro-batches per step; batch_size must divide over them and the devices
       state_dtype="float32",  # Adam first moment: float32 | bfloat16
-      max_nonfinite_steps=20,  # stop after this many non-finite steps in a row (each is skipped)
+      # Stop after this many non-finite steps in a row (each is skipped). -1 = auto:
+      # min(20, steps // 4), at least 1, so that a short run cannot pass on skipped steps.
+      max_nonfinite_steps=-1,
+      # Loss-spike guard (0 = off): a loss above spike_factor x the mean of the previous
+      # spike_window losses rolls the run back to its last checkpoint and skips the
+      # batches since then (at most 3 times a run). Needs checkpoint_every > 0.
+      spike_factor=0.0,
+      spike_window=20,
   ))
 
   # --- data ---

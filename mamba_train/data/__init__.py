@@ -6,11 +6,12 @@
 """
 
 from mamba_train.data.corpus import ensure_default_corpus
-from mamba_train.data.loader import make_eval_loader, make_train_loader, validate_for_model
-from mamba_train.data.prepare import prepare_dataset, read_metadata
+from mamba_train.data.loader import (check_splits, make_eval_loader, make_train_loader,
+                                     validate_for_model)
+from mamba_train.data.prepare import DataError, prepare_dataset, read_metadata
 from mamba_train.data.synthetic import SyntheticLoader
 from mamba_train.data.tokenizer import byte_tokenizer, load_tokenizer
 
-__all__ = ["byte_tokenizer", "ensure_default_corpus", "load_tokenizer", "make_eval_loader",
+__all__ = ["byte_tokenizer", "check_splits", "DataError", "ensure_default_corpus", "load_tokenizer", "make_eval_loader",
            "make_train_loader", "prepare_dataset", "read_metadata", "SyntheticLoader",
            "validate_for_model"]
