@@ -83,10 +83,9 @@ def get_config() -> ml_collections.ConfigDict:
   # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---
   # sequence splits each sequence's length over devices (long context:
   # mamba_train/parallel/sequence.py); seq_len must divide over it.
-  # Over several hosts or TPU slices, dcn_data / dcn_fsdp split that axis across them
-  # (slow network; dcn_sequence only within one process for now) and data / fsdp /
-  # sequence / tensor then count devices inside one (fast links): each mesh axis is
-  # dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
+  # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
+  # across them (slow network) and data / fsdp / sequence / tensor then count devices
+  # inside one (fast links): each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1, tensor=1, dcn_data=1,
                                           dcn_fsdp=1, dcn_sequence=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,

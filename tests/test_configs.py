@@ -109,9 +109,9 @@ def test_seq_len_must_split_over_sequence_axis():
   assert "slices of at least d_conv - 1 = 3 positions" in _errors(c, num_devices=8)
   c.seq_len = 2048
   assert validate(c, num_devices=8, reference=base.get_config())["mesh"]["sequence"] == 4
-  c.mesh.update(sequence=2, dcn_sequence=2)
-  assert "dcn_sequence > 1 across processes is not supported" in _errors(c, num_devices=8,
-                                                                          process_count=2)
+  c.mesh.update(data=2, sequence=2, dcn_sequence=2)  # across two processes: 2 x 2 per host
+  assert validate(c, num_devices=8, process_count=2,
+                  reference=base.get_config())["mesh"]["sequence"] == 4
 
 
 def test_bad_choices_error():

@@ -132,7 +132,36 @@ def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) 
   """This process's rows of a batch -> global arrays split by `batch_sharding`.
 
   Process p holds global rows [p*b, (p+1)*b), as the loaders hand them out, so
-  the global batch equals the one a single process would load.
+  the global batch equals the one a single process would load. When the sequence
+  axis spans processes (mesh.dcn_sequence), a process's devices hold some positions
+  of other processes' rows instead: the rows go up as loaded and move on the devices.
   """
   sh = batch_sharding(mesh, rules)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}
+  arrays = {k: np.asarray(v) for k, v in batch.items()}
+  if not arrays or _holds_own_rows(sh, next(iter(arrays.values())).shape):
+    return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}
+  loaded = _process_rows(mesh)
+  # device_put between shardings of one device set in another order: XLA moves the data.
+  return {k: jax.device_put(jax.make_array_from_process_local_data(loaded, v), sh)
+          for k, v in arrays.items()}
+
+
+def _holds_own_rows(sh: NamedSharding, local_shape) -> bool:
+  """Whether this process's devices hold exactly its loaded rows, every position."""
+  b, l = local_shape
+  p, global_shape = jax.process_index(), (b * jax.process_count(), l)
+  held = sh.addressable_devices_indices_map(global_shape).values()
+
+  def covered(slices, size):  # (first, end, positions in the distinct pieces)
+    pieces = {s.indices(size)[:2] for s in slices}
+    return min(a for a, _ in pieces), max(e for _, e in pieces), sum(e - a for a, e in pieces)
+
+  return (covered([r for r, _ in held], global_shape[0]) == (p * b, (p + 1) * b, b)
+          and covered([c for _, c in held], l) == (0, l, l))
+
+
+def _process_rows(mesh: Mesh) -> NamedSharding:
+  """Rows split over processes in process order, whole on each of a process's devices."""
+  devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+  grid = np.array(devices).reshape(jax.process_count(), -1)
+  return NamedSharding(Mesh(grid, ("processes", "local")), PartitionSpec("processes"))

@@ -127,12 +127,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
       problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
                       f"of at least d_conv - 1 = {model.d_conv - 1} positions")
-    if process_count > 1 and int(cfg["mesh"].get("dcn_sequence", 1)) > 1:
-      # The loaders hand each process whole rows of its own; a sequence split across
-      # hosts needs each process to read the same rows' positions instead (not built).
-      problems.append("mesh.dcn_sequence > 1 across processes is not supported yet: keep the "
-                      "sequence axis inside a host or slice (mesh.sequence) and put dcn_data / "
-                      "dcn_fsdp across them")
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
   problems += _optim_problems(optim)
