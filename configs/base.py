@@ -49,7 +49,14 @@ def get_config() -> ml_collections.ConfigDict:
       clip_norm=1.0,  # global gradient norm clip (0 = off)
       grad_accum=1,  # micro-batches per step; batch_size must divide over them and the devices
       state_dtype="float32",  # Adam first moment: float32 | bfloat16
-      max_nonfinite_steps=20,  # stop after this many non-finite steps in a row (each is skipped)
+      # Stop after this many non-finite steps in a row (each is skipped). -1 = auto:
+      # min(20, steps // 4), at least 1, so that a short run cannot pass on skipped steps.
+      max_nonfinite_steps=-1,
+      # Loss-spike guard (0 = off): a loss above spike_factor x the mean of the previous
+      # spike_window losses rolls the run back to its last checkpoint and skips the
+      # batches since then (at most 3 times a run). Needs checkpoint_every > 0.
+      spike_factor=0.0,
+      spike_window=20,
   ))
 
   # --- data ---
@@ -74,11 +81,14 @@ def get_config() -> ml_collections.ConfigDict:
       max_batch_size=64,  # the most "auto" tries (lm-eval's default)
   ))
 
-  # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---
-  # Over several hosts or TPU slices, dcn_data / dcn_fsdp split that axis across them
-  # (slow network) and data / fsdp / tensor then count devices inside one (fast links):
-  # each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1))
+  # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # sequence splits each sequence's length over devices (long context:
+  # mamba_train/parallel/sequence.py); seq_len must divide over it.
+  # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
+  # across them (slow network) and data / fsdp / sequence / tensor then count devices
+  # inside one (fast links): each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1, tensor=1, dcn_data=1,
+                                          dcn_fsdp=1, dcn_sequence=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).
   c.peak_flops = 0.0

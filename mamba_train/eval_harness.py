@@ -37,14 +37,22 @@ import difflib
 import functools
 import logging
 import math
+import os
 from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lm_eval import utils as lm_utils
-from lm_eval.api.model import TemplateLM
+
+# lm_eval's __init__ sets HF_XET_HIGH_PERFORMANCE (a download hint for its own datasets);
+# importing one of our modules must leave the caller's environment (and its children's) as it was.
+_XET_BEFORE = os.environ.get("HF_XET_HIGH_PERFORMANCE")
+from lm_eval import utils as lm_utils  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+
+if _XET_BEFORE is None:
+  os.environ.pop("HF_XET_HIGH_PERFORMANCE", None)
 
 from mamba_train.data.tokenizer import TokenizerInfo, token_bytes
 from mamba_train.generate import generate, token_byte_table

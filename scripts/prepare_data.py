@@ -19,6 +19,8 @@ from mamba_train.xla_flags import apply_cpu_defaults
 
 apply_cpu_defaults()  # before JAX starts its CPU backend
 
+import sys  # noqa: E402
+
 from absl import app, flags, logging  # noqa: E402
 
 from mamba_train import data  # noqa: E402
@@ -49,6 +51,15 @@ _TEMPLATE = flags.DEFINE_string("chat_template", None,
 
 def main(argv):
   del argv
+  try:
+    prepare()
+  except (data.DataError, FileNotFoundError, KeyError, ValueError) as e:
+    # Bad input: one line naming the file (and line) and what to do.
+    print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def prepare():
   if _DEFAULT.value:
     path = data.ensure_default_corpus(_ROOT.value)
   elif _SOURCE.value is None:

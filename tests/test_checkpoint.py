@@ -4,6 +4,7 @@ each against the uninterrupted run."""
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,31 +23,81 @@ MODEL = ["--config.model.n_layer=2", "--config.model.d_model=64", "--config.mode
 BASE = ["--config", str(ROOT / "configs" / "tiny.py"), "--config.data.source=synthetic",
         "--config.seq_len=32", "--config.batch_size=8", "--config.log_every=1",
         "--config.eval_every=0", "--config.checkpoint_every=2", "--config.checkpoint_keep=3",
-        "--config.wandb.mode=disabled", "--config.steps=6", *MODEL]
+        "--config.wandb.mode=disabled", "--config.steps=6", *MODEL,
+        # A constant learning rate after one warmup step, whatever the run's length: the
+        # first n losses of every run are then the same, so a run that is stopped by a
+        # signal can be as long as it likes and still be compared with a short one.
+        "--config.optim.schedule=constant", "--config.optim.warmup_frac=0.0"]
+# Runs that a signal stops: far longer than any test waits, so that however fast the
+# machine the signal always lands mid-run (they never get near the end).
+ENDLESS = "--config.steps=1000000"
 
 
 FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
             "--xla_cpu_use_fusion_emitters=false")
 
 
-def train(workdir, *extra, devices=1, wait=True):
+def _command(workdir, extra, devices):
   # Fast-compiling XLA settings (same numerics within a test: every run uses them).
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}")
   cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(workdir), *BASE, *extra]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-  if not wait:
+  return cmd, env
+
+
+def train(workdir, *extra, devices=1):
+  """Run train.py to the end; its output."""
+  cmd, env = _command(workdir, extra, devices)
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  return proc.stdout
+
+
+@pytest.fixture
+def start():
+  """start(workdir, *extra) launches train.py in the background, its output going to
+  `<workdir>.log` (a file, not a pipe nobody reads, which could fill and stall the run).
+  Whatever a test leaves running is killed when it ends."""
+  procs = []
+
+  def launch(workdir, *extra, devices=1):
+    cmd, env = _command(workdir, extra, devices)
+    log_path = Path(f"{workdir}.log")
+    with open(log_path, "w") as log:
+      proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log_path
+    procs.append(proc)
     return proc
-  out, _ = proc.communicate(timeout=300)
-  assert proc.returncode == 0, out[-3000:]
-  return out
+
+  yield launch
+  for proc in procs:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def output(proc) -> str:
+  return proc.log_path.read_text()
 
 
 def losses(workdir) -> dict[int, float]:
-  """step -> loss; a resumed run re-logs steps after its checkpoint with the same values."""
+  """step -> loss."""
   rows = [json.loads(l) for l in open(Path(workdir) / "metrics.jsonl")]
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def logged_steps(workdir) -> list[int]:
+  """The steps in metrics.jsonl so far, read while the run writes it (a line being
+  written is skipped)."""
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  steps = []
+  for line in path.read_text().splitlines(keepends=True):
+    if line.endswith("\n") and '"loss"' in line:
+      steps.append(json.loads(line)["step"])
+  return steps
 
 
 def complete_steps(workdir) -> list[int]:
@@ -54,12 +105,20 @@ def complete_steps(workdir) -> list[int]:
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
-def wait_for_step(proc, workdir, step, timeout=240):
-  t0 = time.time()
-  while step not in complete_steps(workdir):
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
-    assert time.time() - t0 < timeout, "no checkpoint appeared"
-    time.sleep(0.2)
+def wait_until(proc, condition, what, timeout=240):
+  """Poll until `condition()`; fail if the run ends first (it cannot finish: see ENDLESS).
+  The timeout only bounds a hung run."""
+  t0 = time.monotonic()
+  while not condition():
+    assert proc.poll() is None, f"the run ended before {what}:\n" + output(proc)[-3000:]
+    assert time.monotonic() - t0 < timeout, f"no {what} after {timeout} s:\n" + output(proc)[-3000:]
+    time.sleep(0.1)
+
+
+def resumed_at(out) -> int:
+  found = re.findall(r"resumed from \S+ at step (\d+)", out)
+  assert len(found) == 1, out[-3000:]
+  return int(found[0])
 
 
 @pytest.fixture(scope="module")
@@ -69,38 +128,66 @@ def reference(tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(reference, tmp_path_factory):
+  """uninterrupted(n): step -> loss of steps 1..n of a run that nothing stopped. The
+  6-step reference serves up to 6; a longer one is run (once) when a signal landed
+  later, as it may on a fast machine. (The schedule is constant, so the first n
+  losses do not depend on the run's length.)"""
+  longest = {"steps": 6, "losses": losses(reference)}
+
+  def first(n):
+    if n > longest["steps"]:
+      workdir = tmp_path_factory.mktemp("uninterrupted")
+      train(workdir, f"--config.steps={n}", "--config.checkpoint_every=0")
+      longest.update(steps=n, losses=losses(workdir))
+    return {s: l for s, l in longest["losses"].items() if s <= n}
+
+  return first
+
+
 def test_uninterrupted_run_saves_keep_last_k(reference):
   assert complete_steps(reference) == [2, 4, 6]
   assert sorted(losses(reference)) == [1, 2, 3, 4, 5, 6]
 
 
-def test_sigkill_and_restart_gives_identical_losses(reference, tmp_path):
-  proc = train(tmp_path, wait=False)
-  wait_for_step(proc, tmp_path, 2)
+def test_sigkill_and_restart_gives_identical_losses(uninterrupted, tmp_path, start):
+  work = tmp_path / "run"
+  proc = start(work, ENDLESS)
+  # Any complete save will do (on a fast machine keep-last-3 may already have removed step 2).
+  wait_until(proc, lambda: complete_steps(work), "a checkpoint")
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  killed_at = max(complete_steps(tmp_path))
-  assert killed_at < 6
-  out = train(tmp_path)
-  assert f"resumed from" in out and f"at step {killed_at}" in out
-  assert losses(tmp_path) == losses(reference)  # bit for bit
+  assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+  killed_at = max(complete_steps(work))  # the newest complete save (later ones may be half written)
+  end = killed_at + 2
+  out = train(work, f"--config.steps={end}")
+  assert resumed_at(out) == killed_at
+  assert losses(work) == uninterrupted(end)  # bit for bit
+  # Each step once: the rows the killed run logged after its checkpoint were set aside.
+  rows = [json.loads(l) for l in open(work / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, end + 1))
+  assert {"step": killed_at, "event": "resumed"}.items() <= rows[killed_at].items()
 
 
-def test_sigterm_saves_exits_cleanly_and_resumes(reference, tmp_path):
-  proc = train(tmp_path, "--config.checkpoint_every=0", wait=False)
-  # No periodic saves: wait for a logged step, then preempt.
-  t0 = time.time()
-  while not (tmp_path / "metrics.jsonl").exists() or not losses(tmp_path):
-    assert proc.poll() is None and time.time() - t0 < 240
-    time.sleep(0.2)
+def test_sigterm_saves_exits_cleanly_and_resumes(uninterrupted, tmp_path, start):
+  work = tmp_path / "run"
+  proc = start(work, ENDLESS, "--config.checkpoint_every=0")
+  # No periodic saves: wait for step 2 in the log, then preempt.
+  wait_until(proc, lambda: max(logged_steps(work), default=0) >= 2, "step 2 in metrics.jsonl")
+  seen = max(logged_steps(work))
   proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=120)
+  proc.wait(timeout=120)
+  out = output(proc)
   assert proc.returncode == 0, out[-2000:]
-  assert "SIGTERM received" in out
-  saved = complete_steps(tmp_path)
-  assert len(saved) == 1 and saved[0] == max(losses(tmp_path)) < 6
-  train(tmp_path, "--config.checkpoint_every=0")
-  assert losses(tmp_path) == losses(reference)
+  # One save, of the step the run was on when the signal came: the last step it trained.
+  saved = complete_steps(work)
+  assert len(saved) == 1 and saved[0] == max(losses(work)) and seen <= saved[0], (saved, seen)
+  assert f"SIGTERM received: saving step {saved[0]} and exiting" in out
+  end = saved[0] + 2
+  out = train(work, "--config.checkpoint_every=0", f"--config.steps={end}")
+  assert resumed_at(out) == saved[0]
+  assert losses(work) == uninterrupted(end)
 
 
 def test_reshard_restore_onto_fewer_devices(tmp_path):
@@ -125,7 +212,7 @@ def test_reshard_restore_onto_fewer_devices(tmp_path):
 
 def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, caplog):
   from mamba_train import checkpoint
-  from mamba_train.data.synthetic import SyntheticLoader
+  from mamba_train.data import SyntheticLoader
   work = tmp_path / "w"
   shutil.copytree(reference, work)
   for f in (work / "checkpoints" / "6" / "state").rglob("*"):
@@ -170,11 +257,12 @@ def test_shape_mismatch_and_other_model_are_refused(reference, tmp_path):
 
 def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
   from mamba_train import load_model
-  # lr 0: the finetuned parameters must be exactly those it started from.
-  out = train(tmp_path / "ft", f"--config.init_from={reference}", "--config.optim.lr=0.0",
-              "--config.steps=2", "--config.seq_len=16")
+  # One step: its learning rate is the warmup's first, 0 (see BASE), so the finetuned parameters must
+  # be exactly those it started from. (optim.lr itself must be positive.)
+  out = train(tmp_path / "ft", f"--config.init_from={reference}", "--config.steps=1",
+              "--config.seq_len=16")
   assert "resumed" not in out
-  assert sorted(losses(tmp_path / "ft")) == [1, 2]  # a fresh run: step 0, own workdir
+  assert sorted(losses(tmp_path / "ft")) == [1]  # a fresh run: step 0, own workdir
   a, b = load_model(reference).params(), load_model(tmp_path / "ft").params()
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -186,8 +274,7 @@ def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
                                   state_size=16, chunk_size=16, vocab_size=257,
                                   num_hidden_layers=2, tie_word_embeddings=True))
   hf.save_pretrained(tmp_path / "hf")
-  train(tmp_path / "ft_hf", f"--config.init_from={tmp_path / 'hf'}", "--config.optim.lr=0.0",
-        "--config.steps=1")
+  train(tmp_path / "ft_hf", f"--config.init_from={tmp_path / 'hf'}", "--config.steps=1")
   a, b = load_model(tmp_path / "hf").params(), load_model(tmp_path / "ft_hf").params()
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

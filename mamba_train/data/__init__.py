@@ -9,15 +9,16 @@
 
 from mamba_train.data.chat import ChatFormatError, prepare_chat_dataset
 from mamba_train.data.corpus import ensure_default_corpus
-from mamba_train.data.loader import (make_eval_loader, make_mixture_loader, make_train_loader,
-                                     validate_for_model)
+from mamba_train.data.loader import (check_splits, make_eval_loader, make_mixture_loader,
+                                     make_train_loader, validate_for_model)
 from mamba_train.data.mixture import (Source, SourceShare, check_sources, parse_mixture,
                                       parse_schedule)
-from mamba_train.data.prepare import prepare_dataset, read_metadata
+from mamba_train.data.prepare import DataError, prepare_dataset, read_metadata
 from mamba_train.data.synthetic import SyntheticLoader
 from mamba_train.data.tokenizer import byte_tokenizer, load_tokenizer
 
-__all__ = ["byte_tokenizer", "ChatFormatError", "prepare_chat_dataset", "check_sources", "ensure_default_corpus", "load_tokenizer",
-           "make_eval_loader", "make_mixture_loader", "make_train_loader", "parse_mixture",
-           "parse_schedule", "prepare_dataset", "read_metadata", "Source", "SourceShare",
-           "SyntheticLoader", "validate_for_model"]
+__all__ = ["byte_tokenizer", "ChatFormatError", "check_sources", "check_splits", "DataError",
+           "ensure_default_corpus", "load_tokenizer", "make_eval_loader", "make_mixture_loader",
+           "make_train_loader", "parse_mixture", "parse_schedule", "prepare_chat_dataset",
+           "prepare_dataset", "read_metadata", "Source", "SourceShare", "SyntheticLoader",
+           "validate_for_model"]

@@ -84,7 +84,7 @@ PACKED_FIELDS = ("tokens", "loss_mask", "seq_idx")
 def _open_split(data_dir: str, split: str, seq_len: int):
   meta = prepare.read_metadata(data_dir)
   if split not in meta["splits"]:
-    raise ValueError(f"{data_dir!r} has no {split!r} split (it has {list(meta['splits'])}); "
+    raise prepare.DataError(f"{data_dir!r} has no {split!r} split (it has {list(meta['splits'])}); "
                      "prepare it with a nonzero val_fraction or a validation split.")
   info = meta["splits"][split]
   if "packed" in meta:
@@ -94,14 +94,23 @@ def _open_split(data_dir: str, split: str, seq_len: int):
     paths = {k: os.path.join(data_dir, info["files"][k]) for k in PACKED_FIELDS}
     return _PackedRows(paths, seq_len, info["rows"]), meta
   path = os.path.join(data_dir, info["file"])
-  tokens = np.load(path, mmap_mode="r")
+  redo = "prepare the dataset again (scripts/prepare_data.py ... --force)"
+  try:
+    tokens = np.load(path, mmap_mode="r")
+  except (OSError, ValueError) as e:  # missing, truncated (mmap longer than the file), bad header
+    raise prepare.DataError(f"{path!r} ({split} split) cannot be read ({type(e).__name__}: "
+                            f"{e}): the file is missing or damaged; {redo}.") from None
   if tokens.shape != (info["tokens"],) or tokens.dtype.name != meta["dtype"]:
-    raise ValueError(f"{path!r} holds {tokens.dtype}{list(tokens.shape)} but metadata.json "
-                     f"says {meta['dtype']}[{info['tokens']}]: the file is damaged or "
-                     "from another preparation; prepare the dataset again.")
+    raise prepare.DataError(f"{path!r} holds {tokens.dtype}{list(tokens.shape)} but metadata.json "
+                            f"says {meta['dtype']}[{info['tokens']}]: the file is damaged or "
+                            f"from another preparation; {redo}.")
+  try:  # the first and last pages: readable to the end (the shape check saw the header only)
+    np.asarray(tokens[:4096]), np.asarray(tokens[-4096:])
+  except (OSError, ValueError) as e:
+    raise prepare.DataError(f"{path!r} ({split} split) cannot be read to the end ({e}); {redo}.") from None
   windows = _Windows(path, seq_len, info["tokens"])
   if len(windows) == 0:
-    raise ValueError(f"The {split} split of {data_dir!r} has {info['tokens']} tokens, "
+    raise prepare.DataError(f"The {split} split of {data_dir!r} has {info['tokens']} tokens, "
                      f"fewer than seq_len + 1 = {seq_len + 1}; use a shorter seq_len "
                      "or more data.")
   unused = info["tokens"] - 1 - len(windows) * seq_len
@@ -109,6 +118,14 @@ def _open_split(data_dir: str, split: str, seq_len: int):
            "target.", data_dir, split, len(windows), seq_len, unused,
            100 * unused / info["tokens"])
   return windows, meta
+
+
+def check_splits(data_dir: str, splits, seq_len: int) -> None:
+  """Open every split a run will read (shape and dtype against metadata.json, first and
+  last pages read) so that a damaged file stops the run before it compiles, not at the
+  first evaluation."""
+  for split in splits:
+    _open_split(data_dir, split, seq_len)
 
 
 def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -261,10 +278,10 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   """
   where = metadata.get("name", "the dataset")
   if metadata["max_token_id"] >= vocab_size:
-    raise ValueError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
+    raise prepare.DataError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
                      f"model's vocabulary of {vocab_size}; raise vocab_size.")
   if metadata["vocab_size"] > vocab_size:
-    raise ValueError(
+    raise prepare.DataError(
         f"Tokenizer {metadata['tokenizer']!r} of {where!r} has {metadata['vocab_size']} "
         f"tokens but the model's vocab_size is {vocab_size}; set the model vocab_size "
         f">= {metadata['vocab_size']} or prepare the data with a smaller tokenizer.")
@@ -274,6 +291,6 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   if local and (tokenizer_lib.load_tokenizer(tokenizer).fingerprint
                 == metadata["tokenizer_fingerprint"]):
     return  # Named differently, same ids.
-  raise ValueError(
+  raise prepare.DataError(
       f"{where!r} was tokenized with {metadata['tokenizer']!r} but the config names "
       f"tokenizer {tokenizer!r}; prepare the data with that tokenizer or change the config.")

@@ -1,0 +1,463 @@
+"""The layout's dependency rules (docs: "Which way dependencies run"), read from the
+source with `ast`: nothing is imported, except by the one test that checks that
+importing the package changes nothing.
+
+Each rule names the modules it governs and says what an import of theirs may not
+reach; a failure names the module, the line, the import as written and the rule.
+Imports are read wherever they are in a module (inside functions too: a lazy
+import is still a dependency), and `from pkg import name` counts as importing
+`pkg.name` when that is a module of the package.
+
+The checker itself is tested at the bottom on synthetic sources and on a copy of
+the package with violating modules written into it, so a rule that could never
+fail would show.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "mamba_train"
+
+# Names that belong to the outside layouts (transformers' Mamba2ForCausalLM and
+# mamba_ssm's released checkpoints): their weight names, config keys and file
+# names. Only mamba_train/interop/ may hold them. (tokenizer.json is our own
+# format; `A_log`, `pad_vocab_size_multiple` and the like are our names too, as
+# the config follows mamba_ssm's field names on purpose.)
+OUTSIDE_NAMES = (
+    "backbone.",  # the prefix of every weight in both layouts
+    "lm_head.weight",
+    "embeddings.weight",
+    "mixer.in_proj",
+    "mixer.conv1d",
+    "model.safetensors",
+    "pytorch_model.bin",
+    "ssm_cfg",  # mamba_ssm's config.json
+    "hidden_size",  # transformers' config keys from here on
+    "num_hidden_layers",
+    "tie_word_embeddings",
+    "state_size",
+    "n_groups",
+    "layer_norm_epsilon",
+    "time_step_limit",
+)
+
+# Top-level modules of the repository that are not the library: entry points,
+# run recipes, tools and measurements import the library, never the reverse.
+ENTRY_POINTS = ("train", "configs", "scripts", "benchmarks")
+
+
+# ---------------------------------------------------------------------------
+# Reading a module: its imports and its string constants.
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+  target: str  # absolute dotted name: "mamba_train.model.config", "jax", "train"
+  line: int
+  text: str  # the statement as written
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+  name: str  # "mamba_train.model.ssd"; a package by its own name ("mamba_train.model")
+  path: str  # as shown in messages: "mamba_train/model/ssd.py"
+  imports: tuple[Import, ...]
+  strings: tuple[tuple[int, str], ...]  # (line, value) of every string constant but docstrings
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+  """The absolute name of `from <level dots><name> import ...` in `module`."""
+  parts = module.split(".") if is_package else module.split(".")[:-1]
+  if level - 1 >= len(parts):
+    # Leaves the top-level package: can only mean a module outside the library.
+    return f"<relative import above {PACKAGE}>" + (f".{name}" if name else "")
+  base = parts[:len(parts) - (level - 1)]
+  return ".".join(base + ([name] if name else []))
+
+
+def _import_module_call(node: ast.Call) -> str | None:
+  """The literal name given to importlib.import_module(...) or __import__(...)."""
+  func = node.func
+  called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+  if called not in ("import_module", "__import__") or not node.args:
+    return None
+  arg = node.args[0]
+  return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+  ids = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+          and isinstance(body[0].value.value, str):
+        ids.add(id(body[0].value))
+  return ids
+
+
+def read_module(name: str, source: str, *, path: str = "<source>", is_package: bool = False,
+                package_modules: frozenset[str] = frozenset()) -> Module:
+  """Parse `source` as the module `name`. `package_modules` (every module name of the
+  package) tells `from pkg import sub` (a module) from `from pkg import attr`."""
+  tree = ast.parse(source, filename=path)
+  lines = source.splitlines()
+  imports = []
+
+  def add(target, node):
+    text = lines[node.lineno - 1].strip() if 0 < node.lineno <= len(lines) else ""
+    imports.append(Import(target, node.lineno, text))
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        add(alias.name, node)
+    elif isinstance(node, ast.ImportFrom):
+      base = (_resolve_relative(name, is_package, node.level, node.module) if node.level
+              else node.module)
+      for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        add(sub if sub in package_modules else base, node)
+    elif isinstance(node, ast.Call):
+      target = _import_module_call(node)
+      if target is not None:
+        if target.startswith("."):
+          level = len(target) - len(target.lstrip("."))
+          target = _resolve_relative(name, is_package, level, target.lstrip(".") or None)
+        add(target, node)
+
+  docstrings = _docstring_nodes(tree)
+  strings = sorted((node.lineno, node.value) for node in ast.walk(tree)
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                   and id(node) not in docstrings)
+  return Module(name, path, tuple(sorted(imports, key=lambda i: i.line)), tuple(strings))
+
+
+def read_package(root: Path) -> dict[str, Module]:
+  """Every module of the package under `root` (the directory holding mamba_train/)."""
+  files = sorted((root / PACKAGE).rglob("*.py"))
+
+  def dotted(f: Path) -> str:
+    parts = f.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+  names = frozenset(dotted(f) for f in files)
+  return {dotted(f): read_module(dotted(f), f.read_text(), path=str(f.relative_to(root)),
+                                 is_package=f.name == "__init__.py", package_modules=names)
+          for f in files}
+
+
+# ---------------------------------------------------------------------------
+# The rules.
+
+
+def within(name: str, prefix: str) -> bool:
+  """`name` is the module or package `prefix` or lies inside it."""
+  return name == prefix or name.startswith(prefix + ".")
+
+
+def ours(target: str) -> bool:
+  return within(target, PACKAGE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  name: str
+  says: str  # the rule, as a failure message quotes it
+  governs: Callable[[str], bool]  # which modules it applies to, by name
+  broken_by: Callable[[str], bool]  # which import targets break it
+
+  def violations(self, module: Module) -> list[str]:
+    if not self.governs(module.name):
+      return []
+    return [f"{module.name} ({module.path}:{imp.line}) imports {imp.target} "
+            f"(`{imp.text}`): {self.says}"
+            for imp in module.imports if self.broken_by(imp.target)]
+
+
+_MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.parallel.sharding")
+_PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "checkpoint"))
+
+SSD_IS_PURE = Rule(
+    "ssd-is-pure", "the SSD math imports nothing of the package",
+    governs=lambda m: m == "mamba_train.model.ssd",
+    broken_by=lambda t: ours(t) or t.startswith("<relative"))
+MODEL = Rule(
+    "model", "the model knows no trainer, data, checkpoint, metrics, generation or interop: it "
+    "imports only mamba_train.model.* and mamba_train.parallel.sharding",
+    governs=lambda m: within(m, "mamba_train.model"),
+    broken_by=lambda t: ours(t) and not any(within(t, p) for p in _MODEL_MAY_IMPORT))
+DATA = Rule(
+    "data", "the data pipeline knows no model: it imports only mamba_train.data.*",
+    governs=lambda m: within(m, "mamba_train.data"),
+    broken_by=lambda t: ours(t) and not within(t, "mamba_train.data"))
+NO_ENTRY_POINTS = Rule(
+    "no-entry-points", "the library never imports train.py, configs/, scripts/ or benchmarks/",
+    governs=lambda m: ours(m),
+    broken_by=lambda t: t.split(".")[0] in ENTRY_POINTS or t.startswith("<relative"))
+PARALLEL = Rule(
+    "parallel", "parallelism knows no model, trainer, data, interop or checkpoint",
+    governs=lambda m: within(m, "mamba_train.parallel"),
+    broken_by=lambda t: any(within(t, p) for p in _PARALLEL_KNOWS_NO))
+
+RULES = (SSD_IS_PURE, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL)
+
+
+def outside_names(module: Module) -> list[str]:
+  """Outside weight names and config keys in a module outside interop/."""
+  if within(module.name, "mamba_train.interop"):
+    return []
+  return [f"{module.path}:{line}: {value!r} holds the outside name {needle!r}; only "
+          f"mamba_train/interop/ knows outside weight names, config keys and file names"
+          for line, value in module.strings for needle in OUTSIDE_NAMES if needle in value]
+
+
+# ---------------------------------------------------------------------------
+# The rules on the library as it is.
+
+MODULES = read_package(ROOT)
+
+
+def _governed(rule: Rule) -> list[str]:
+  names = sorted(m for m in MODULES if rule.governs(m))
+  assert names, f"rule {rule.name} governs no module: has the layout moved?"
+  return names
+
+
+def test_the_layout_is_where_the_rules_expect_it():
+  for name in ("mamba_train.model.ssd", "mamba_train.model", "mamba_train.data",
+               "mamba_train.parallel", "mamba_train.interop", "mamba_train.train"):
+    assert name in MODULES, f"{name} is missing: update the rules in this file with the layout"
+
+
+def test_ssd_math_imports_nothing_of_the_package():
+  assert SSD_IS_PURE.violations(MODULES["mamba_train.model.ssd"]) == []
+
+
+@pytest.mark.parametrize("module", _governed(MODEL))
+def test_model_imports_only_model_and_sharding(module):
+  assert MODEL.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", _governed(DATA))
+def test_data_knows_no_model(module):
+  assert DATA.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", _governed(NO_ENTRY_POINTS))
+def test_library_never_imports_entry_points(module):
+  assert NO_ENTRY_POINTS.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", _governed(PARALLEL))
+def test_parallel_knows_no_higher_layer(module):
+  assert PARALLEL.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_outside_names_live_only_in_interop(module):
+  assert outside_names(MODULES[module]) == []
+
+
+_IMPORT_EVERYTHING = textwrap.dedent("""
+    import importlib, json, os, pkgutil, sys
+    before = dict(os.environ)
+    import mamba_train
+    def fail(name):
+      raise ImportError(f"cannot import {name}")
+    names = [m.name for m in pkgutil.walk_packages(mamba_train.__path__, "mamba_train.", onerror=fail)]
+    for name in names:
+      importlib.import_module(name)
+    after = dict(os.environ)
+    from jax._src import xla_bridge
+    print(json.dumps({
+        "package": mamba_train.__file__,
+        "modules": sorted(names),
+        "changed": {k: [before.get(k), after.get(k)] for k in sorted(set(before) | set(after))
+                    if before.get(k) != after.get(k)},
+        "backend_started": xla_bridge.backends_are_initialized()}))
+""")
+
+
+def import_everything(root: Path, xla_flags: str | None) -> dict:
+  """In a fresh Python whose first path entry is `root`: import the package and every
+  submodule; what changed in os.environ, and whether a JAX backend started."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MAMBA_TRAIN_KEEP_XLA_FLAGS")}
+  if xla_flags is not None:
+    env["XLA_FLAGS"] = xla_flags
+  r = subprocess.run([sys.executable, "-c", _IMPORT_EVERYTHING], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=300, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  assert Path(got["package"]).resolve() == (root / PACKAGE / "__init__.py").resolve(), got["package"]
+  assert "mamba_train.model.ssd" in got["modules"] and "mamba_train.interop.load" in got["modules"]
+  return got
+
+
+@pytest.mark.parametrize("xla_flags", [None, "--xla_cpu_enable_fast_math=false"],
+                         ids=["no-XLA_FLAGS", "XLA_FLAGS-set"])
+def test_importing_the_package_changes_nothing(xla_flags):
+  """`import mamba_train` and every submodule leaves os.environ as it was (XLA_FLAGS
+  above all) and starts no JAX backend (after which XLA_FLAGS could no longer be set)."""
+  got = import_everything(ROOT, xla_flags)
+  assert got["changed"] == {}, f"importing mamba_train changed the environment: {got['changed']}"
+  assert not got["backend_started"], "importing mamba_train started a JAX backend"
+
+
+# ---------------------------------------------------------------------------
+# The checker can fail: each rule on synthetic sources, and on a copy of the
+# package with violating modules in it.
+
+_PKG_MODULES = frozenset({
+    "mamba_train", "mamba_train.model", "mamba_train.model.ssd", "mamba_train.model.mamba2",
+    "mamba_train.model.config", "mamba_train.parallel", "mamba_train.parallel.sharding",
+    "mamba_train.parallel.mesh", "mamba_train.train", "mamba_train.train.step", "mamba_train.data",
+    "mamba_train.data.loader", "mamba_train.checkpoint", "mamba_train.metrics",
+    "mamba_train.generate", "mamba_train.interop", "mamba_train.interop.convert"})
+
+
+def _check(rule: Rule, module: str, source: str, is_package: bool = False) -> list[str]:
+  return rule.violations(read_module(module, textwrap.dedent(source), path="x.py",
+                                     is_package=is_package, package_modules=_PKG_MODULES))
+
+
+# (rule, module, source, whether the rule must report it)
+_CASES = [
+    (SSD_IS_PURE, "mamba_train.model.ssd", "import jax.numpy as jnp\nimport math", False),
+    (SSD_IS_PURE, "mamba_train.model.ssd", "from mamba_train.model import config", True),
+    (SSD_IS_PURE, "mamba_train.model.ssd", "from . import config", True),
+    (SSD_IS_PURE, "mamba_train.model.ssd", "import mamba_train", True),
+    (SSD_IS_PURE, "mamba_train.model.ssd", "def f():\n  from mamba_train.parallel import sharding", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.model.config import Mamba2Config", False),
+    (MODEL, "mamba_train.model.mamba2", "from .ssd import ssd_chunked\nfrom . import config", False),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import sharding", False),
+    (MODEL, "mamba_train.model.mamba2", "import mamba_train.parallel.sharding as s", False),
+    (MODEL, "mamba_train.model.mamba2", "from ..parallel.sharding import constrain", False),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import mesh", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import sharding, mesh", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.train import step", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train import checkpoint", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.metrics import Timer", True),
+    (MODEL, "mamba_train.model.mamba2", "from ..generate import generate", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.interop import convert", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.data import loader", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train import Mamba2Config", True),
+    (MODEL, "mamba_train.model", "from .. import metrics", True, True),
+    (MODEL, "mamba_train.model.mamba2",
+     "import importlib\nimportlib.import_module('mamba_train.metrics')", True),
+    (DATA, "mamba_train.data.loader", "from mamba_train.data import prepare\nfrom . import tokenizer", False),
+    (DATA, "mamba_train.data.loader", "import grain\nfrom absl import flags", False),
+    (DATA, "mamba_train.data.loader", "from mamba_train.model.config import Mamba2Config", True),
+    (DATA, "mamba_train.data.loader", "from ..model import config", True),
+    (DATA, "mamba_train.data", "from .loader import x\nfrom ..train import step", True, True),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "from mamba_train.train import run_config", False),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "from . import run_config", False),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "import mamba_train.train.optim", False),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "import train", True),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "from train import make_loaders", True),
+    (NO_ENTRY_POINTS, "mamba_train.metrics", "from configs import base", True),
+    (NO_ENTRY_POINTS, "mamba_train.metrics", "import configs.tiny", True),
+    (NO_ENTRY_POINTS, "mamba_train.metrics", "from scripts.export import main", True),
+    (NO_ENTRY_POINTS, "mamba_train.metrics", "def f():\n  import benchmarks.run", True),
+    (NO_ENTRY_POINTS, "mamba_train.metrics", "__import__('benchmarks')", True),
+    (NO_ENTRY_POINTS, "mamba_train.train.step", "from ... import train", True),  # above the package
+    (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train.parallel.sharding import MESH_AXES", False),
+    (PARALLEL, "mamba_train.parallel.mesh", "from .sharding import MESH_AXES", False),
+    (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train.model.config import Mamba2Config", True),
+    (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train.train import step", True),
+    (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train import data", True),
+    (PARALLEL, "mamba_train.parallel.mesh", "from ..interop import convert", True),
+    (PARALLEL, "mamba_train.parallel.mesh", "import mamba_train.checkpoint", True),
+]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: f"{c[0].name}:{c[2].splitlines()[-1].strip()}")
+def test_rule_reports_exactly_the_breaking_imports(case):
+  rule, module, source, breaks, *package = case
+  found = _check(rule, module, source, is_package=bool(package))
+  if breaks:
+    assert found, f"{rule.name} missed a breaking import in {module}: {source!r}"
+    assert all(module in f and rule.says in f and "x.py:" in f for f in found), found
+  else:
+    assert found == [], found
+
+
+def test_rules_govern_only_their_modules():
+  src = "from mamba_train.train import step\nfrom mamba_train.model import config"
+  assert _check(MODEL, "mamba_train.train.step", src) == []
+  assert _check(DATA, "mamba_train.metrics", src) == []
+  assert _check(PARALLEL, "mamba_train.generate", src) == []
+  assert _check(SSD_IS_PURE, "mamba_train.model.mamba2", src) == []
+  # `train` the top-level script is not the library's mamba_train.train.
+  assert _check(NO_ENTRY_POINTS, "mamba_train.generate", src) == []
+
+
+def test_outside_name_scan_reports_file_and_line_and_skips_docstrings():
+  src = textwrap.dedent('''
+      """Converts to transformers' hidden_size and backbone.layers (a docstring: prose)."""
+      def f(i):
+        """lm_head.weight, in a docstring."""
+        ok = {"d_model": 1, "tokenizer.json": 2, "A_log": 3}
+        return {f"backbone.layers.{i}.mixer": 1,
+                "hidden_size": ok}
+  ''')
+  found = outside_names(read_module("mamba_train.metrics", src, path="mamba_train/metrics.py"))
+  assert len(found) == 2, found
+  assert found[0].startswith("mamba_train/metrics.py:6: ") and "'backbone.'" in found[0]
+  assert found[1].startswith("mamba_train/metrics.py:7: ") and "'hidden_size'" in found[1]
+  assert outside_names(read_module("mamba_train.interop.convert", src)) == []  # interop may
+
+
+def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
+  shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE,
+                  ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+  pkg = tmp_path / PACKAGE
+  bad = {
+      "model/ssd.py": ("from mamba_train.model.config import Mamba2Config", SSD_IS_PURE),
+      "model/bad_layer.py": ("from mamba_train.train.step import build", MODEL),
+      "data/bad_source.py": ("from ..model.mamba2 import Mamba2LM", DATA),
+      "train/bad_hook.py": ("def f():\n  import train", NO_ENTRY_POINTS),
+      "parallel/bad_rules.py": ("from mamba_train.checkpoint import Checkpointer", PARALLEL),
+  }
+  for rel, (line, _) in bad.items():
+    with open(pkg / rel, "a") as f:
+      f.write("\n" + line + "\n")
+  (pkg / "metrics.py").write_text((pkg / "metrics.py").read_text() + '\nHF = "pytorch_model.bin"\n')
+  modules = read_package(tmp_path)
+  for rel, (_, rule) in bad.items():
+    name = f"{PACKAGE}." + rel[:-3].replace("/", ".")
+    found = rule.violations(modules[name])
+    assert len(found) == 1 and found[0].startswith(f"{name} ({PACKAGE}/{rel}:"), (rule.name, found)
+  assert sorted(m for m in modules if any(r.violations(modules[m]) for r in RULES)) == sorted(
+      f"{PACKAGE}." + rel[:-3].replace("/", ".") for rel in bad)
+  found = outside_names(modules["mamba_train.metrics"])
+  assert len(found) == 1 and found[0].startswith(f"{PACKAGE}/metrics.py:") and "pytorch_model.bin" in found[0]
+
+
+def test_import_probe_sees_a_module_that_sets_xla_flags(tmp_path):
+  """The environment check fails on a module that sets XLA_FLAGS or starts a backend at
+  import (written into a copy of the package, which the probe imports instead)."""
+  shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE,
+                  ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+  with open(tmp_path / PACKAGE / "parallel" / "topology.py", "a") as f:
+    f.write("\nimport os\n"
+            "os.environ['XLA_FLAGS'] += ' --xla_llvm_disable_expensive_passes=true'\n"
+            "import jax\n"
+            "jax.devices()\n")
+  mine = "--xla_cpu_enable_fast_math=false"
+  got = import_everything(tmp_path, mine)
+  assert got["changed"] == {"XLA_FLAGS": [mine, mine + " --xla_llvm_disable_expensive_passes=true"]}
+  assert got["backend_started"]
