@@ -2,7 +2,7 @@
 
   # Standard tasks (their data comes from the Hugging Face hub: needs the network once):
   python scripts/eval.py --model PATH/TO/mamba2-130m --tokenizer EleutherAI/gpt-neox-20b \
-      --tasks lambada_openai,hellaswag,piqa,arc_easy --batch_size 32 --output_path results/
+      --tasks lambada_openai,hellaswag,piqa,arc_easy --batch_size auto --output_path results/
   # A training run's checkpoint (its tokenizer.json is in the workdir), a local task, offline:
   HF_DATASETS_OFFLINE=1 python scripts/eval.py --model runs/tiny --step 100 \
       --include_path tests/data/harness --tasks tiny_mc --limit 5 --log_samples --output_path out/
