@@ -11,7 +11,6 @@ run as subprocesses started at the top, in parallel with the in-process tests.""
 import glob
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
