@@ -77,6 +77,15 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds of silence after which a process counts as dead and the job stops.")
 
 
+def data_sources(config):
+  """(the prepared datasets a corpus run reads, its weight schedule)."""
+  if config.data.mixture:
+    sources = data.parse_mixture(config.data.mixture)
+    return sources, data.parse_schedule(config.data.mixture_schedule, len(sources))
+  dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
+  return [data.Source(dir_, 1.0)], []
+
+
 def make_loaders(config, model_cfg, workdir=None):
   """(train iterator, {source name: factory of eval-batch iterators}), both yielding
   this process's rows. One unnamed ('') eval source unless config.data.mixture is set."""
@@ -88,12 +97,7 @@ def make_loaders(config, model_cfg, workdir=None):
         data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
         config.eval_batches)
     return train, {"": held_out}
-  if config.data.mixture:
-    sources = data.parse_mixture(config.data.mixture)
-    schedule = data.parse_schedule(config.data.mixture_schedule, len(sources))
-  else:
-    dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
-    sources, schedule = [data.Source(dir_, 1.0)], []
+  sources, schedule = data_sources(config)
   try:  # a missing source, another tokenizer or vocabulary: refused before compiling
     metas = [data.read_metadata(s.dir) for s in sources]
     for m in metas:
@@ -119,9 +123,14 @@ def make_loaders(config, model_cfg, workdir=None):
   return train, held_out
 
 
-def make_harness(config, model_cfg, workdir):
+def make_harness(config, model_cfg, tokenizer_path):
   """`fn(step, params, writer, throughput)` running config.harness.tasks with
-  lm-evaluation-harness and logging harness/<task>/<metric>; None when off."""
+  lm-evaluation-harness and logging harness/<task>/<metric>; None when off.
+
+  In a multi-process job every process calls it: the parameters are sharded over
+  the processes, so no process can run the model's forward alone, and lm-eval builds
+  the same requests in the same order everywhere, so all run the same programs (see
+  mamba_train/eval_harness.py). Only process 0's writer writes."""
   h = config.harness
   if not (h.tasks and h.every > 0):
     return None
@@ -134,19 +143,22 @@ def make_harness(config, model_cfg, workdir):
   from mamba_train.data.tokenizer import load_tokenizer
   tasks = h.tasks.split(",")
   try:
+    eval_harness.parse_batch_size(h.batch_size)
     manager = eval_harness.task_manager(h.include_path, tasks)
     tasks = eval_harness.check_tasks(tasks, manager)
   except ValueError as e:
-    raise run_config.ConfigError(f"config.harness.tasks: {e}") from None
-  tokenizer = load_tokenizer(os.path.join(workdir, "tokenizer.json"))
-  runtime = run_config.runtime(config)
+    raise run_config.ConfigError(f"config.harness: {e}") from None
+  tokenizer = load_tokenizer(tokenizer_path)
+  runtime = run_config.runtime(config).resolve(jax.devices()[0].platform)
+  if jax.process_index() != 0:  # the same tables and progress bars as process 0's
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
 
   def run(step, params, writer, throughput):
     lm = eval_harness.HarnessLM(Mamba2LM.from_params(model_cfg, params, runtime), tokenizer,
-                                batch_size=h.batch_size)
+                                batch_size=h.batch_size, max_batch_size=h.max_batch_size)
     results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
                                      num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
-                                     bootstrap_iters=0)
+                                     bootstrap_iters=0, env_info=False)
     writer.write(step, eval_harness.flat_metrics(results))
     throughput.reset()  # evaluation time is not training time
   return run
@@ -282,7 +294,10 @@ def run(config, workdir, resolved, stamp):
   # ===== data =====
   train_loader, held_out = make_loaders(config, model_cfg, workdir)
 
-  harness = make_harness(config, model_cfg, workdir)  # task names checked before compiling
+  # Task names checked before compiling; the tokenizer of the (first) data source.
+  harness = make_harness(config, model_cfg,
+                         os.path.join(data_sources(config)[0][0].dir, "tokenizer.json")
+                         if config.data.source == "corpus" else "byte")
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
