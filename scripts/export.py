@@ -13,6 +13,7 @@ in the workdir, or given with --tokenizer.
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -28,10 +29,18 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight 
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds a previous export.")
 
-def find_tokenizer(ckpt: Path) -> Path | None:
+def find_tokenizer(ckpt) -> Path | None:
+  """tokenizer.json in `ckpt` or up to three directories above (a workdir holds one);
+  one on a bucket is copied to a local temporary file."""
+  from mamba_train import storage
+  ckpt = storage.path(ckpt)
   for d in [ckpt, *ckpt.parents][:4]:
     if (d / "tokenizer.json").exists():
-      return d / "tokenizer.json"
+      if not storage.is_remote(d):
+        return Path(d / "tokenizer.json")
+      local = Path(tempfile.mkdtemp(prefix="mamba_train_export_")) / "tokenizer.json"
+      local.write_text((d / "tokenizer.json").read_text())
+      return local
   return None
 
 
@@ -66,7 +75,7 @@ def _fail(message: str) -> None:
 def _export(export) -> None:
   from mamba_train.interop.load import load_model
 
-  ckpt = Path(_CKPT.value)
+  ckpt = _CKPT.value
   model = load_model(ckpt)
   out = Path(_OUT.value)
   if _FORMAT.value == "hf":

@@ -14,6 +14,7 @@ program's run time (prefill included), and the compile time is reported apart.
 
 import os
 import sys
+import tempfile
 
 from mamba_train.xla_flags import apply_cpu_defaults
 
@@ -22,6 +23,7 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
+from mamba_train import storage  # noqa: E402
 from mamba_train.generate import MAX_PROMPT_LEN, generate_with_stats  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
 
@@ -47,8 +49,13 @@ def _tokenizer():
   spec = _TOKENIZER.value
   if spec is None:
     spec = os.path.join(_MODEL.value, "tokenizer.json")
-    if not os.path.isfile(spec):
+    if not storage.path(spec).is_file():
       raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer or --ids")
+  if storage.is_remote(spec):  # the tokenizers library reads local files
+    local = os.path.join(tempfile.mkdtemp(prefix="mamba_train_generate_"), "tokenizer.json")
+    with open(local, "w") as f:
+      f.write(storage.path(spec).read_text())
+    spec = local
   return load_tokenizer(spec)
 
 
