@@ -184,7 +184,7 @@ def train(config, workdir):
     raise run_config.ConfigError("--workdir is required when the job spans several processes "
                                  "(a directory every process can reach, e.g. gs://BUCKET/runs/NAME)")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
-  storage.path(workdir)  # a gs:// workdir without the gcs extra: said now, not at the first save
+  storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
   lock = lock_workdir(workdir)  # before anything is read or written there
   try:
     run(config, workdir, resolved, stamp)
@@ -221,7 +221,7 @@ def run(config, workdir, resolved, stamp):
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
   check_resumable(ckpt, config, force=_FORCE_RESUME.value)
   if is_main:
-    storage.path(workdir).mkdir(parents=True, exist_ok=True)
+    storage.makedirs(workdir)
     storage.write_text(storage.path(workdir) / "config.json", json.dumps(config.to_dict(), indent=2))
 
   # ===== mesh =====

@@ -64,6 +64,31 @@ def _check_gcs_client() -> None:
                        "pip install -e '.[gcs]'") from None
 
 
+def check_workdir(p) -> None:
+  """Raise StorageError, naming the fix, when `p` cannot be a workdir here: a bucket that
+  does not exist or that these credentials cannot see (said now, not at the first save)."""
+  if not is_remote(p):
+    return
+  path(p)
+  bucket = _split(p)[0]
+  try:
+    from google.auth import exceptions as auth_errors
+    found = _client().bucket(bucket).exists()
+  except auth_errors.DefaultCredentialsError as e:
+    raise StorageError(f"{p}: no Google Cloud credentials ({str(e).splitlines()[0]}); run "
+                       "`gcloud auth application-default login`, or use a VM's service account") from None
+  if not found:
+    raise StorageError(f"{p}: the bucket gs://{bucket} does not exist or these credentials cannot "
+                       "see it; create it (gcloud storage buckets create gs://...) or fix the name")
+
+
+def makedirs(p) -> None:
+  """Create the directory `p` (a bucket has none: nothing to do, and gcsfs would create
+  a missing bucket)."""
+  if not is_remote(p):
+    os.makedirs(p, exist_ok=True)
+
+
 def free_bytes(p) -> int | None:
   """Free space on the disk holding `p` (its nearest existing parent); None for a bucket."""
   if is_remote(p):

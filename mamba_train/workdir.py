@@ -79,7 +79,7 @@ class WorkdirLock:
     return None
 
   def acquire(self) -> "WorkdirLock":
-    self.path.parent.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(self.path.parent)
     for _ in range(3):
       if storage.create_new(self.path, self._text()):
         break

@@ -533,6 +533,9 @@ def test_gcs_lock_and_record_without_renames(gcs_env, caplog, monkeypatch):
   from mamba_train.metrics import MetricsWriter
   from mamba_train.workdir import WorkdirLock, WorkdirLockedError
   work = "gs://bkt/lockrun"
+  with pytest.raises(storage.StorageError, match="gs://nobucket does not exist"):
+    storage.check_workdir("gs://nobucket/run")  # a typo: refused, never created
+  storage.check_workdir(work)
   with WorkdirLock(work) as held:
     info = json.loads(storage.path(f"{work}/.lock").read_text())
     assert info["pid"] == os.getpid() and held.held
