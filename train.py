@@ -9,6 +9,7 @@ function, checkpoint and resume, loop. Periodic work hangs on the loop as hooks.
 """
 
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -76,7 +77,8 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 
 
 def make_loaders(config, model_cfg, workdir=None):
-  """(train iterator, factory of eval-batch iterators), both yielding this process's rows."""
+  """(train iterator, {source name: factory of eval-batch iterators}), both yielding
+  this process's rows. One unnamed ('') eval source unless config.data.mixture is set."""
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.source == "synthetic":
@@ -84,19 +86,70 @@ def make_loaders(config, model_cfg, workdir=None):
     held_out = lambda: itertools.islice(
         data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
         config.eval_batches)
-    return train, held_out
-  data_dir = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
-  data.validate_for_model(data.read_metadata(data_dir), model_cfg.vocab_size)
+    return train, {"": held_out}
+  if config.data.mixture:
+    sources = data.parse_mixture(config.data.mixture)
+    schedule = data.parse_schedule(config.data.mixture_schedule, len(sources))
+  else:
+    dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
+    sources, schedule = [data.Source(dir_, 1.0)], []
+  try:  # a missing source, another tokenizer or vocabulary: refused before compiling
+    metas = [data.read_metadata(s.dir) for s in sources]
+    for m in metas:
+      data.validate_for_model(m, model_cfg.vocab_size)
+    data.check_sources(sources, metas, config.seq_len)
+    no_val = [s.dir for s, m in zip(sources, metas) if "validation" not in m["splits"]]
+    if config.eval_every > 0 and no_val:
+      raise ValueError(f"{no_val} hold no validation split; prepare them with a nonzero "
+                       "val_fraction, or set eval_every=0")
+  except (OSError, ValueError) as e:
+    raise run_config.ConfigError(str(e)) from None
   # Every split the run will read, now: a damaged validation shard must not wait for the first eval.
-  data.check_splits(data_dir, ["train"] + (["validation"] if config.eval_every > 0 else []),
-                    config.seq_len)
-  tokenizer = os.path.join(data_dir, "tokenizer.json")
+  for s in sources:
+    data.check_splits(s.dir, ["train"] + (["validation"] if config.eval_every > 0 else []),
+                      config.seq_len)
+  tokenizer = os.path.join(sources[0].dir, "tokenizer.json")
   if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
     with open(tokenizer) as f:  # exports ship it
       storage.write_text(storage.path(workdir) / "tokenizer.json", f.read())
-  train = data.make_train_loader(data_dir, seed=config.seed, **kw)
-  held_out = lambda: data.make_eval_loader(data_dir, num_batches=config.eval_batches, **kw)
+  train = data.make_mixture_loader(sources, seed=config.seed, schedule=schedule, **kw)
+  named = len(sources) > 1
+  held_out = {s.name if named else "": functools.partial(
+      data.make_eval_loader, s.dir, num_batches=config.eval_batches, **kw) for s in sources}
   return train, held_out
+
+
+def make_harness(config, model_cfg, workdir):
+  """`fn(step, params, writer, throughput)` running config.harness.tasks with
+  lm-evaluation-harness and logging harness/<task>/<metric>; None when off."""
+  h = config.harness
+  if not (h.tasks and h.every > 0):
+    return None
+  try:
+    from mamba_train import eval_harness
+  except ImportError as e:
+    raise run_config.ConfigError(f"config.harness.tasks needs lm-eval ({e}): "
+                                 "pip install -e '.[eval]'") from None
+  from mamba_train import Mamba2LM
+  from mamba_train.data.tokenizer import load_tokenizer
+  tasks = h.tasks.split(",")
+  try:
+    manager = eval_harness.task_manager(h.include_path, tasks)
+    tasks = eval_harness.check_tasks(tasks, manager)
+  except ValueError as e:
+    raise run_config.ConfigError(f"config.harness.tasks: {e}") from None
+  tokenizer = load_tokenizer(storage.local_copy(storage.path(workdir) / "tokenizer.json"))
+  runtime = run_config.runtime(config)
+
+  def run(step, params, writer, throughput):
+    lm = eval_harness.HarnessLM(Mamba2LM.from_params(model_cfg, params, runtime), tokenizer,
+                                batch_size=h.batch_size)
+    results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
+                                     num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
+                                     bootstrap_iters=0)
+    writer.write(step, eval_harness.flat_metrics(results))
+    throughput.reset()  # evaluation time is not training time
+  return run
 
 
 def load_init_params(path, model_cfg):
@@ -231,6 +284,8 @@ def run(config, workdir, resolved, stamp):
   # ===== data =====
   train_loader, held_out = make_loaders(config, model_cfg, workdir)
 
+  harness = make_harness(config, model_cfg, workdir)  # task names checked before compiling
+
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
   built = steps.build(config, mesh, params=params)
@@ -255,7 +310,8 @@ def run(config, workdir, resolved, stamp):
   preemption = checkpoint.PreemptionWatcher()
 
   # ===== step function =====
-  first_batch = steps.to_global(next(train_loader), mesh)
+  first_host_batch = next(train_loader)
+  first_batch = steps.to_global(first_host_batch, mesh)
   with metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
@@ -266,6 +322,7 @@ def run(config, workdir, resolved, stamp):
                                      run_config=config.to_dict(), is_main=is_main,
                                      resumed_from=restored_step)
   throughput = hooks.Throughput()
+  share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 
   def log(step, state, metrics):
@@ -274,13 +331,19 @@ def run(config, workdir, resolved, stamp):
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
            "param_norm": m["param_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
-           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0])}
+           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
+           **share.read()}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
   def evaluate(step, state, metrics):
-    batches = (steps.to_global(b, mesh) for b in held_out())
-    row = steps.evaluate(built.eval_step, state.params, batches)
+    rows = {name: steps.evaluate(built.eval_step, state.params,
+                                 (steps.to_global(b, mesh) for b in batches()))
+            for name, batches in held_out.items()}
+    row = steps.pool_eval(rows.values())  # over all sources' tokens
+    for name, r in rows.items():
+      if name:
+        row.update({f"{k}/{name}": v for k, v in r.items()})
     writer.write(step, row)
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
     throughput.reset()  # evaluation time is not training time
@@ -308,6 +371,8 @@ def run(config, workdir, resolved, stamp):
       # Asynchronous: returns once the state is copied to host memory.
       hooks.Hook("checkpoint", config.checkpoint_every, save),
       hooks.Hook("eval", config.eval_every, evaluate),
+      hooks.Hook("harness", config.harness.every if harness else 0,
+                 lambda step, state, _: harness(step, state.params, writer, throughput)),
   ]
 
   def roll_back(spike: hooks.LossSpike):
@@ -331,6 +396,7 @@ def run(config, workdir, resolved, stamp):
     return restored, back
 
   batch, step_metrics, done, step, rollbacks = first_batch, None, start_step, start_step, []
+  share.add(first_host_batch)
   try:
     throughput.reset()
     while step < config.steps:
@@ -348,7 +414,9 @@ def run(config, workdir, resolved, stamp):
         logging.warning("SIGTERM received: saving step %d and exiting", step)
         break
       if step < config.steps:
-        batch = steps.to_global(next(train_loader), mesh)
+        host_batch = next(train_loader)
+        share.add(host_batch)
+        batch = steps.to_global(host_batch, mesh)
     guard.finish()
     final = int(state.step)
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption

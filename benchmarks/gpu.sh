@@ -4,10 +4,10 @@
 # and 1.3b in bfloat16. Each part runs in its own process, so one failure costs
 # only its own rows; the merged table is written last.
 #
-#   bash scripts/gpu_bench.sh [OUT_DIR]          # default bench_out/gpu
-#   SIZES=130m bash scripts/gpu_bench.sh /tmp/g  # fewer sizes
+#   bash benchmarks/gpu.sh [OUT_DIR]          # default bench_out/gpu
+#   SIZES=130m bash benchmarks/gpu.sh /tmp/g  # fewer sizes
 #
-# Expects `pip install -e .` to have been done (or PYTHONPATH to reach the repo).
+# Run from the repository root (python -m benchmarks), after `pip install -e .`.
 set -u
 OUT=${1:-bench_out/gpu}
 SIZES=${SIZES:-130m,1.3b}
@@ -21,10 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
 parts=()
-run() {  # run NAME ARGS...: one bench.py process, its results.json kept
+run() {  # run NAME ARGS...: one benchmarks process, its results.json kept
   local name=$1; shift
-  log "$name: bench.py $*"
-  if $py scripts/bench.py "$@" --dtype bfloat16 --repeats "$REPEATS" --out "$WORK/$name" > "$WORK/$name.log" 2>&1; then
+  log "$name: python -m benchmarks $*"
+  if $py -m benchmarks "$@" --dtype bfloat16 --repeats "$REPEATS" --out "$WORK/$name" > "$WORK/$name.log" 2>&1; then
     parts+=("$WORK/$name")
     cp "$WORK/$name/results.json" "$OUT/$name.json"
   else
@@ -41,5 +41,5 @@ run ssd ssd --ssd_form scan,parallel --chunks 64,128,256
 
 log "report"
 inputs=$(IFS=,; echo "${parts[*]}")
-$py scripts/bench.py report --inputs "$inputs" --out "$OUT" > "$WORK/report.log" 2>&1 || tail -n 20 "$WORK/report.log"
+$py -m benchmarks report --inputs "$inputs" --out "$OUT" > "$WORK/report.log" 2>&1 || tail -n 20 "$WORK/report.log"
 cat "$OUT/results.md" 2>/dev/null

@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 import time
 
 from etils import epath
@@ -173,6 +174,17 @@ def remove_if_unchanged(p, token) -> bool:
     return False
   os.unlink(mine)
   return True
+
+
+def local_copy(p) -> str:
+  """A local path holding the file `p`: `p` itself on a disk, else a temporary copy (for
+  libraries that read only local files, like tokenizers)."""
+  if not is_remote(p):
+    return os.fspath(p)
+  local = os.path.join(tempfile.mkdtemp(prefix="mamba_train_"), os.path.basename(os.fspath(p)))
+  with open(local, "wb") as f:
+    f.write(path(p).read_bytes())
+  return local
 
 
 # -- directories --

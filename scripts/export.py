@@ -13,7 +13,6 @@ in the workdir, or given with --tokenizer.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -36,11 +35,7 @@ def find_tokenizer(ckpt) -> Path | None:
   ckpt = storage.path(ckpt)
   for d in [ckpt, *ckpt.parents][:4]:
     if (d / "tokenizer.json").exists():
-      if not storage.is_remote(d):
-        return Path(d / "tokenizer.json")
-      local = Path(tempfile.mkdtemp(prefix="mamba_train_export_")) / "tokenizer.json"
-      local.write_text((d / "tokenizer.json").read_text())
-      return local
+      return Path(storage.local_copy(d / "tokenizer.json"))
   return None
 
 

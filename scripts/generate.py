@@ -14,7 +14,6 @@ program's run time (prefill included), and the compile time is reported apart.
 
 import os
 import sys
-import tempfile
 
 from mamba_train.xla_flags import apply_cpu_defaults
 
@@ -52,10 +51,7 @@ def _tokenizer():
     if not storage.path(spec).is_file():
       raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer or --ids")
   if storage.is_remote(spec):  # the tokenizers library reads local files
-    local = os.path.join(tempfile.mkdtemp(prefix="mamba_train_generate_"), "tokenizer.json")
-    with open(local, "w") as f:
-      f.write(storage.path(spec).read_text())
-    spec = local
+    spec = storage.local_copy(spec)
   return load_tokenizer(spec)
 
 

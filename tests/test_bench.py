@@ -1,23 +1,19 @@
-"""A quick smoke test of scripts/bench.py on tiny shapes: it runs, times ours,
-measures the roofline, and writes JSON, the markdown table and plots."""
+"""A quick smoke test of the benchmarks (`python -m benchmarks`) on tiny shapes:
+it runs, times ours, measures the roofline, and writes JSON, the markdown table
+and plots."""
 
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench  # noqa: E402
+from benchmarks.__main__ import main
 
 
 def test_bench_smoke(tmp_path):
   out = tmp_path / "bench"
   common = ["--repeats", "1", "--out", str(out), "--roofline_n", "256", "--roofline_mib", "8"]
-  res = bench.main(["ssd", "--batch", "1", "--seq_len", "96", "--chunks", "32", *common])
+  res = main(["ssd", "--batch", "1", "--seq_len", "96", "--chunks", "32", *common])
   ssd = {(r["impl"], r["mode"]) for r in res["rows"]}
   assert {("ours", "fwd"), ("ours", "fwd+bwd"), ("sequential", "fwd")} <= ssd
-  res = bench.main(["train", "--config", "tiny", "--batch", "2", "--seq_len", "64", "--plots", *common])
+  res = main(["train", "--config", "tiny", "--batch", "2", "--seq_len", "64", "--plots", *common])
   (row,) = [r for r in res["rows"] if r["bench"] == "train"]
   # MFU is only positive here: the smoke test's 256x256 roofline matmul (and the
   # suite's fast-compile XLA flags) make the measured peak too rough to bound it.

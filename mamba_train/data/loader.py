@@ -26,6 +26,7 @@ import os
 import grain
 import numpy as np
 
+from mamba_train.data import mixture as mixture_lib
 from mamba_train.data import prepare
 from mamba_train.data import tokenizer as tokenizer_lib
 
@@ -56,12 +57,42 @@ class _Windows:
     return {**self.__dict__, "_tokens": None}
 
 
-def _open_split(data_dir: str, split: str, seq_len: int) -> tuple[_Windows, dict]:
+class _PackedRows:
+  """Rows of a packed (instruction) split: (3, seq_len + 1) int32 per row holding
+  the tokens, the loss mask (1 where the token is a target to learn) and the
+  example number within the row (seq_idx)."""
+
+  def __init__(self, paths: dict[str, str], seq_len: int, n_rows: int):
+    self.paths, self.seq_len, self.n_rows = paths, seq_len, n_rows
+    self._arrays = None
+
+  def __len__(self) -> int:
+    return self.n_rows
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    if self._arrays is None:
+      self._arrays = [np.load(self.paths[k], mmap_mode="r") for k in PACKED_FIELDS]
+    return np.stack([a[i] for a in self._arrays]).astype(np.int32)
+
+  def __getstate__(self):
+    return {**self.__dict__, "_arrays": None}
+
+
+PACKED_FIELDS = ("tokens", "loss_mask", "seq_idx")
+
+
+def _open_split(data_dir: str, split: str, seq_len: int):
   meta = prepare.read_metadata(data_dir)
   if split not in meta["splits"]:
     raise prepare.DataError(f"{data_dir!r} has no {split!r} split (it has {list(meta['splits'])}); "
                      "prepare it with a nonzero val_fraction or a validation split.")
   info = meta["splits"][split]
+  if "packed" in meta:
+    if meta["packed"]["seq_len"] != seq_len:
+      raise ValueError(f"{data_dir!r} is packed into rows of {meta['packed']['seq_len']} "
+                       f"tokens, not seq_len {seq_len}; prepare it with --seq_len={seq_len}.")
+    paths = {k: os.path.join(data_dir, info["files"][k]) for k in PACKED_FIELDS}
+    return _PackedRows(paths, seq_len, info["rows"]), meta
   path = os.path.join(data_dir, info["file"])
   redo = "prepare the dataset again (scripts/prepare_data.py ... --force)"
   try:
@@ -98,27 +129,47 @@ def check_splits(data_dir: str, splits, seq_len: int) -> None:
 
 
 def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
-  """Stacks windows (or None for padding rows) into the model's inputs.
+  """Stacks rows into the model's inputs. A row is a window of the token stream
+  (seq_len + 1 tokens), a packed row (3, seq_len + 1), or None (padding, masked).
 
-  seq_idx counts the EOS tokens strictly before each position: the EOS belongs
-  to the document it ends, and the token after it starts the next.
+  In a window, seq_idx counts the EOS tokens strictly before each position: the
+  EOS belongs to the document it ends, and the token after it starts the next.
+  A packed row carries its own loss mask and seq_idx.
   """
-  pad = np.full(seq_len + 1, eos_id, np.int32)
-  w = np.stack([pad if x is None else x for x in windows]).astype(np.int32)
-  inputs = np.ascontiguousarray(w[:, :-1])
-  eos = (inputs == eos_id).astype(np.int32)
-  loss_mask = np.ones(inputs.shape, np.float32)
-  for row, x in enumerate(windows):
+  rows = np.zeros((len(windows), 3, seq_len + 1), np.int32)
+  rows[:, 0] = eos_id
+  flat = np.zeros(len(windows), bool)
+  for r, x in enumerate(windows):
     if x is None:
-      loss_mask[row] = 0.0
-  return {"input_ids": inputs, "targets": np.ascontiguousarray(w[:, 1:]),
-          "seq_idx": np.cumsum(eos, axis=1, dtype=np.int32) - eos, "loss_mask": loss_mask}
+      continue
+    if x.ndim == 1:
+      rows[r, 0], rows[r, 1], flat[r] = x, 1, True
+    else:
+      rows[r] = x
+  inputs = np.ascontiguousarray(rows[:, 0, :-1])
+  eos = (inputs == eos_id).astype(np.int32)
+  seq_idx = np.where(flat[:, None], np.cumsum(eos, axis=1, dtype=np.int32) - eos, rows[:, 2, :-1])
+  return {"input_ids": inputs, "targets": np.ascontiguousarray(rows[:, 0, 1:]),
+          "seq_idx": seq_idx.astype(np.int32),
+          # A packed row never learns the first token of an example from the one before.
+          "loss_mask": (rows[:, 1, 1:] * (rows[:, 2, 1:] == rows[:, 2, :-1])).astype(np.float32)}
 
 
 def _read_rows(ids: np.ndarray, windows: _Windows, rows: slice, eos_id: int):
   """This process's rows of one global batch of window ids (ids >= len: padding)."""
   return _make_batch([windows[i] if i < len(windows) else None for i in ids[rows]], eos_id,
                      windows.seq_len)
+
+
+def _read_mixed_rows(ids, sources: list, rows: slice, eos_id: int):
+  """This process's rows of one global batch of (source, row) pairs, and how many
+  rows of the whole global batch each source gave (`source_rows`)."""
+  src, key = ids
+  batch = _make_batch([sources[s][k] for s, k in zip(src[rows], key[rows])], eos_id,
+                      sources[0].seq_len)
+  if len(sources) > 1:
+    batch["source_rows"] = np.bincount(src, minlength=len(sources))
+  return batch
 
 
 def _local_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
@@ -151,17 +202,48 @@ def make_train_loader(data_dir: str, *, seq_len: int, global_batch_size: int, se
   """Infinite, shuffled, checkpointable iterator over this process's share of batches.
 
   Yields dicts of numpy arrays with b = global_batch_size // process_count rows:
-  input_ids, targets, seq_idx (int32, (b, seq_len)) and loss_mask (float32, all 1).
+  input_ids, targets, seq_idx (int32, (b, seq_len)) and loss_mask (float32: all
+  1 for a token stream, the stored mask for a packed instruction set).
+  """
+  return make_mixture_loader([mixture_lib.Source(data_dir, 1.0)], seq_len=seq_len,
+                             global_batch_size=global_batch_size, seed=seed,
+                             process_index=process_index, process_count=process_count,
+                             worker_count=worker_count, num_threads=num_threads)
+
+
+def make_mixture_loader(sources: list[mixture_lib.Source], *, seq_len: int,
+                        global_batch_size: int, seed: int,
+                        schedule: list[tuple[int, list[float]]] = (),
+                        process_index: int = 0, process_count: int = 1,
+                        worker_count: int = 0, num_threads: int = 2):
+  """`make_train_loader` over a weighted mixture (mamba_train/data/mixture.py).
+
+  schedule: [(step, weights)] from parse_schedule; the weights apply to the
+  batches after that many steps. Batches also carry `source_rows` (int, one per
+  source): the rows of the whole global batch drawn from each source.
   """
   b = _local_batch(global_batch_size, process_index, process_count)
-  windows, meta = _open_split(data_dir, "train", seq_len)
-  if len(windows) < global_batch_size:
-    log.warning("%s: %d windows per epoch, fewer than one global batch of %d: batches "
-                "repeat windows.", data_dir, len(windows), global_batch_size)
-  order = grain.MapDataset.range(len(windows)).shuffle(seed=seed).repeat(None)  # per-epoch shuffle
-  ds = order.batch(global_batch_size, drop_remainder=True).map(functools.partial(
-      _read_rows, windows=windows, rows=slice(process_index * b, (process_index + 1) * b),
-      eos_id=meta["eos_id"]))
+  opened = [_open_split(s.dir, "train", seq_len) for s in sources]
+  mixture_lib.check_sources(sources, [m for _, m in opened], seq_len)
+  parents, lengths = [], []
+  for i, (s, (windows, _)) in enumerate(zip(sources, opened)):
+    if len(windows) < global_batch_size:
+      log.warning("%s: %d rows per epoch, fewer than one global batch of %d: batches "
+                  "repeat rows.", s.dir, len(windows), global_batch_size)
+    n = s.rows(len(windows), seq_len)
+    # Source 0 keeps the run's seed, so a single dataset reads as it always has.
+    order = grain.MapDataset.range(len(windows)).shuffle(seed=seed + 1_000_003 * i)
+    order = order.repeat(None if n == mixture_lib.INFINITE else -(-n // len(windows)))
+    parents.append(order if n == mixture_lib.INFINITE else order[:n])
+    lengths.append(n)
+  phases = [(0, [s.weight for s in sources])]
+  phases += [(step * global_batch_size, w) for step, w in schedule]
+  selection = mixture_lib.MixtureMap(lengths, phases)
+  ds = grain.MapDataset.select_from_datasets(  # rows are (source, row id)
+      [p.map(functools.partial(mixture_lib.tag, i)) for i, p in enumerate(parents)], selection)
+  ds = ds.batch(global_batch_size, drop_remainder=True).map(functools.partial(
+      _read_mixed_rows, sources=[w for w, _ in opened],
+      rows=slice(process_index * b, (process_index + 1) * b), eos_id=opened[0][1]["eos_id"]))
   return _iterate(ds, worker_count, num_threads)
 
 

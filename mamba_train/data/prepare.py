@@ -31,7 +31,6 @@ from mamba_train.data import tokenizer as tokenizer_lib
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "validation")
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
              ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _GLOB_CHARS = "*?["

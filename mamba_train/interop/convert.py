@@ -223,7 +223,11 @@ def hf_config_to_ours(hf: dict) -> Mamba2Config:
 
 def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
                       eos_token_id: int | None = None, bos_token_id: int | None = None,
-                      pad_token_id: int | None = None, dtype: str = "float32") -> dict:
+                      pad_token_id: int | None = None, dtype: str = "float32",
+                      for_json: bool = True) -> dict:
+  """transformers' Mamba2Config fields of `cfg`. for_json: as `save_pretrained` writes
+  them (infinity as {"__float__": "Infinity"}); else as Python values, for
+  `transformers.Mamba2Config(**...)`."""
   lo, hi = cfg.dt_limit
   return {
       "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -233,7 +237,7 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
       "head_dim": cfg.headdim, "num_heads": cfg.nheads, "n_groups": cfg.ngroups,
       "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min, "time_step_max": cfg.dt_max,
       "time_step_floor": cfg.dt_init_floor,
-      "time_step_limit": [lo, hi if math.isfinite(hi) else {"__float__": "Infinity"}],
+      "time_step_limit": [lo, hi if math.isfinite(hi) or not for_json else {"__float__": "Infinity"}],
       "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
       "residual_in_fp32": True, "rms_norm": True, "use_bias": False, "use_conv_bias": True,
       "hidden_act": "silu", "norm_before_gate": False, "rescale_prenorm_residual": False,

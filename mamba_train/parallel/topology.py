@@ -10,6 +10,7 @@ v4 and v5p names count TensorCores, two per chip, v5e and v6e names count chips)
 from __future__ import annotations
 
 import math
+import os
 import re
 
 # Slice names count TensorCores for these generations (two per chip).
@@ -51,6 +52,10 @@ def topology_name(name: str) -> tuple[str, str]:
 def tpu_devices(name: str):
   """(generation, topology name, devices) for a TPU slice, via libtpu, on any host."""
   gen, topo = topology_name(name)
+  # libtpu only compiles here: skip its cloud metadata queries, and let several
+  # processes (parallel tests, benchmarks) load it at once. Set before libtpu loads.
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   except ImportError as e:  # pragma: no cover - every supported jax has it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from mamba_train.data import mixture
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -84,7 +85,7 @@ def _optim_problems(optim: Mapping) -> list[str]:
 
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
   """Raise ConfigError listing every problem found; return the resolved pieces:
-  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'tensor'}}."""
+  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'sequence', 'tensor'}}."""
   cfg = _to_dict(config)
   problems = []
   if reference is not None:
@@ -122,6 +123,10 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
           f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
           f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
           + f"; use a multiple of {dp * accum}")
+    sp, l = mesh["sequence"], cfg.get("seq_len")
+    if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
+      problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
+                      f"of at least d_conv - 1 = {model.d_conv - 1} positions")
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
   problems += _optim_problems(optim)
@@ -138,8 +143,31 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
   if cfg["data"].get("source") not in DATA_SOURCES:
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
+  problems += _mixture_problems(cfg["data"])
+  harness = cfg.get("harness", {})
+  if harness.get("tasks") and harness.get("every", 0) > 0:
+    if cfg["data"].get("source") != "corpus":
+      problems.append("harness.tasks needs data.source='corpus' (its tokenizer)")
+    if process_count > 1:
+      problems.append("harness.tasks runs in single-process jobs only; run scripts/eval.py "
+                      "on a saved checkpoint instead")
   if problems:
     if len(problems) == 1:  # one line
       raise ConfigError(f"Invalid run config: {problems[0]}")
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
   return {"model": model, "runtime": rt, "mesh": mesh}
+
+
+def _mixture_problems(data: Mapping) -> list[str]:
+  if not data.get("mixture"):
+    return [f"data.mixture_schedule {data['mixture_schedule']!r} needs a data.mixture"] \
+        if data.get("mixture_schedule") else []
+  problems = []
+  if data.get("source") != "corpus" or data.get("dir"):
+    problems.append("data.mixture needs data.source='corpus' and no data.dir")
+  try:
+    sources = mixture.parse_mixture(data["mixture"])
+    mixture.parse_schedule(data.get("mixture_schedule", ""), len(sources))
+  except mixture.MixtureError as e:
+    problems.append(str(e))
+  return problems

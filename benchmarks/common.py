@@ -1,0 +1,123 @@
+"""What every benchmark shares, so that each figure is taken the same way.
+
+Timing is `mamba_train.metrics.Timer` around one call, blocked on its result:
+a warm-up call first (compilation and first-touch page faults are not speed),
+then the median of the repeats (the minimum where a benchmark says so: decode
+loops on a shared machine). Compiling is timed apart, in wall and process-CPU
+seconds, with XLA's memory analysis of the program. The flags turn into the
+model's architecture (`Mamba2Config`) and how it runs (`Runtime`) here, once,
+and into the run config the train step is built from.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mamba_train import metrics
+from mamba_train.model.config import Mamba2Config, config_for
+from mamba_train.model.runtime import Runtime
+from mamba_train.parallel.mesh import make_mesh
+
+F32 = jnp.float32
+CORES = os.cpu_count() or 1
+# The repository root: the default corpus is built under its data/.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def add_rows(results: dict, rows: list[dict]) -> list[dict]:
+  results.setdefault("rows", []).extend(rows)
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Timing and compiling.
+
+
+def median_time(fn: Callable[[], Any], repeats: int, *, warmup: int = 1, best: bool = False,
+                block: Callable[[Any], Any] | None = jax.block_until_ready) -> float:
+  """Median (or with best=True the minimum) wall seconds of `fn()` over `repeats`
+  calls after `warmup` calls. `block` waits for the result (JAX dispatches
+  asynchronously); None for callables that return when done (torch on CPU)."""
+  block = block or (lambda x: x)
+  for _ in range(warmup):
+    block(fn())
+  times = []
+  for _ in range(repeats):
+    with metrics.Timer() as t:
+      block(fn())
+    times.append(t.seconds)
+  return min(times) if best else statistics.median(times)
+
+
+def compile_fn(jitted, *args, **kwargs):
+  """(compiled, {'compile_s', 'compile_cpu_s'[, 'peak_bytes', 'temp_bytes']}):
+  `jitted.lower(*args, **kwargs).compile()` timed, and XLA's memory analysis of it."""
+  with metrics.Timer() as t:
+    compiled = jitted.lower(*args, **kwargs).compile()
+  info = {"compile_s": t.seconds, "compile_cpu_s": t.cpu_seconds}
+  mem = metrics.compiled_memory(compiled)
+  if mem:
+    info["peak_bytes"] = mem["peak_bytes"]
+    info["temp_bytes"] = mem["temp_bytes"]
+  return compiled, info
+
+
+# ----------------------------------------------------------------------------
+# Model, runtime and run config from the flags.
+
+
+def model_cfg(args, size: str, **overrides) -> Mamba2Config:
+  """The architecture of `size`, with --chunk_size."""
+  if args.chunk_size:
+    overrides.setdefault("chunk_size", args.chunk_size)
+  return config_for(size, **overrides)
+
+
+def unresolved_runtime(args) -> Runtime:
+  """How the model runs, from --dtype, --remat and --ssd_form (the runtime's
+  defaults where a flag is unset); 'auto' left for the caller to resolve."""
+  kw = {"compute_dtype": args.dtype}
+  if args.remat:
+    kw["remat"] = args.remat
+  if args.ssd_form in ("scan", "parallel"):
+    kw["ssd_form"] = args.ssd_form
+  return Runtime(**kw)
+
+
+def runtime(args, backend: str | None = None) -> Runtime:
+  """`unresolved_runtime` resolved for `backend` (default: this process's)."""
+  return unresolved_runtime(args).resolve(backend)
+
+
+def run_config(args, size: str, batch: int, seq_len: int, **model_overrides):
+  """configs/base.py with the bench's model, runtime and shapes, on one device.
+  `train.step.build` resolves the runtime for the mesh's platform."""
+  from configs import base  # the repository's run configs (python -m benchmarks runs from its root)
+  c = base.get_config()
+  c.model.update(model_cfg(args, size, **model_overrides).to_dict())
+  c.runtime.update(unresolved_runtime(args).to_dict())
+  c.batch_size, c.seq_len = batch, seq_len
+  c.mesh.update(data=1, fsdp=1, tensor=1)
+  return c
+
+
+def one_device_mesh():
+  return make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+
+
+def random_batch(cfg: Mamba2Config, batch: int, seq_len: int, seed: int = 0) -> dict[str, jax.Array]:
+  """A train batch of random tokens: one document per row, every position counted."""
+  ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+  out = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "seq_idx": np.zeros((batch, seq_len), np.int32),
+         "loss_mask": np.ones((batch, seq_len), np.float32)}
+  return {k: jnp.asarray(v) for k, v in out.items()}
