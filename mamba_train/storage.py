@@ -37,7 +37,8 @@ MOVED_MARKER = ".moved_from"  # in a moved directory on a bucket: the copy is wh
 
 
 class StorageError(ValueError):
-  """A path this library cannot write to (a scheme other than gs://, a missing extra)."""
+  """A path this library cannot write to: a scheme other than gs://, the gcs extra missing,
+  a bucket that is not there, no credentials."""
 
 
 def is_remote(p) -> bool:
@@ -71,9 +72,9 @@ def check_workdir(p) -> None:
   if not is_remote(p):
     return
   path(p)
+  from google.auth import exceptions as auth_errors
   bucket = _split(p)[0]
   try:
-    from google.auth import exceptions as auth_errors
     found = _client().bucket(bucket).exists()
   except auth_errors.DefaultCredentialsError as e:
     raise StorageError(f"{p}: no Google Cloud credentials ({str(e).splitlines()[0]}); run "
