@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -30,7 +29,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import checkpoint, data  # noqa: E402
+from mamba_train import checkpoint, data, storage  # noqa: E402
 from mamba_train import workdir as workdir_lib  # noqa: E402
 from mamba_train import metrics as metrics_lib  # noqa: E402
 from mamba_train.interop.load import load_model, saved_configs  # noqa: E402
@@ -115,7 +114,8 @@ def make_loaders(config, model_cfg, workdir=None):
                       config.seq_len)
   tokenizer = os.path.join(sources[0].dir, "tokenizer.json")
   if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
-    shutil.copy(tokenizer, os.path.join(workdir, "tokenizer.json"))  # exports ship it
+    with open(tokenizer) as f:  # exports ship it
+      storage.write_text(storage.path(workdir) / "tokenizer.json", f.read())
   train = data.make_mixture_loader(sources, seed=config.seed, schedule=schedule, **kw)
   named = len(sources) > 1
   held_out = {s.name if named else "": functools.partial(
@@ -185,6 +185,8 @@ def main(argv):
   del argv
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").addFilter(_quiet_library_info)
+  for chatty in ("gcsfs", "fsspec", "google"):  # the bucket clients log every file they open
+    logging.getLogger(chatty).setLevel(logging.WARNING)
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
@@ -231,7 +233,7 @@ MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
 
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
 USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
-               workdir_lib.WorkdirLockedError, data.DataError)
+               workdir_lib.WorkdirLockedError, data.DataError, storage.StorageError)
 # A run that started and cannot go on: one line saying why, exit 1.
 RUN_FAILURES = (hooks.NonFiniteLossError, checkpoint.CheckpointWriteError)
 
@@ -245,8 +247,9 @@ def train(config, workdir):
   if not workdir and jax.process_count() > 1:
     # Each process would stamp its own time: they must share one directory.
     raise run_config.ConfigError("--workdir is required when the job spans several processes "
-                                 "(a directory every process can reach, e.g. a GCS bucket)")
+                                 "(a directory every process can reach, e.g. gs://BUCKET/runs/NAME)")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
+  storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
   lock = lock_workdir(workdir)  # before anything is read or written there
   try:
     run(config, workdir, resolved, stamp)
@@ -283,9 +286,8 @@ def run(config, workdir, resolved, stamp):
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
   check_resumable(ckpt, config, force=_FORCE_RESUME.value)
   if is_main:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config.to_dict(), f, indent=2)
+    storage.makedirs(workdir)
+    storage.write_text(storage.path(workdir) / "config.json", json.dumps(config.to_dict(), indent=2))
 
   # ===== mesh =====
   mesh = make_mesh(config.mesh)
@@ -371,6 +373,7 @@ def run(config, workdir, resolved, stamp):
                         step, int(m["nonfinite_streak"]))
         return
     ckpt.save(step, state, train_loader, config.to_dict(), force=force)
+    writer.sync()  # on a bucket: the record reaches every saved step
 
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)

@@ -47,6 +47,7 @@ def main(argv):
   del argv
   import mamba_train  # pylint: disable=import-outside-toplevel
   from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
+  from mamba_train import storage  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   manager = eval_harness.task_manager(_INCLUDE.value, _TASKS.value)
   try:
@@ -57,9 +58,11 @@ def main(argv):
   path = _MODEL.value
   if _STEP.value is not None:
     path = os.path.join(path, "checkpoints", str(_STEP.value))
-  spec = _TOKENIZER.value or os.path.join(_MODEL.value, "tokenizer.json")
-  if not _TOKENIZER.value and not os.path.isfile(spec):
+  spec = _TOKENIZER.value or os.path.join(_MODEL.value, "tokenizer.json")  # a workdir may be gs://
+  if not _TOKENIZER.value and not storage.path(spec).is_file():
     raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer")
+  if storage.is_remote(spec):  # the tokenizers library reads local files
+    spec = storage.local_copy(spec)
   lm = eval_harness.HarnessLM(mamba_train.load_model(path), load_tokenizer(spec),
                               batch_size=_BATCH.value, max_batch_size=_MAX_BATCH.value,
                               max_length=_MAX_LEN.value)
@@ -73,7 +76,7 @@ def main(argv):
     tracker = EvaluationTracker(output_path=_OUT.value)
     # As lm_eval's command line: files go under a directory named after the model.
     tracker.general_config_tracker.log_experiment_args(
-        model_source="mamba_train", model_args=f"pretrained={os.path.abspath(path)}",
+        model_source="mamba_train", model_args=f"pretrained={path if storage.is_remote(path) else os.path.abspath(path)}",
         system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
