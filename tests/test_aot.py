@@ -42,11 +42,11 @@ def test_bad_topology_names():
       topology_name(bad)
 
 
-def _run(*flags):
+def _run(*flags, config="tiny"):
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = ROOT
-  return subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", "tiny.py"),
+  return subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", f"{config}.py"),
                          *flags], capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -68,6 +68,19 @@ def test_tiny_train_step_compiles_for_v5e(tmp_path):
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]
   assert rep["cost"]["flops"] > 0 and rep["compile_s"] > 0
+
+
+def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
+  """A hybrid (Mamba-2, attention, MLP) train step for one v6e chip; its FLOPs
+  count the attention and MLP layers."""
+  _require_libtpu()
+  out = tmp_path / "report.json"
+  r = _run("--topology", "v6e:1x1", *_SMALL, "--json", str(out), config="tiny-hybrid")
+  assert r.returncode == 0, r.stderr[-3000:]
+  import json
+  rep = json.loads(out.read_text())
+  assert rep["devices"] == 1 and 0 < rep["memory"]["peak_bytes"] < rep["hbm_bytes_per_device"]
+  assert rep["model"]["layer_pattern"] == "M*M-" and rep["cost"]["flops"] > 0
 
 
 def test_too_large_for_hbm_is_refused():

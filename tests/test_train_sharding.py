@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -46,6 +47,7 @@ def _worker(out_dir):
   pure_cfg, hybrid_cfg = cfg, cfg.replace(**HYBRID)
   results = {}
   for name, (mesh_cfg, accum) in MESHES.items():
+    t0 = time.perf_counter()
     cfg = hybrid_cfg if name.startswith("hybrid") else pure_cfg
     axes = train_state.param_logical_axes(cfg)
     ref = "hybrid_single" if name.startswith("hybrid") else "single"
@@ -71,7 +73,8 @@ def _worker(out_dir):
     np.savez(os.path.join(out_dir, f"{name}.npz"),
              **{"init" + k: v for k, v in flat(init).items()},
              **{"final" + k: v for k, v in flat(jax.device_get(state.params)).items()})
-    results[name] = {"losses": losses, "specs": specs, "steps": int(state.step)}
+    results[name] = {"losses": losses, "specs": specs, "steps": int(state.step),
+                     "seconds": time.perf_counter() - t0}  # what each case costs the suite
     if name == ref:
       results[name]["init"] = init
     if name == "single":
