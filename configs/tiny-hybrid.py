@@ -1,4 +1,4 @@
-"""The tiny default as a hybrid: Mamba-2, attention and MLP layers ('M*M-'), byte
+"""The tiny default as a hybrid: Mamba-2, attention and MLP layers ('MM*-'), byte
 level, on the default corpus; a few minutes on a CPU.
 
   python train.py --config configs/tiny-hybrid.py --workdir runs/tiny-hybrid

@@ -55,32 +55,23 @@ def _run(*flags, config="tiny"):
 _SMALL = ("--config.seq_len=64", "--config.batch_size=4", "--config.model.chunk_size=32")
 
 
-def test_tiny_train_step_compiles_for_v5e(tmp_path):
+def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
+  """A hybrid train step (Mamba-2, attention and MLP layers) for a v6e slice of four
+  chips. (The pure Mamba-2 model compiles for v5e in the test below: one compile
+  each, as the TPU compiler is most of this file's time.)"""
   _require_libtpu()
   out = tmp_path / "report.json"
-  r = _run("--topology", "v5e:2x2", *_SMALL, "--json", str(out))
+  r = _run("--topology", "v6e:2x2", *_SMALL, "--json", str(out), config="tiny-hybrid")
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "memory per device" in r.stdout and "of 16.00 GiB HBM" in r.stdout, r.stdout
+  assert "memory per device" in r.stdout and "of 32.00 GiB HBM" in r.stdout, r.stdout
   import json
   rep = json.loads(out.read_text())
   assert rep["devices"] == 4 and rep["mesh"]["data"] == 4
+  assert rep["model"]["layer_pattern"] == "MM*-"
   mem = rep["memory"]
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]
   assert rep["cost"]["flops"] > 0 and rep["compile_s"] > 0
-
-
-def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
-  """A hybrid (Mamba-2, attention, MLP) train step for one v6e chip; its FLOPs
-  count the attention and MLP layers."""
-  _require_libtpu()
-  out = tmp_path / "report.json"
-  r = _run("--topology", "v6e:1x1", *_SMALL, "--json", str(out), config="tiny-hybrid")
-  assert r.returncode == 0, r.stderr[-3000:]
-  import json
-  rep = json.loads(out.read_text())
-  assert rep["devices"] == 1 and 0 < rep["memory"]["peak_bytes"] < rep["hbm_bytes_per_device"]
-  assert rep["model"]["layer_pattern"] == "M*M-" and rep["cost"]["flops"] > 0
 
 
 def test_too_large_for_hbm_is_refused():

@@ -280,3 +280,71 @@ def test_public_sizes():
     cfg = mamba_train.config_for(name)
     assert cfg.count("*") * 8 == cfg.n_layer and "**" not in cfg.pattern
     assert cfg.attn_num_heads * cfg.attn_head_dim == cfg.d_model
+
+
+# ----------------------------------------------------------------------------
+# mamba_ssm's hybrid layout (attn_layer_idx, attn_cfg, d_intermediate).
+
+
+def test_mamba_ssm_hybrid_import_matches_transformers(tmp_path):
+  """mamba_ssm's MHA holds what NemotronH's attention does (no biases, no rotary),
+  in one in_proj: the same random weights written both ways give the same logits."""
+  kw = dict(layers_block_type=["mamba", "attention", "mamba"], n_groups=2,
+            num_attention_heads=4, num_key_value_heads=2)
+  ref = hf_model(tmp_path / "hf", seed=7, **kw)
+  sd = {k: v.clone() for k, v in ref.state_dict().items()}
+  ssm = {"backbone.embedding.weight": sd.pop("model.embeddings.weight"),
+         "backbone.norm_f.weight": sd.pop("model.norm_f.weight"), "lm_head.weight": sd.pop("lm_head.weight")}
+  a = "model.layers.1.mixer."
+  ssm["backbone.layers.1.mixer.in_proj.weight"] = torch.cat(
+      [sd.pop(a + "q_proj.weight"), sd.pop(a + "k_proj.weight"), sd.pop(a + "v_proj.weight")])
+  ssm["backbone.layers.1.mixer.out_proj.weight"] = sd.pop(a + "o_proj.weight")
+  ssm.update({"backbone." + k[len("model."):]: v for k, v in sd.items()})
+  config = {"d_model": 32, "n_layer": 3, "vocab_size": 90, "d_intermediate": 0,
+            "ssm_cfg": {"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2,
+                        "chunk_size": 8, "dt_limit": [0.001, float("inf")]},
+            "attn_layer_idx": [1], "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "head_dim": 8,
+                                                "qkv_proj_bias": False, "out_proj_bias": False,
+                                                "causal": True},
+            "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+            "pad_vocab_size_multiple": 16, "tie_embeddings": False}
+  out = tmp_path / "ssm"
+  out.mkdir()
+  torch.save(ssm, out / "pytorch_model.bin")
+  (out / "config.json").write_text(__import__("json").dumps(config))
+  ours = load_model(out)
+  assert ours.config.pattern == "M*M" and ours.config.n_kv_heads == 2
+  ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    want = ref(ids).logits.numpy()
+  assert rel(np.asarray(forward(ours, jnp.asarray(ids.numpy()))), want) < 1e-5
+  # mamba_ssm's MHA defaults to biases, which these layers do not have: refused by name.
+  bad = dict(config, attn_cfg={"num_heads": 4})
+  with pytest.raises(ValueError, match="qkv_proj_bias"):
+    convert.mamba_ssm_config_to_ours(bad)
+
+
+def test_mamba_ssm_hybrid_with_gated_mlp_round_trips(tmp_path):
+  cfg = HYB.replace(n_layer=4, layer_pattern="M-*-", mlp_act="swiglu", d_intermediate=128,
+                    attn_rotary_emb_dim=4)
+  ours = Mamba2LM(cfg, rngs=nnx.Rngs(4))
+  save_mamba_ssm(ours, tmp_path / "ssm")
+  mc = convert.read_json(tmp_path / "ssm" / "config.json")
+  assert (mc["n_layer"], mc["attn_layer_idx"], mc["d_intermediate"]) == (2, [1], 128)
+  back = load_model(tmp_path / "ssm")
+  assert back.config == cfg
+  jax.tree.map(np.testing.assert_array_equal, back.params(), ours.params())
+  # GatedMLP: y, gate = fc1(x).chunk(2); fc2(y * silu(gate)), against our MLP on the
+  # arrays the codec made.
+  sd = convert.params_to_state_dict(ours.params(), cfg, "mamba_ssm")
+  fc1, fc2 = sd["backbone.layers.0.mlp.fc1.weight"], sd["backbone.layers.0.mlp.fc2.weight"]
+  x = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
+  y, gate = np.split(x @ fc1.T, 2, axis=-1)
+  want = (y * gate / (1 + np.exp(-gate))) @ fc2.T
+  p = jax.tree.map(lambda a: a[0], ours.layer_params("-"))
+  got = attn_lib.mlp(p, jnp.asarray(x), cfg, ours.runtime)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="GatedMLP"):
+    convert.ours_to_mamba_ssm_config(cfg.replace(mlp_act="relu2"))
+  with pytest.raises(ValueError, match="every block"):
+    convert.ours_to_mamba_ssm_config(HYB)  # 'M*-M*-': a mixer without its MLP

@@ -126,12 +126,86 @@ MLP_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
     "mixer.down_proj.weight": (("down_proj",), TRANSPOSE),
 }
 KIND_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE}
+
+
+def _split_qkv(w, cfg):  # mamba_ssm MHA in_proj ((h + 2kv) e, d) -> q (d, h, e), k, v (d, kv, e)
+  e, h, kv = cfg.attn_head_dim, cfg.attn_num_heads, cfg.n_kv_heads
+  q, k, v = np.split(w, np.cumsum([h * e, kv * e])[:], axis=0)
+  return tuple(a.T.reshape(w.shape[1], -1, e) for a in (q, k, v))
+
+
+def _join_qkv(ws, cfg):
+  return np.concatenate([a.reshape(a.shape[0], -1).T for a in ws], axis=0)
+
+
+def _split_fc1(w, cfg):  # GatedMLP fc1 (2f, d): y then gate -> up (d, f), gate (d, f)
+  y, gate = np.split(w, 2, axis=0)
+  return y.T, gate.T
+
+
+def _join_fc1(ws, cfg):
+  return np.concatenate([ws[0].T, ws[1].T], axis=0)
+
+
+# mamba_ssm's hybrid blocks (MambaLMHeadModel with attn_layer_idx, d_intermediate):
+# block j holds a mixer (Mamba2 or MHA, `norm` + `mixer.*`) and, with
+# d_intermediate > 0, a GatedMLP (`norm2` + `mlp.*`) after it: in our pattern a
+# mixer layer, then an MLP layer, under one outside index.
+MAMBA_SSM_ATTN_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm.weight": (("norm",), IDENTITY),
+    "mixer.in_proj.weight": (("q_proj", "k_proj", "v_proj"), Codec(_split_qkv, _join_qkv)),
+    "mixer.out_proj.weight": (("o_proj",), _out_heads_codec(_E)),
+}
+MAMBA_SSM_MLP_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm2.weight": (("norm",), IDENTITY),
+    "mlp.fc1.weight": (("up_proj", "gate_proj"), Codec(_split_fc1, _join_fc1)),
+    "mlp.fc2.weight": (("down_proj",), TRANSPOSE),
+}
+MAMBA_SSM_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: MAMBA_SSM_ATTN_TABLE, MLP: MAMBA_SSM_MLP_TABLE}
+
+
+def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
+  """For each of our layers in pattern order: (kind, outside name prefix, table)."""
+  if layout != "mamba_ssm":
+    if layout == "hf" and cfg.pattern != MAMBA * cfg.n_layer:
+      raise ValueError(f"transformers' Mamba2 layout holds pure Mamba-2 models; a hybrid "
+                       f"(layer_pattern {cfg.layer_pattern!r}) reads and writes as nemotron_h")
+    return [(k, f"{LAYER_PREFIX}{i}.", KIND_TABLES[k]) for i, k in enumerate(cfg.pattern)]
+  problem = mamba_ssm_pattern_problem(cfg)
+  if problem:
+    raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
+  slots, block = [], -1
+  for k in cfg.pattern:
+    block += k != MLP
+    slots.append((k, f"{LAYER_PREFIX}{block}.", MAMBA_SSM_TABLES[k]))
+  return slots
+
+
+def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
+  """Why mamba_ssm's MambaLMHeadModel cannot hold `cfg`'s layers, or None."""
+  p = cfg.pattern
+  if p.startswith(MLP) or MLP + MLP in p:
+    return f"layer_pattern {p!r}: every MLP must follow a Mamba-2 or attention layer"
+  if MLP in p and p.count(MLP) != p.count(MAMBA) + p.count(ATTENTION):
+    return f"layer_pattern {p!r}: with MLPs, every block (mixer) must have one after it"
+  if MLP in p and (cfg.mlp_act != "swiglu" or cfg.d_intermediate % 128):
+    return ("mamba_ssm's MLP is GatedMLP: mlp_act must be 'swiglu' and d_intermediate a "
+            f"multiple of 128 (got {cfg.mlp_act!r}, {cfg.d_intermediate})")
+  return None
 # Our name of each kind's parameter stack (as in Mamba2LM.params()).
 KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
 
 
-def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA) -> dict[str, tuple[int, ...]]:
+def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA,
+                          layout: str = "hf") -> dict[str, tuple[int, ...]]:
   d = cfg.d_model
+  if layout == "mamba_ssm" and kind == ATTENTION:
+    he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
+    return {"norm.weight": (d,), "mixer.in_proj.weight": (he + 2 * kve, d),
+            "mixer.out_proj.weight": (d, he)}
+  if layout == "mamba_ssm" and kind == MLP:
+    f = cfg.d_intermediate
+    return {"norm2.weight": (d,), "mlp.fc1.weight": (2 * f, d), "mlp.fc2.weight": (d, f)}
   if kind == ATTENTION:
     he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
     return {"norm.weight": (d,), "mixer.q_proj.weight": (he, d), "mixer.k_proj.weight": (kve, d),
@@ -159,12 +233,9 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
   if layout == "nemotron_h":
     sd = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
           for k, v in sd.items() if not k.startswith(NEMOTRON_H_IGNORED)}
-  elif cfg.pattern != MAMBA * cfg.n_layer:
-    raise ValueError(f"the {layout} layout holds pure Mamba-2 models; a hybrid "
-                     f"(layer_pattern {cfg.layer_pattern!r}) reads and writes as nemotron_h")
-  shapes = {kind: _outside_layer_shapes(cfg, kind) for kind in set(cfg.pattern)}
-  expected = {f"{LAYER_PREFIX}{i}.{s}": shp for i, kind in enumerate(cfg.pattern)
-              for s, shp in shapes[kind].items()}
+  slots = _layer_slots(cfg, layout)
+  shapes = {kind: _outside_layer_shapes(cfg, kind, layout) for kind in set(cfg.pattern)}
+  expected = {f"{prefix}{s}": shp for kind, prefix, _ in slots for s, shp in shapes[kind].items()}
   emb_name = next(k for k, v in top.items() if v == "embedding")
   expected[emb_name] = None  # rows checked below (may be padded)
   expected["backbone.norm_f.weight"] = (cfg.d_model,)
@@ -192,10 +263,10 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
   f32 = lambda a: np.asarray(a, np.float32)
   pad_rows = lambda a: np.pad(f32(a), [(0, v_pad - a.shape[0]), (0, 0)])
   per_layer: dict[str, dict[str, list]] = {}
-  for i, kind in enumerate(cfg.pattern):
+  for kind, prefix, table in slots:
     mine = per_layer.setdefault(KIND_PARAMS[kind], {})
-    for suffix, (ours, codec) in KIND_TABLES[kind].items():
-      for name, arr in zip(ours, codec.to_ours(f32(sd[f"{LAYER_PREFIX}{i}.{suffix}"]), cfg)):
+    for suffix, (ours, codec) in table.items():
+      for name, arr in zip(ours, codec.to_ours(f32(sd[f"{prefix}{suffix}"]), cfg)):
         mine.setdefault(name, []).append(arr)
   params = {"embedding": pad_rows(sd[emb_name]), "norm_f": f32(sd["backbone.norm_f.weight"])}
   params.update({attr: {k: np.stack(v) for k, v in stacks.items()}
@@ -212,16 +283,14 @@ def params_to_state_dict(params: dict, cfg: Mamba2Config, layout: str, *,
   top = {v: k for k, v in TOP_TABLE[layout].items()}
   sd = {top["embedding"]: np.asarray(params["embedding"])[:rows],
         top["norm_f"]: np.asarray(params["norm_f"])}
-  if layout != "nemotron_h" and cfg.pattern != MAMBA * cfg.n_layer:
-    raise ValueError(f"the {layout} layout holds pure Mamba-2 models; export a hybrid "
-                     f"(layer_pattern {cfg.layer_pattern!r}) as nemotron_h")
+  slots = _layer_slots(cfg, layout)
   stacks = {attr: {k: np.asarray(v) for k, v in params[attr].items()}
             for attr in {KIND_PARAMS[k] for k in cfg.pattern}}
   seen = dict.fromkeys(KIND_TABLES, 0)
-  for i, kind in enumerate(cfg.pattern):
+  for kind, prefix, table in slots:
     j, seen[kind] = seen[kind], seen[kind] + 1  # index among this kind's layers
-    for suffix, (ours, codec) in KIND_TABLES[kind].items():
-      sd[f"{LAYER_PREFIX}{i}.{suffix}"] = np.ascontiguousarray(
+    for suffix, (ours, codec) in table.items():
+      sd[f"{prefix}{suffix}"] = np.ascontiguousarray(
           codec.to_outside(tuple(stacks[KIND_PARAMS[kind]][n][j] for n in ours), cfg))
   if layout == "nemotron_h":  # transformers never ties NemotronH's head: write it
     sd[top["lm_head"]] = np.asarray(params["embedding" if cfg.tie_embeddings else "lm_head"])[:rows]
@@ -410,10 +479,36 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
     problems.append("ssm_cfg.layer is not 'Mamba2'")
   if not mc.get("rms_norm", True):
     problems.append("rms_norm=false (LayerNorm) is not supported")
-  if mc.get("d_intermediate", 0):
-    problems.append("d_intermediate>0 (MLP blocks) is not supported")
-  if mc.get("attn_layer_idx"):
-    problems.append("attention layers (attn_layer_idx) are not supported")
+  n_blocks, d_int = mc["n_layer"], mc.get("d_intermediate", 0) or 0
+  attn_idx = sorted(mc.get("attn_layer_idx") or [])
+  if any(not 0 <= i < n_blocks for i in attn_idx):
+    problems.append(f"attn_layer_idx {attn_idx} has indices outside [0, n_layer={n_blocks})")
+  attn = dict(mc.get("attn_cfg") or {})
+  hybrid = {}
+  if attn_idx:
+    # mamba_ssm's MHA, causal (create_block makes it so); the parts it has beyond
+    # plain attention must be off: biases (on by default there), a conv on qkv, a
+    # fused MLP, a custom scale, interleaved rotary.
+    for flag, ok in (("qkv_proj_bias", False), ("out_proj_bias", False), ("d_conv", 0),
+                     ("mlp_dim", 0), ("softmax_scale", None), ("rotary_emb_interleaved", False),
+                     ("causal", True)):
+      if attn.pop(flag, True if flag.endswith("bias") else ok) != ok:
+        problems.append(f"attn_cfg.{flag} must be {ok}")
+    heads = attn.pop("num_heads", None)
+    if not heads:
+      problems.append("attn_cfg.num_heads is missing")
+    hybrid = dict(attn_num_heads=heads or 1, attn_num_heads_kv=attn.pop("num_heads_kv", None) or 0,
+                  attn_head_dim=attn.pop("head_dim", None) or mc["d_model"] // (heads or 1),
+                  attn_rotary_emb_dim=attn.pop("rotary_emb_dim", 0),
+                  attn_rotary_base=float(attn.pop("rotary_emb_base", 10000.0)))
+    if attn:
+      problems.append(f"attn_cfg fields {sorted(attn)} are not supported")
+  if d_int:
+    # GatedMLP rounds its width up to a multiple of 128.
+    hybrid.update(d_intermediate=-(-d_int // 128) * 128, mlp_act="swiglu")
+  if attn_idx or d_int:
+    hybrid["layer_pattern"] = "".join((ATTENTION if i in attn_idx else MAMBA) + (MLP if d_int else "")
+                                      for i in range(n_blocks))
   for flag, ok in (("bias", False), ("conv_bias", True), ("D_has_hdim", False),
                    ("norm_before_gate", False), ("rmsnorm", True)):
     if ssm.pop(flag, ok) != ok:
@@ -427,9 +522,10 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
     raise ValueError("Cannot represent this mamba_ssm config: " + "; ".join(problems))
   if "dt_limit" in ssm:
     ssm["dt_limit"] = tuple(_json_float(v) for v in ssm["dt_limit"])
-  return Mamba2Config(d_model=mc["d_model"], n_layer=mc["n_layer"], vocab_size=mc["vocab_size"],
+  n_layer = len(hybrid["layer_pattern"]) if "layer_pattern" in hybrid else n_blocks
+  return Mamba2Config(d_model=mc["d_model"], n_layer=n_layer, vocab_size=mc["vocab_size"],
                       pad_vocab_size_multiple=mc.get("pad_vocab_size_multiple", 16),
-                      tie_embeddings=mc.get("tie_embeddings", True), **ssm)
+                      tie_embeddings=mc.get("tie_embeddings", True), **ssm, **hybrid)
 
 
 def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
@@ -441,8 +537,19 @@ def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
       ssm[name] = getattr(cfg, name)
   if cfg.dt_limit != d.dt_limit:
     ssm["dt_limit"] = list(cfg.dt_limit)
-  return {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer,
-          "vocab_size": cfg.vocab_size, "ssm_cfg": ssm, "attn_layer_idx": [], "attn_cfg": {},
+  problem = mamba_ssm_pattern_problem(cfg)
+  if problem:
+    raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
+  mixers = cfg.pattern.replace(MLP, "")
+  attn_idx = [i for i, k in enumerate(mixers) if k == ATTENTION]
+  attn_cfg = {} if not attn_idx else {
+      "num_heads": cfg.attn_num_heads, "num_heads_kv": cfg.n_kv_heads,
+      "head_dim": cfg.attn_head_dim, "rotary_emb_dim": cfg.attn_rotary_emb_dim,
+      "rotary_emb_base": cfg.attn_rotary_base, "qkv_proj_bias": False, "out_proj_bias": False,
+      "causal": True}
+  return {"d_model": cfg.d_model, "d_intermediate": cfg.d_intermediate if MLP in cfg.pattern else 0,
+          "n_layer": len(mixers), "vocab_size": cfg.vocab_size, "ssm_cfg": ssm,
+          "attn_layer_idx": attn_idx, "attn_cfg": attn_cfg,
           "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
           "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple,
           "tie_embeddings": cfg.tie_embeddings}

@@ -90,10 +90,7 @@ def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: b
     raise ImportError("Writing pytorch_model.bin needs PyTorch: pip install -e '.[test]' "
                       "(the CPU build torch==2.13.0)") from e
   cfg = model.config
-  if cfg.pattern != "M" * cfg.n_layer:
-    raise ValueError(f"the mamba_ssm export holds pure Mamba-2 models; export a hybrid "
-                     f"(layer_pattern {cfg.layer_pattern!r}) with save_hf (format hf): "
-                     f"transformers' NemotronHForCausalLM")
+  ssm_cfg = convert.ours_to_mamba_ssm_config(cfg)  # refuses a pattern mamba_ssm cannot hold
   sd = _cast(convert.params_to_state_dict(model.params(), cfg, "mamba_ssm"), dtype)
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   tensors = {}
@@ -105,5 +102,5 @@ def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: b
     tensors[alias] = tensors[source]
   with _atomic_dir(Path(out), overwrite) as tmp:
     torch.save(tensors, tmp / convert.MAMBA_SSM_WEIGHTS)
-    (tmp / convert.CONFIG_FILE).write_text(json.dumps(convert.ours_to_mamba_ssm_config(cfg), indent=2))
+    (tmp / convert.CONFIG_FILE).write_text(json.dumps(ssm_cfg, indent=2))
   return Path(out)

@@ -205,7 +205,7 @@ for _name, _heads, _kv in (("1.3b", 16, 8), ("2.7b", 20, 4)):
   _n = SIZES[_name]["n_layer"]
   SIZES[f"{_name}-hybrid"] = dict(SIZES[_name], layer_pattern="MMMM*MMM" * (_n // 8),
                                   attn_num_heads=_heads, attn_num_heads_kv=_kv, attn_head_dim=128)
-SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="M*M-", attn_num_heads=4,
+SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
                             attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 
 
