@@ -167,6 +167,32 @@ def test_sigkill_and_restart_gives_identical_losses(uninterrupted, tmp_path, sta
   assert got == uninterrupted(end)  # bit for bit
 
 
+# A hybrid (Mamba-2, attention, MLP layers): its own parameter stacks and optimizer state.
+HYBRID = ["--config.model.layer_pattern=M*-", "--config.model.n_layer=3",
+          "--config.model.attn_num_heads=4", "--config.model.attn_num_heads_kv=2",
+          "--config.model.attn_head_dim=16", "--config.model.d_intermediate=128"]
+
+
+def test_sigkill_and_restart_is_bit_exact_for_a_hybrid(tmp_path, start):
+  """As above, for a hybrid, at the cost of two runs: the killed run itself is the
+  uninterrupted reference for the steps it logged past its newest checkpoint."""
+  work = tmp_path / "run"
+  proc = start(work, ENDLESS, *HYBRID)
+  past_save = lambda: complete_steps(work) and max(logged_steps(work), default=0) >= max(complete_steps(work)) + 2
+  wait_until(proc, past_save, "two steps past a checkpoint")
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  killed_at = max(complete_steps(work))
+  before = losses(work)
+  end = killed_at + 2
+  assert all(s in before for s in range(1, end + 1))
+  out = train(work, f"--config.steps={end}", *HYBRID)
+  assert resumed_at(out) == killed_at
+  after = losses(work)  # steps after the checkpoint, logged again by the resumed run
+  assert {s: after[s] for s in range(1, end + 1)} == {s: before[s] for s in range(1, end + 1)}
+
+
 def test_sigterm_saves_exits_cleanly_and_resumes(uninterrupted, tmp_path, start):
   work = tmp_path / "run"
   proc = start(work, ENDLESS, "--config.checkpoint_every=0")
