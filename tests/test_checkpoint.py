@@ -151,31 +151,18 @@ def test_uninterrupted_run_saves_keep_last_k(reference):
   assert sorted(losses(reference)) == [1, 2, 3, 4, 5, 6]
 
 
-def test_sigkill_and_restart_gives_identical_losses(uninterrupted, tmp_path, start):
-  work = tmp_path / "run"
-  proc = start(work, ENDLESS)
-  # Any complete save will do (on a fast machine keep-last-3 may already have removed step 2).
-  wait_until(proc, lambda: complete_steps(work), "a checkpoint")
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
-  killed_at = max(complete_steps(work))  # the newest complete save (later ones may be half written)
-  end = killed_at + 2
-  out = train(work, f"--config.steps={end}")
-  assert resumed_at(out) == killed_at
-  got = {s: l for s, l in losses(work).items() if s <= end}  # the killed run may have logged more
-  assert got == uninterrupted(end)  # bit for bit
-
-
 # A hybrid (Mamba-2, attention, MLP layers): its own parameter stacks and optimizer state.
 HYBRID = ["--config.model.layer_pattern=M*-", "--config.model.n_layer=3",
           "--config.model.attn_num_heads=4", "--config.model.attn_num_heads_kv=2",
           "--config.model.attn_head_dim=16", "--config.model.d_intermediate=128"]
 
 
-def test_sigkill_and_restart_is_bit_exact_for_a_hybrid(tmp_path, start):
-  """As above, for a hybrid, at the cost of two runs: the killed run itself is the
-  uninterrupted reference for the steps it logged past its newest checkpoint."""
+def test_sigkill_and_restart_gives_identical_losses(tmp_path, start):
+  """Killed mid-run and restarted, a run gives the losses it would have given, bit
+  for bit. On a hybrid (its Mamba-2, attention and MLP stacks and their optimizer
+  state; the pure model's resume is held below, by SIGTERM), in two runs: the
+  killed run itself is the uninterrupted reference for the steps it logged past
+  its newest checkpoint."""
   work = tmp_path / "run"
   proc = start(work, ENDLESS, *HYBRID)
   past_save = lambda: complete_steps(work) and max(logged_steps(work), default=0) >= max(complete_steps(work)) + 2

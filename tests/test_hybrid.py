@@ -121,7 +121,7 @@ def test_export_then_from_pretrained(tmp_path):
       jax.tree.map(np.testing.assert_array_equal, back.params()[k], v)
   # The export holds the true vocabulary; padding rows read back as zeros.
   np.testing.assert_array_equal(back.params()["lm_head"][:90], ours.params()["embedding"][:90])
-  with pytest.raises(ValueError, match="pure Mamba-2"):
+  with pytest.raises(ValueError, match="every block"):  # 'M*-M': a mixer without an MLP
     save_mamba_ssm(ours, tmp_path / "ssm")
 
 
@@ -167,11 +167,7 @@ def test_cached_decoding_equals_full_forward(hyb):
     logits, cache = one(params, ids[:, t], cache)
     got.append(logits)
   assert rel(jnp.stack(got, 1), full[:, 10:18]) < 1e-5
-  # The on-device loop (unrolled steps), with a left-padded batch, equals each prompt alone.
-  p1, p2 = [3, 9, 4, 1, 7, 22, 5], [8, 2, 60, 31]
-  both = generate(hyb, [p1, p2], 6)
-  np.testing.assert_array_equal(both[1], generate(hyb, p2, 6))
-  np.testing.assert_array_equal(both[0], generate(hyb, p1, 6))
+  # (generate's on-device loop, with left padding, is held against transformers above.)
 
 
 @pytest.mark.parametrize("pattern", ["M*-M*-", "*-*-*-"])
@@ -181,17 +177,24 @@ def test_packed_row_equals_each_document_alone(hyb, pattern):
   model = hyb if pattern == HYB.layer_pattern else Mamba2LM(
       HYB.replace(layer_pattern=pattern, attn_rotary_emb_dim=4), rngs=nnx.Rngs(1))
   rng = np.random.default_rng(0)
-  docs = [rng.integers(0, 64, n) for n in (7, 13, 4)]
+  lens = (7, 13, 4)
+  docs = [rng.integers(0, 64, n) for n in lens]
   row = jnp.asarray(np.concatenate(docs))[None]
-  seq_idx = jnp.asarray(np.repeat(np.arange(3), [len(d) for d in docs]))[None]
+  seq_idx = jnp.asarray(np.repeat(np.arange(3), lens))[None]
   packed = np.asarray(forward(model, row, seq_idx))[0]
+  # Each document alone in its own row, right-padded: causal, so the padding after
+  # a document cannot touch its logits.
+  alone = np.zeros((3, 13), np.int32)
+  for i, d in enumerate(docs):
+    alone[i, :len(d)] = d
+  alone = np.asarray(forward(model, jnp.asarray(alone), jnp.zeros((3, 13), jnp.int32)))
   start = 0
-  for d in docs:
-    alone = np.asarray(forward(model, jnp.asarray(d)[None]))[0]
-    assert rel(packed[start:start + len(d)], alone) < 1e-5
-    start += len(d)
-  # Without seq_idx the later documents do see the earlier ones.
-  assert rel(np.asarray(forward(model, row))[0, 7:20], packed[7:20]) > 1e-3
+  for i, n in enumerate(lens):
+    assert rel(packed[start:start + n], alone[i, :n]) < 1e-5
+    start += n
+  # As one document, the later ones do see the earlier ones.
+  one_doc = np.asarray(forward(model, row, jnp.zeros_like(seq_idx)))[0]
+  assert rel(one_doc[7:20], packed[7:20]) > 1e-3
 
 
 def test_attention_forms_agree():
@@ -201,8 +204,9 @@ def test_attention_forms_agree():
   seq_idx = jnp.asarray([[0] * 4 + [1] * 5, [0] * 9])
   mask = jnp.asarray([[True] * 9, [False] * 3 + [True] * 6])
   ok = attn_lib.allowed(9, 9, seq_idx=seq_idx, key_mask=mask)
-  ref = attn_lib.attend(q, k, v, ok, "xla", jnp.float32)
-  got = attn_lib.attend(q, k, v, ok, "dot_product", jnp.float32)
+  attend = jax.jit(attn_lib.attend, static_argnums=(4, 5))
+  ref = attend(q, k, v, ok, "xla", jnp.float32)
+  got = attend(q, k, v, ok, "dot_product", jnp.float32)
   assert rel(got, ref) < 1e-6
   # Independent: loops over heads with a numpy softmax.
   qn, kn, vn, okn = (np.asarray(a, np.float64) for a in (q, k, v, ok))
