@@ -27,7 +27,7 @@ MESHES = {  # name -> (mesh config, grad_accum)
     "hybrid_single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
     "hybrid_d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
 }
-HYBRID = dict(layer_pattern="M*-M", n_layer=4, attn_num_heads=4, attn_num_heads_kv=2,
+HYBRID = dict(layer_pattern="M*-", n_layer=3, attn_num_heads=4, attn_num_heads_kv=2,
               attn_head_dim=8, d_intermediate=64)
 
 
