@@ -208,6 +208,11 @@ def test_attention_forms_agree():
   ref = attend(q, k, v, ok, "xla", jnp.float32)
   got = attend(q, k, v, ok, "dot_product", jnp.float32)
   assert rel(got, ref) < 1e-6
+  causal = attn_lib.allowed(9, 9)
+  assert rel(attend(q, k, v, None, "dot_product", jnp.float32),
+             attend(q, k, v, causal, "xla", jnp.float32)) < 1e-6
+  np.testing.assert_array_equal(attend(q, k, v, None, "xla", jnp.float32),
+                                attend(q, k, v, causal, "xla", jnp.float32))
   # Independent: loops over heads with a numpy softmax.
   qn, kn, vn, okn = (np.asarray(a, np.float64) for a in (q, k, v, ok))
   for b in range(2):

@@ -137,18 +137,23 @@ def allowed(l: int, s: int, *, seq_idx=None, key_mask=None, q_offset=0):
 def attend(q, k, v, ok, form: str, cd):
   """softmax(q k^T / sqrt(e), keys where `ok`) v.
 
-  q (b, l, h, e), k and v (b, s, k, e), ok (b|1, l, s) bool -> (b, l, h, e) float32.
+  q (b, l, h, e), k and v (b, s, k, e), ok (b|1, l, s) bool, or None for plain
+  causal attention (l = s) -> (b, l, h, e) float32.
   form 'xla' is the reference: grouped heads by reshape, scores and softmax in
-  float32. 'dot_product' / 'cudnn' call jax.nn.dot_product_attention.
+  float32. 'dot_product' / 'cudnn' call jax.nn.dot_product_attention; with no
+  mask beyond causality it takes is_causal, cuDNN's fused causal flash path
+  (an explicit mask becomes an l x l bias there).
   """
   b, l, h, e = q.shape
   kv = k.shape[2]
   scale = 1.0 / math.sqrt(e)
   if form in ("dot_product", "cudnn"):
     out = jax.nn.dot_product_attention(
-        q.astype(cd), k.astype(cd), v.astype(cd), mask=ok[:, None], scale=scale,
-        implementation="cudnn" if form == "cudnn" else None)
+        q.astype(cd), k.astype(cd), v.astype(cd), mask=None if ok is None else ok[:, None],
+        is_causal=ok is None, scale=scale, implementation="cudnn" if form == "cudnn" else None)
     return out.astype(F32)
+  if ok is None:
+    ok = allowed(l, k.shape[1])
   qg = q.reshape(b, l, kv, h // kv, e).astype(cd)
   s = jnp.einsum("blkre,bske->bkrls", qg, k.astype(cd), preferred_element_type=F32) * scale
   # A finite floor, not -inf: a fully masked row would give NaN, and `allowed`
@@ -181,7 +186,8 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
     pos = positions(seq_idx, u.shape[1])
     q, k = rotary(q, pos, cfg), rotary(k, pos, cfg)
   l = u.shape[1]
-  o = attend(q, k, v, allowed(l, l, seq_idx=seq_idx, key_mask=mask), rt.attention, cd)
+  ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
+  o = attend(q, k, v, ok, rt.attention, cd)
   return _out(p, o, cd), {"k": k, "v": v}
 
 
