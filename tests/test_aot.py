@@ -64,13 +64,15 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   # Narrower than the recipe (d_model 64): the TPU compile takes half the time.
   narrow = ("--config.model.d_model=64", "--config.model.d_intermediate=128", "--config.model.headdim=32",
             "--config.model.d_state=16", "--config.model.attn_head_dim=32")
-  r = _run("--topology", "v6e:2x2", *_SMALL, *narrow, "--json", str(out), config="tiny-hybrid")
+  # Length 128: the splash attention kernel's smallest block (TPU's default form).
+  r = _run("--topology", "v6e:2x2", *_SMALL, *narrow, "--config.seq_len=128", "--json", str(out),
+           config="tiny-hybrid")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "memory per device" in r.stdout and "of 32.00 GiB HBM" in r.stdout, r.stdout
   import json
   rep = json.loads(out.read_text())
   assert rep["devices"] == 4 and rep["mesh"]["data"] == 4
-  assert rep["model"]["layer_pattern"] == "MM*-"
+  assert rep["model"]["layer_pattern"] == "MM*-" and rep["runtime"]["attention"] == "splash"
   mem = rep["memory"]
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]

@@ -164,6 +164,54 @@ def attend(q, k, v, ok, form: str, cd):
   return out.reshape(b, l, h, e)
 
 
+SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the length is used
+
+
+def splash_fits(l: int) -> bool:
+  return any(l % blk == 0 for blk in SPLASH_BLOCKS)
+
+
+def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
+  """Causal attention through JAX's Pallas splash kernel (TPU), in the layout and
+  with the result of `attend`. Documents and padding become its segment ids: a
+  query sees keys of its own segment only, and padding (key_mask False) is a
+  segment of its own, so it never reaches a real position. The kernel takes one
+  kv head and its r query heads at a time (its MQA form), mapped over batch and
+  kv heads; under a mesh it runs per shard (batch over data/fsdp, kv heads over
+  tensor) inside shard_map, as a Pallas call cannot be partitioned by XLA."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  b, l, h, e = q.shape
+  kv = k.shape[2]
+  r = h // kv
+  blk = next(x for x in SPLASH_BLOCKS if l % x == 0)
+  names = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+           "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
+  kernel = sk.make_splash_mqa_single_device(
+      sm.MultiHeadMask([sm.CausalMask((l, l))] * r), interpret=interpret,
+      block_sizes=sk.BlockSizes(**dict.fromkeys(names, blk)))
+  seg = jnp.zeros((b, l), jnp.int32) if seq_idx is None else seq_idx.astype(jnp.int32)
+  if key_mask is not None:
+    seg = jnp.where(key_mask, seg, -1)
+  qs = (q * (1.0 / math.sqrt(e))).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
+  ks, vs = (a.astype(cd).transpose(0, 2, 1, 3) for a in (k, v))  # (b, kv, l, e)
+
+  def run(qs, ks, vs, seg):
+    one = lambda qg, kk, vv, s: kernel(qg, kk, vv, segment_ids=sk.SegmentIds(q=s, kv=s))
+    return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qs, ks, vs, seg)
+
+  active = sharding.active()
+  if active is not None:
+    mesh, rules = active
+    spec = lambda axes, x: sharding.fit_spec(sharding.logical_to_spec(axes, rules), x.shape, mesh)
+    specs = (spec(("batch", "act_kv_heads", None, None, None), qs),
+             spec(("batch", "act_kv_heads", None, None), ks),
+             spec(("batch", "act_kv_heads", None, None), vs), spec(("batch", None), seg))
+    run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+  out = run(qs, ks, vs, seg)  # (b, kv, r, l, e)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e).astype(F32)
+
+
 def _qkv(p, u, cfg, cd):
   uc = u.astype(cd)
   proj = lambda w: jnp.einsum("...d,dhe->...he", uc, p[w].astype(cd), preferred_element_type=F32)
@@ -186,8 +234,11 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
     pos = positions(seq_idx, u.shape[1])
     q, k = rotary(q, pos, cfg), rotary(k, pos, cfg)
   l = u.shape[1]
-  ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
-  o = attend(q, k, v, ok, rt.attention, cd)
+  if rt.attention == "splash" and splash_fits(l):
+    o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret)
+  else:  # (splash on a length it cannot block: the plain form)
+    ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
+    o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd)
   return _out(p, o, cd), {"k": k, "v": v}
 
 

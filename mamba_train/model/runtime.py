@@ -22,13 +22,17 @@ SSD_FORMS = ("auto", "scan", "parallel")
 # How attention layers compute softmax(q k^T) v (`attention.attend`): 'xla', the
 # plain einsum form (the reference, and the CPU choice); 'dot_product',
 # jax.nn.dot_product_attention with XLA's implementation; 'cudnn', the same call
-# with cuDNN's fused flash attention (GPU, bfloat16 only); 'auto' picks per backend.
-ATTENTION_FORMS = ("auto", "xla", "dot_product", "cudnn")
+# with cuDNN's fused flash attention (GPU, bfloat16 only); 'splash', JAX's Pallas
+# splash attention kernel (TPU; lengths that are not a multiple of 128 take the
+# plain form); 'auto' picks per backend.
+ATTENTION_FORMS = ("auto", "xla", "dot_product", "cudnn", "splash")
 
 
 def default_attention(backend: str, compute_dtype: str) -> str:
   """cuDNN's flash attention on GPUs when the matmuls run in bfloat16 (it takes no
-  float32); the plain XLA form elsewhere."""
+  float32); Pallas splash attention on TPUs; the plain XLA form elsewhere."""
+  if backend == "tpu":
+    return "splash"
   return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
 
 
@@ -57,6 +61,8 @@ class Runtime(FrozenFields):
   parallel_chunk_size: int = 128
   # How attention layers run (ATTENTION_FORMS); hybrids only.
   attention: str = "auto"
+  # Run Pallas kernels (splash attention) in interpret mode: on a CPU, for tests.
+  pallas_interpret: bool = False
 
   def __post_init__(self):
     problems = []
