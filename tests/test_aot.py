@@ -87,3 +87,20 @@ def test_too_large_for_hbm_is_refused():
   assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
   assert "DOES NOT FIT" in r.stderr and "To fit" in r.stderr, r.stderr[-3000:]
   assert "fsdp" in r.stderr and "batch_size" in r.stderr and "remat" in r.stderr
+
+
+def test_long_length_asks_for_more_sequence_parallelism():
+  # The advice alone (no compile): 300 GiB of activations per device against a
+  # 95 GiB chip holding 10 GiB of state needs the sequence split 4 ways more.
+  code = ("import aot_compile as a; from configs import base; c = base.get_config(); "
+          "c.seq_len = 131072; G = 2**30; "
+          "print(a.sequence_advice(c, 10 * G, 95 * G, 300 * G)); "
+          "print(a.sequence_advice(c, 10 * G, 95 * G, 20 * G))")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")])
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  first, second = r.stdout.strip().splitlines()[-2:]
+  assert "seq_len 131072 needs more sequence parallelism" in first
+  assert "--config.mesh.sequence=4 devices (now 1; 32768 positions per device)" in first
+  assert second == "None"  # fits: nothing to say

@@ -234,9 +234,15 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
     pos = positions(seq_idx, u.shape[1])
     q, k = rotary(q, pos, cfg), rotary(k, pos, cfg)
   l = u.shape[1]
-  if rt.attention == "splash" and splash_fits(l):
+  # With the length split over devices (the 'sequence' mesh axis), queries stay
+  # split and every device gathers all keys and values (an all-gather over the
+  # axis, then (l / n) x l scores per device).
+  split = sharding.sequence_split() is not None
+  if split:
+    k, v = (sharding.constrain(a, ("batch", None, "act_kv_heads", None)) for a in (k, v))
+  if rt.attention == "splash" and splash_fits(l) and not split:
     o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret)
-  else:  # (splash on a length it cannot block: the plain form)
+  else:  # (splash on a length it cannot block, or under a sequence split: the plain form)
     ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
     o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd)
   return _out(p, o, cd), {"k": k, "v": v}
