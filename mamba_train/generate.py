@@ -2,7 +2,8 @@
 
 `generate` compiles prefill and the whole decode loop into one device program:
 a `jax.lax.while_loop` that steps every layer's recurrent state (`Mamba2Cache`,
-fixed size) one token at a time, samples on device, and stops as soon as every
+fixed size; a hybrid's attention layers add key/value buffers sized once for the
+prompt and the new tokens) one token at a time, samples on device, and stops as soon as every
 sequence has produced EOS. The host sees only the finished token buffer.
 
 Prompts of different lengths are left-padded to one length (rounded up to a

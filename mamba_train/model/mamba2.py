@@ -384,7 +384,10 @@ class Mamba2LM(nnx.Module):
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
-    final norm, and the per-layer states stacked over layers."""
+    final norm, and the per-layer states stacked over each kind's layers: the
+    Mamba-2 layers' recurrent states (continued from `states` when given), an
+    attention layer's keys and values {k, v} (b, l, kv, e) (`Mamba2Cache.from_prefill`
+    puts them in a decoding buffer)."""
     cfg = self.config
     h = sharding.constrain(self.embed(input_ids), ("batch", "act_length", "act_embed"))
     b = input_ids.shape[0]
@@ -401,9 +404,10 @@ class Mamba2LM(nnx.Module):
 
   def step(self, input_ids, states):
     """One token per sequence through every block, for decoding: input_ids (b,),
-    states stacked over layers as `backbone` returns them. Returns the residual
+    states stacked over layers as a `Mamba2Cache` holds them. Returns the residual
     stream (b, d) before the final norm and the new states. Never goes through
-    the chunked scan, so a step costs the same at any context length."""
+    the chunked scan, so a Mamba-2 layer's step costs the same at any context
+    length; an attention layer's grows with its buffer's capacity."""
     h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
                              {k: self.layer_params(k) for k in self._kinds()},
                              self._by_kind(states), self.embed(input_ids))
