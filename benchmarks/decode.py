@@ -32,9 +32,10 @@ from mamba_train.metrics import Timer
 from mamba_train.model.mamba2 import Mamba2LM
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill_program(graphdef, params, input_ids):
-  return prefill(nnx.merge(graphdef, params), input_ids)
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity"))
+def _prefill_program(graphdef, params, input_ids, *, capacity):
+  # capacity: a hybrid's key/value buffers hold the prompt and the new tokens.
+  return prefill(nnx.merge(graphdef, params), input_ids, capacity=capacity)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
@@ -84,20 +85,26 @@ def decode_benchmark(model: Mamba2LM, prompt_lens: Sequence[int], *, batch: int 
   host_tokens = host_tokens or new_tokens
   rng = np.random.default_rng(seed)
   rows = []
-  loop = None
+  loops = {}
   for l in prompt_lens:
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, l)), jnp.int32)
     row = {"prompt_len": l, "batch": batch}
+    capacity = l + max(new_tokens, host_tokens)
 
-    pre, _ = compile_fn(_prefill_program, graphdef, params, ids)
+    pre, _ = compile_fn(_prefill_program, graphdef, params, ids, capacity=capacity)
     _timed(pre, params, ids)
     (logits, cache), row["prefill_s"] = _timed(pre, params, ids)
+    row["cache_bytes"] = cache.nbytes  # a hybrid's grows with the capacity
 
-    # Device loop: the loop program alone.
+    # Device loop: the loop program alone (one per cache shape: a pure model's
+    # does not depend on the length, a hybrid's key/value buffers do).
     row["loop_compile_s"] = 0.0
-    if loop is None:
-      loop, info = compile_fn(_loop_program, graphdef, params, logits, cache, max_new_tokens=new_tokens)
+    shapes = tuple(a.shape for a in jax.tree.leaves(cache))
+    if shapes not in loops:
+      loops[shapes], info = compile_fn(_loop_program, graphdef, params, logits, cache,
+                                       max_new_tokens=new_tokens)
       row["loop_compile_s"] = info["compile_s"]
+    loop = loops[shapes]
     _timed(loop, params, logits, cache)
     t = []
     for _ in range(repeats):
@@ -141,15 +148,15 @@ def bench_decode(args, results, size, contexts, batch):
   rf = roofline.measure(args, results)
   compared = peers.available(args)
   cfg, rt = model_cfg(args, size), runtime(args)
-  per_tok = roofline.decode_bytes_per_step(cfg, batch) / batch
+  per_tok = lambda ctx: roofline.decode_bytes_per_step(cfg, batch, ctx + new) / batch
   new = args.new_tokens
   rows = []
 
   def add(impl, ctx, tps, extra=None):
     row = {"bench": "decode", "impl": impl, "config": size, "batch": batch, "seq_len": ctx,
            "dtype": args.dtype, "tokens_per_s": tps,
-           "bw_util": roofline.bandwidth_utilisation(tps, per_tok, rf["copy_bytes_per_s"]),
-           "matvec_util": roofline.bandwidth_utilisation(tps, per_tok, rf["matvec_bytes_per_s"]),
+           "bw_util": roofline.bandwidth_utilisation(tps, per_tok(ctx), rf["copy_bytes_per_s"]),
+           "matvec_util": roofline.bandwidth_utilisation(tps, per_tok(ctx), rf["matvec_bytes_per_s"]),
            **(extra or {})}
     rows.append(row)
     log(f"  decode {size} b{batch} ctx {ctx} {impl:16s}: {tps:9.1f} tok/s  bandwidth {100 * row['bw_util']:.0f}%"
@@ -163,7 +170,8 @@ def bench_decode(args, results, size, contexts, batch):
     if not r["host_matches_device"]:
       log(f"  warning: ctx {r['prompt_len']}: the host loop's tokens differ from the device loop's")
     add("ours (device loop)", r["prompt_len"], r["device_tok_s"],
-        {"compile_s": r["loop_compile_s"], "prefill_s": r["prefill_s"]})
+        {"compile_s": r["loop_compile_s"], "prefill_s": r["prefill_s"], "cache_bytes": r["cache_bytes"]})
+    log(f"  decode {size} ctx {r['prompt_len']}: cache {r['cache_bytes'] / 2**20:.2f} MiB")
     add("ours (host loop)", r["prompt_len"], r["host_tok_s"])
     add("ours (recompute)", r["prompt_len"], r["recompute_tok_s"])
   n_peer = max(4, min(new, 16))

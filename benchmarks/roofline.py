@@ -64,12 +64,14 @@ def matvec_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, k: int = 1024)
   return 4.0 * k * n / median_time(lambda: mv(x, w), repeats)
 
 
-def decode_bytes_per_step(cfg, batch: int) -> float:
+def decode_bytes_per_step(cfg, batch: int, context: int = 0) -> float:
   """Bytes one decoding step must move at least: every parameter read once (as
-  stored, float32; the LM head is the tied embedding) and the recurrent state (the
-  decoding cache) read and written once. Divide by the batch for bytes per token."""
+  stored, float32; the LM head is the tied embedding), the recurrent state (the
+  decoding cache) read and written once, and a hybrid's key/value buffers over
+  `context` positions read once. Divide by the batch for bytes per token."""
   params = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(param_shapes(cfg)))
-  return float(params + 2 * Mamba2Cache.bytes_for(cfg, batch))
+  state = Mamba2Cache.bytes_for(cfg, batch)
+  return float(params + 2 * state + Mamba2Cache.bytes_for(cfg, batch, context) - state)
 
 
 def bandwidth_utilisation(tokens_per_s: float, bytes_per_token: float, bandwidth: float) -> float:

@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_keep = 3  # keep the newest k checkpoints (0 = keep all)
 
   # --- the model's architecture: Mamba2Config fields under mamba_ssm's names ---
+  # (layer_pattern makes a hybrid: 'M' Mamba-2, '*' attention, '-' MLP, one per layer)
   c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())
 
   # --- how the model runs (mamba_train/model/runtime.py); changes no weight ---
@@ -35,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   # remat: none | full | save_matmuls (what the backward pass recomputes)
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
+  # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)
   c.runtime = ml_collections.ConfigDict(Runtime().to_dict())
 
   # --- optimizer (mamba_train/train/optim.py) ---
@@ -123,7 +125,7 @@ def mamba2_pretrain(size: str) -> ml_collections.ConfigDict:
   c.log_every, c.eval_every, c.checkpoint_every = 100, 5000, 5000
   c.model.update(config_for(size).to_dict())
   c.runtime.compute_dtype = "bfloat16"
-  c.optim.lr = MAMBA2_LR[size]
+  c.optim.lr = MAMBA2_LR[size.removesuffix("-hybrid")]  # a hybrid: its pure model's
   c.data.source = "corpus"
   c.mesh.update(data=1, fsdp=-1, tensor=1)
   return c

@@ -2,9 +2,10 @@
 
 `generate` compiles prefill and the whole decode loop into one device program:
 a `jax.lax.while_loop` that steps every layer's recurrent state (`Mamba2Cache`,
-fixed size) one token at a time, samples on device, and stops as soon as every
-sequence has produced EOS or one of its stop strings. The host sees only the
-finished token buffer.
+fixed size; a hybrid's attention layers add key/value buffers sized once for the
+prompt and the new tokens) one token at a time, samples on device, and stops as soon as every
+sequence has produced EOS or one of its stop strings. The host sees only the finished token
+buffer.
 
 Stop strings are matched on the device against the bytes of the new tokens: the
 caller gives each token id's bytes (`token_byte_table`), the loop keeps the last
@@ -33,7 +34,7 @@ from flax import nnx
 
 from mamba_train.metrics import Timer
 from mamba_train.model.cache import Mamba2Cache
-from mamba_train.model.mamba2 import Mamba2LM, unstack
+from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel import sharding
 
 # Longest prompt accepted. The released models were trained at context 2048 and
@@ -50,17 +51,21 @@ _MIN_BUCKET = 16
 # jitted function) with the model merged from its graphdef and state.
 
 
-def prefill(model: Mamba2LM, input_ids, mask=None) -> tuple[jax.Array, Mamba2Cache]:
+def prefill(model: Mamba2LM, input_ids, mask=None, capacity: int | None = None
+            ) -> tuple[jax.Array, Mamba2Cache]:
   """Run prompts through the chunked scan. input_ids (b, l); mask (b, l) bool,
   False on left padding. Returns the logits after the last position (b, v)
-  float32 and the cache holding the state after it."""
+  float32 and the cache holding the state after it; a hybrid's attention layers
+  get key/value buffers of `capacity` positions (default l: room for none more)."""
   h, states = model.backbone(input_ids, mask=mask)
-  return model.logits(h[:, -1]), Mamba2Cache.from_states(states).constrain()
+  capacity = input_ids.shape[1] if capacity is None else capacity
+  return model.logits(h[:, -1]), Mamba2Cache.from_prefill(states, capacity, mask).constrain()
 
 
 def step(model: Mamba2LM, token, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
   """One token per sequence (b,) through every layer. Returns its logits (b, v)
-  and the new cache. Costs the same at any context length."""
+  and the new cache. Costs the same at any context length (a hybrid's attention
+  layers: in proportion to the cache's capacity)."""
   h, states = model.step(token, cache.states())
   return model.logits(h), Mamba2Cache.from_states(states).constrain()
 
@@ -206,7 +211,7 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
 
   # Weights and states per layer, unstacked once out here: see Mamba2LM.step_unrolled.
   layers = model.unstacked_layers()
-  states = unstack(cache.states(), len(layers))
+  states = model.unstack_states(cache.states())
 
   def body(carry):
     i, tok, states, window, out, done, length = carry
@@ -226,7 +231,8 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
 def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_k, top_p,
                       eos_id, pad_id, max_new_tokens, stop, *, buffer_len):
   model = nnx.merge(graphdef, params)
-  logits, cache = prefill(model, input_ids, mask)
+  # Room for the prompt and every new token in a hybrid's key/value buffers.
+  logits, cache = prefill(model, input_ids, mask, capacity=input_ids.shape[1] + buffer_len)
   return decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
                       max_new_tokens, stop, buffer_len=buffer_len)
 

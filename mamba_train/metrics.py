@@ -44,10 +44,11 @@ def forward_flops_per_token(cfg: Mamba2Config, runtime: Runtime, seq_len: int) -
   `runtime` (resolved: its form and chunk decide the SSD terms).
 
   With d d_model, i d_inner, h heads, g groups, n d_state, k conv kernel and V the
-  padded vocabulary, per layer: in_proj 2 d (2i + 2gn + h), out_proj 2 i d, conv
-  2 k (i + 2gn), and the SSD (`ssd_flops_per_token`); plus the LM head 2 d V.
-  Elementwise work (norms, gates, exponentials) is left out, as is the convention
-  for MFU.
+  padded vocabulary, per Mamba-2 layer: in_proj 2 d (2i + 2gn + h), out_proj
+  2 i d, conv 2 k (i + 2gn), and the SSD (`ssd_flops_per_token`); plus the LM
+  head 2 d V. A hybrid's other layers (`attention_flops_per_token`,
+  `mlp_flops_per_token`) add theirs. Elementwise work (norms, gates,
+  exponentials, softmax) is left out, as is the convention for MFU.
   """
   d, i, h = cfg.d_model, cfg.d_inner, cfg.nheads
   g, n, k = cfg.ngroups, cfg.d_state, cfg.d_conv
@@ -55,7 +56,23 @@ def forward_flops_per_token(cfg: Mamba2Config, runtime: Runtime, seq_len: int) -
   proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
   conv = 2 * k * (i + 2 * g * n)
   ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form)
-  return cfg.n_layer * (proj + conv + ssd) + 2 * d * cfg.padded_vocab_size
+  return (cfg.count("M") * (proj + conv + ssd) + cfg.count("*") * attention_flops_per_token(cfg, seq_len)
+          + cfg.count("-") * mlp_flops_per_token(cfg) + 2 * d * cfg.padded_vocab_size)
+
+
+def attention_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
+  """One attention layer's matmul FLOPs per token: the q, k, v and o projections
+  2 d e (2h + 2kv), and q.k and p.v over the whole l x l square, 4 h e l, as the
+  model computes them (the causal mask is applied, not skipped; a kernel that
+  skips the masked half does half of this term)."""
+  d, h, kv, e = cfg.d_model, cfg.attn_num_heads, cfg.n_kv_heads, cfg.attn_head_dim
+  return 2 * d * e * (2 * h + 2 * kv) + 4 * h * e * seq_len
+
+
+def mlp_flops_per_token(cfg: Mamba2Config) -> float:
+  """One MLP layer's matmul FLOPs per token: up and down 4 d f, plus the gate's
+  2 d f for swiglu."""
+  return (6 if cfg.mlp_act == "swiglu" else 4) * cfg.d_model * cfg.d_intermediate
 
 
 def train_flops_per_token(cfg: Mamba2Config, runtime: Runtime, seq_len: int) -> float:

@@ -170,7 +170,9 @@ def format_report(r: dict) -> str:
   g = lambda b: f"{b / GIB:.2f} GiB"
   lines = [f"{r['chip']} slice {r['topology']}: {r['devices']} devices, mesh {r['mesh']}",
            f"batch {r['batch_size']} x {r['seq_len']} (grad_accum {r['grad_accum']}), "
-           f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}, "
+           f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}"
+           + (f" (layers {r['model']['layer_pattern']}, attention {r['runtime']['attention']})"
+              if r['model'].get('layer_pattern') else "") + ", "
            f"{r['runtime']['compute_dtype']}, remat {r['runtime']['remat']}, SSD {r['runtime']['ssd_form']}",
            f"compile: {r['compile_s']:.1f} s (+ lowering {r['lower_s']:.1f} s)"]
   sp = r["mesh"].get("sequence", 1)

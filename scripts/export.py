@@ -1,4 +1,6 @@
-"""Export a model to the transformers or mamba_ssm layout.
+"""Export a model to the transformers or mamba_ssm layout. A hybrid
+(`layer_pattern`) exports as transformers' NemotronHForCausalLM (--format hf) or
+mamba_ssm's hybrid layout (when its pattern fits mamba_ssm's blocks).
 
   python scripts/export.py --checkpoint runs/tiny --out exported/tiny
   python scripts/export.py --checkpoint runs/tiny/checkpoints/100 --out exported/tiny-ssm --format mamba_ssm
@@ -80,7 +82,8 @@ def _export(export) -> None:
     eos, eos_id = eos_of(tok) if tok else (None, None)
     export.save_hf(model, out, dtype=_DTYPE.value, tokenizer_file=tok, eos_token=eos,
                    eos_token_id=eos_id, overwrite=_OVERWRITE.value)
-    print(f"wrote transformers Mamba2 to {out}" + (f" with tokenizer {tok}" if tok else " (no tokenizer found)"))
+    arch = "Mamba2" if model.config.pattern == "M" * model.config.n_layer else "NemotronH"
+    print(f"wrote transformers {arch} to {out}" + (f" with tokenizer {tok}" if tok else " (no tokenizer found)"))
   else:
     export.save_mamba_ssm(model, out, dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
     print(f"wrote mamba_ssm layout to {out}")

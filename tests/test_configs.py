@@ -16,7 +16,8 @@ from configs import base  # noqa: E402
 from mamba_train import SIZES  # noqa: E402
 from mamba_train.train.run_config import ConfigError, validate  # noqa: E402
 
-CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune", "long_context"]
+CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune", "long_context",
+           "tiny-hybrid", "1.3b-hybrid", "2.7b-hybrid"]
 CONTRACT = ["steps", "batch_size", "seq_len", "seed", "log_every", "eval_every", "checkpoint_every",
             "model", "optim", "data", "mesh", "wandb", "init_from"]
 
@@ -157,9 +158,10 @@ def test_runtime_fields_change_no_weights():
   from mamba_train.model.config import NOT_IN_WEIGHTS
   shapes = lambda cfg, rt: jax.tree.map(lambda a: a.shape, nnx.state(
       nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)), nnx.Param))
-  cfg, rt = config_for("tiny"), Runtime()
+  cfg, rt = config_for("tiny-hybrid"), Runtime()
   other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
-           "scan_chunk_size": 16, "parallel_chunk_size": 32}
+           "scan_chunk_size": 16, "parallel_chunk_size": 32, "attention": "dot_product",
+           "pallas_interpret": True}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name

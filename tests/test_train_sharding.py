@@ -8,6 +8,7 @@ and compiling is most of the cost); the tests below read what it saved.
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,12 @@ MESHES = {  # name -> (mesh config, grad_accum)
     "fsdp8": ({"data": 1, "fsdp": 8, "tensor": 1}, 1),
     "d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
     "d2f2t2_accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, 2),
+    # A hybrid (Mamba-2, GQA attention, MLP): heads and MLP units split by tensor.
+    "hybrid_single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
+    "hybrid_d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
 }
+HYBRID = dict(layer_pattern="M*-", n_layer=3, attn_num_heads=4, attn_num_heads_kv=2,
+              attn_head_dim=8, d_intermediate=64)
 
 
 def _worker(out_dir):
@@ -37,15 +43,19 @@ def _worker(out_dir):
   ocfg = dict(lr=1e-2, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,
               b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, state_dtype="float32")
   tx, schedule = optim.make_optimizer(ocfg, 10)
-  axes = train_state.param_logical_axes(cfg)
+  pure_cfg, hybrid_cfg = cfg, cfg.replace(**HYBRID)
   results = {}
   for name, (mesh_cfg, accum) in MESHES.items():
-    devices = jax.devices()[:1] if name == "single" else jax.devices()
+    t0 = time.perf_counter()
+    cfg = hybrid_cfg if name.startswith("hybrid") else pure_cfg
+    axes = train_state.param_logical_axes(cfg)
+    ref = "hybrid_single" if name.startswith("hybrid") else "single"
+    devices = jax.devices()[:1] if name == ref else jax.devices()
     mesh = make_mesh(mesh_cfg, devices)
-    # Random init, created sharded, on two meshes; the others start from the same values.
-    from_ref = name not in ("single", "d2f2t2")
+    # Random init, created sharded, on three meshes; the others start from the same values.
+    from_ref = name not in ("single", "d2f2t2", "hybrid_single")
     state = train_state.init_train_state(cfg, tx, mesh, seed=0,
-                                         params=results["single"]["init"] if from_ref else None)
+                                         params=results[ref]["init"] if from_ref else None)
     init = jax.device_get(state.params)
     mu = state.opt_state.inner_state[1].mu  # chain: clip, adam, decay, lr
     flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}
@@ -62,11 +72,13 @@ def _worker(out_dir):
     np.savez(os.path.join(out_dir, f"{name}.npz"),
              **{"init" + k: v for k, v in flat(init).items()},
              **{"final" + k: v for k, v in flat(jax.device_get(state.params)).items()})
-    results[name] = {"losses": losses, "specs": specs, "steps": int(state.step)}
-    if name == "single":
+    results[name] = {"losses": losses, "specs": specs, "steps": int(state.step),
+                     "seconds": time.perf_counter() - t0}  # what each case costs the suite
+    if name == ref:
       results[name]["init"] = init
+    if name == "single":
       results[name]["nonfinite"] = _nonfinite_steps(step, state, loader, mesh)
-  del results["single"]["init"]
+  del results["single"]["init"], results["hybrid_single"]["init"]
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f)
 
@@ -99,12 +111,13 @@ def runs(tmp_path_factory, on_simulated_devices):
   return results, arrays
 
 
-@pytest.mark.parametrize("name", [n for n in MESHES if n != "single"])
+@pytest.mark.parametrize("name", [n for n in MESHES if n not in ("single", "hybrid_single")])
 def test_sharded_steps_equal_single_device(runs, name):
   results, arrays = runs
-  ref, got = arrays["single"], arrays[name]
+  single = "hybrid_single" if name.startswith("hybrid") else "single"
+  ref, got = arrays[single], arrays[name]
   assert results[name]["steps"] == STEPS
-  np.testing.assert_allclose(results[name]["losses"], results["single"]["losses"], rtol=1e-6)
+  np.testing.assert_allclose(results[name]["losses"], results[single]["losses"], rtol=1e-6)
   for key in ref:
     if key.startswith("init"):  # the same init on every mesh (d2f2t2 made its own, sharded)
       np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
@@ -134,6 +147,13 @@ def test_params_and_adam_state_sharded_by_rules(runs):
     assert param_spec == mu_spec == rule_spec, key  # all from the rules; Adam state follows params
   shard, full = specs["['layers']['in_proj_zx']"][3:]
   assert shard == [full[0], full[1] // 2, full[2], full[3] // 2]  # really split 2 x 2
+  hybrid = results["hybrid_d2f2t2"]["specs"]
+  for key, spec in {"['attn']['q_proj']": P(None, "fsdp", "tensor", None),
+                    "['attn']['k_proj']": P(None, "fsdp", "tensor", None),
+                    "['attn']['o_proj']": P(None, "tensor", None, "fsdp"),
+                    "['mlp']['up_proj']": P(None, "fsdp", "tensor"),
+                    "['mlp']['down_proj']": P(None, "tensor", "fsdp")}.items():
+    assert hybrid[key][0] == hybrid[key][1] == str(spec), (key, hybrid[key])
   for key, (param_spec, *_rest, shard_shape, shape) in results["fsdp8"]["specs"].items():
     if "fsdp" in param_spec:
       assert np.prod(shard_shape) * 8 == np.prod(shape), key

@@ -1,9 +1,10 @@
 """Weight and config conversion between mamba_train and the outside layouts:
-transformers' Mamba2ForCausalLM (`hf`) and the released state-spaces/mamba2-*
-checkpoints (`mamba_ssm`). This is the only module that knows outside names.
+transformers' Mamba2ForCausalLM (`hf`), transformers' NemotronHForCausalLM
+(`nemotron_h`, the hybrids) and the released state-spaces/mamba2-* checkpoints
+(`mamba_ssm`). This is the only module that knows outside names.
 
-One table (`LAYER_TABLE`) maps each outside per-layer tensor to our parameters
-with a codec; both directions are derived from it.
+One table per layer kind (`KIND_TABLES`) maps each outside per-layer tensor to
+our parameters with a codec; both directions are derived from them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from mamba_train.model.config import Mamba2Config
+from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 
 # The files of the outside layouts.
 CONFIG_FILE = "config.json"
@@ -91,10 +92,127 @@ TOP_TABLE = {
     "mamba_ssm": {"backbone.embedding.weight": "embedding", "backbone.norm_f.weight": "norm_f",
                   "lm_head.weight": "lm_head"},
 }
+TOP_TABLE["nemotron_h"] = TOP_TABLE["hf"]
 LAYER_PREFIX = "backbone.layers."
+# transformers holds NemotronH as `model.*` in memory and writes `backbone.*`
+# (its checkpoint conversion); both are read.
+NEMOTRON_H_PREFIXES = ("model.", "backbone.")
+# Tensors transformers itself ignores when loading a NemotronH (multi-token prediction).
+NEMOTRON_H_IGNORED = ("mtp.",)
 
 
-def _outside_layer_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
+def _heads_codec(e_of):  # outside (heads*e, d) <-> ours (d, heads, e)
+  return Codec(lambda w, cfg: (w.T.reshape(w.shape[1], -1, e_of(cfg)),),
+               lambda ws, cfg: ws[0].reshape(ws[0].shape[0], -1).T)
+
+
+def _out_heads_codec(e_of):  # outside (d, heads*e) <-> ours (heads, e, d)
+  return Codec(lambda w, cfg: (w.T.reshape(-1, e_of(cfg), w.shape[0]),),
+               lambda ws, cfg: ws[0].reshape(-1, ws[0].shape[-1]).T)
+
+
+_E = lambda cfg: cfg.attn_head_dim
+# NemotronH's attention and MLP layers (outside suffix -> ours, codec).
+ATTN_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm.weight": (("norm",), IDENTITY),
+    "mixer.q_proj.weight": (("q_proj",), _heads_codec(_E)),
+    "mixer.k_proj.weight": (("k_proj",), _heads_codec(_E)),
+    "mixer.v_proj.weight": (("v_proj",), _heads_codec(_E)),
+    "mixer.o_proj.weight": (("o_proj",), _out_heads_codec(_E)),
+}
+MLP_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm.weight": (("norm",), IDENTITY),
+    "mixer.up_proj.weight": (("up_proj",), TRANSPOSE),
+    "mixer.down_proj.weight": (("down_proj",), TRANSPOSE),
+}
+KIND_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE}
+
+
+def _split_qkv(w, cfg):  # mamba_ssm MHA in_proj ((h + 2kv) e, d) -> q (d, h, e), k, v (d, kv, e)
+  e, h, kv = cfg.attn_head_dim, cfg.attn_num_heads, cfg.n_kv_heads
+  q, k, v = np.split(w, np.cumsum([h * e, kv * e])[:], axis=0)
+  return tuple(a.T.reshape(w.shape[1], -1, e) for a in (q, k, v))
+
+
+def _join_qkv(ws, cfg):
+  return np.concatenate([a.reshape(a.shape[0], -1).T for a in ws], axis=0)
+
+
+def _split_fc1(w, cfg):  # GatedMLP fc1 (2f, d): y then gate -> up (d, f), gate (d, f)
+  y, gate = np.split(w, 2, axis=0)
+  return y.T, gate.T
+
+
+def _join_fc1(ws, cfg):
+  return np.concatenate([ws[0].T, ws[1].T], axis=0)
+
+
+# mamba_ssm's hybrid blocks (MambaLMHeadModel with attn_layer_idx, d_intermediate):
+# block j holds a mixer (Mamba2 or MHA, `norm` + `mixer.*`) and, with
+# d_intermediate > 0, a GatedMLP (`norm2` + `mlp.*`) after it: in our pattern a
+# mixer layer, then an MLP layer, under one outside index.
+MAMBA_SSM_ATTN_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm.weight": (("norm",), IDENTITY),
+    "mixer.in_proj.weight": (("q_proj", "k_proj", "v_proj"), Codec(_split_qkv, _join_qkv)),
+    "mixer.out_proj.weight": (("o_proj",), _out_heads_codec(_E)),
+}
+MAMBA_SSM_MLP_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm2.weight": (("norm",), IDENTITY),
+    "mlp.fc1.weight": (("up_proj", "gate_proj"), Codec(_split_fc1, _join_fc1)),
+    "mlp.fc2.weight": (("down_proj",), TRANSPOSE),
+}
+MAMBA_SSM_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: MAMBA_SSM_ATTN_TABLE, MLP: MAMBA_SSM_MLP_TABLE}
+
+
+def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
+  """For each of our layers in pattern order: (kind, outside name prefix, table)."""
+  if layout != "mamba_ssm":
+    if layout == "hf" and cfg.pattern != MAMBA * cfg.n_layer:
+      raise ValueError(f"transformers' Mamba2 layout holds pure Mamba-2 models; a hybrid "
+                       f"(layer_pattern {cfg.layer_pattern!r}) reads and writes as nemotron_h")
+    return [(k, f"{LAYER_PREFIX}{i}.", KIND_TABLES[k]) for i, k in enumerate(cfg.pattern)]
+  problem = mamba_ssm_pattern_problem(cfg)
+  if problem:
+    raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
+  slots, block = [], -1
+  for k in cfg.pattern:
+    block += k != MLP
+    slots.append((k, f"{LAYER_PREFIX}{block}.", MAMBA_SSM_TABLES[k]))
+  return slots
+
+
+def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
+  """Why mamba_ssm's MambaLMHeadModel cannot hold `cfg`'s layers, or None."""
+  p = cfg.pattern
+  if p.startswith(MLP) or MLP + MLP in p:
+    return f"layer_pattern {p!r}: every MLP must follow a Mamba-2 or attention layer"
+  if MLP in p and p.count(MLP) != p.count(MAMBA) + p.count(ATTENTION):
+    return f"layer_pattern {p!r}: with MLPs, every block (mixer) must have one after it"
+  if MLP in p and (cfg.mlp_act != "swiglu" or cfg.d_intermediate % 128):
+    return ("mamba_ssm's MLP is GatedMLP: mlp_act must be 'swiglu' and d_intermediate a "
+            f"multiple of 128 (got {cfg.mlp_act!r}, {cfg.d_intermediate})")
+  return None
+# Our name of each kind's parameter stack (as in Mamba2LM.params()).
+KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
+
+
+def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA,
+                          layout: str = "hf") -> dict[str, tuple[int, ...]]:
+  d = cfg.d_model
+  if layout == "mamba_ssm" and kind == ATTENTION:
+    he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
+    return {"norm.weight": (d,), "mixer.in_proj.weight": (he + 2 * kve, d),
+            "mixer.out_proj.weight": (d, he)}
+  if layout == "mamba_ssm" and kind == MLP:
+    f = cfg.d_intermediate
+    return {"norm2.weight": (d,), "mlp.fc1.weight": (2 * f, d), "mlp.fc2.weight": (d, f)}
+  if kind == ATTENTION:
+    he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
+    return {"norm.weight": (d,), "mixer.q_proj.weight": (he, d), "mixer.k_proj.weight": (kve, d),
+            "mixer.v_proj.weight": (kve, d), "mixer.o_proj.weight": (d, he)}
+  if kind == MLP:
+    f = cfg.d_intermediate
+    return {"norm.weight": (d,), "mixer.up_proj.weight": (f, d), "mixer.down_proj.weight": (d, f)}
   d_in_proj = sum(_in_proj_sizes(cfg))
   return {
       "norm.weight": (cfg.d_model,),
@@ -112,8 +230,12 @@ def _outside_layer_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
 def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: str) -> dict:
   """Outside state dict (numpy arrays) -> our nested params. Strict about names and shapes."""
   top = TOP_TABLE[layout]
-  shapes = _outside_layer_shapes(cfg)
-  expected = {f"{LAYER_PREFIX}{i}.{s}": shp for i in range(cfg.n_layer) for s, shp in shapes.items()}
+  if layout == "nemotron_h":
+    sd = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
+          for k, v in sd.items() if not k.startswith(NEMOTRON_H_IGNORED)}
+  slots = _layer_slots(cfg, layout)
+  shapes = {kind: _outside_layer_shapes(cfg, kind, layout) for kind in set(cfg.pattern)}
+  expected = {f"{prefix}{s}": shp for kind, prefix, _ in slots for s, shp in shapes[kind].items()}
   emb_name = next(k for k, v in top.items() if v == "embedding")
   expected[emb_name] = None  # rows checked below (may be padded)
   expected["backbone.norm_f.weight"] = (cfg.d_model,)
@@ -140,13 +262,15 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
 
   f32 = lambda a: np.asarray(a, np.float32)
   pad_rows = lambda a: np.pad(f32(a), [(0, v_pad - a.shape[0]), (0, 0)])
-  per_layer: dict[str, list] = {}
-  for i in range(cfg.n_layer):
-    for suffix, (ours, codec) in LAYER_TABLE.items():
-      for name, arr in zip(ours, codec.to_ours(f32(sd[f"{LAYER_PREFIX}{i}.{suffix}"]), cfg)):
-        per_layer.setdefault(name, []).append(arr)
-  params = {"embedding": pad_rows(sd[emb_name]), "norm_f": f32(sd["backbone.norm_f.weight"]),
-            "layers": {k: np.stack(v) for k, v in per_layer.items()}}
+  per_layer: dict[str, dict[str, list]] = {}
+  for kind, prefix, table in slots:
+    mine = per_layer.setdefault(KIND_PARAMS[kind], {})
+    for suffix, (ours, codec) in table.items():
+      for name, arr in zip(ours, codec.to_ours(f32(sd[f"{prefix}{suffix}"]), cfg)):
+        mine.setdefault(name, []).append(arr)
+  params = {"embedding": pad_rows(sd[emb_name]), "norm_f": f32(sd["backbone.norm_f.weight"])}
+  params.update({attr: {k: np.stack(v) for k, v in stacks.items()}
+                 for attr, stacks in per_layer.items()})
   if not tied_head:
     params["lm_head"] = pad_rows(sd["lm_head.weight"])
   return params
@@ -159,12 +283,18 @@ def params_to_state_dict(params: dict, cfg: Mamba2Config, layout: str, *,
   top = {v: k for k, v in TOP_TABLE[layout].items()}
   sd = {top["embedding"]: np.asarray(params["embedding"])[:rows],
         top["norm_f"]: np.asarray(params["norm_f"])}
-  layers = {k: np.asarray(v) for k, v in params["layers"].items()}
-  for i in range(cfg.n_layer):
-    for suffix, (ours, codec) in LAYER_TABLE.items():
-      sd[f"{LAYER_PREFIX}{i}.{suffix}"] = np.ascontiguousarray(
-          codec.to_outside(tuple(layers[n][i] for n in ours), cfg))
-  if not cfg.tie_embeddings:
+  slots = _layer_slots(cfg, layout)
+  stacks = {attr: {k: np.asarray(v) for k, v in params[attr].items()}
+            for attr in {KIND_PARAMS[k] for k in cfg.pattern}}
+  seen = dict.fromkeys(KIND_TABLES, 0)
+  for kind, prefix, table in slots:
+    j, seen[kind] = seen[kind], seen[kind] + 1  # index among this kind's layers
+    for suffix, (ours, codec) in table.items():
+      sd[f"{prefix}{suffix}"] = np.ascontiguousarray(
+          codec.to_outside(tuple(stacks[KIND_PARAMS[kind]][n][j] for n in ours), cfg))
+  if layout == "nemotron_h":  # transformers never ties NemotronH's head: write it
+    sd[top["lm_head"]] = np.asarray(params["embedding" if cfg.tie_embeddings else "lm_head"])[:rows]
+  elif not cfg.tie_embeddings:
     sd[top["lm_head"]] = np.asarray(params["lm_head"])[:rows]
   else:
     for alias, source in tied_aliases(cfg, layout).items():
@@ -246,6 +376,102 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
   }
 
 
+# NemotronH's names of the layer kinds (transformers 5 and the older ones).
+NEMOTRON_H_KINDS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
+                    "attention": ATTENTION, "mlp": MLP, "moe": "E"}
+NEMOTRON_H_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "E"}
+
+
+def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
+  """transformers' NemotronHConfig (as config.json holds it) -> ours. Dense layer
+  kinds only: MoE layers are refused by name."""
+  if "layers_block_type" in hf or "layer_types" in hf:
+    kinds = hf.get("layers_block_type") or hf["layer_types"]
+    unknown = sorted({k for k in kinds if k not in NEMOTRON_H_KINDS})
+    if unknown:
+      raise ValueError(f"NemotronH layers_block_type has kinds {unknown}; known: "
+                       f"{sorted(NEMOTRON_H_KINDS)}")
+    pattern = "".join(NEMOTRON_H_KINDS[k] for k in kinds)
+  else:
+    raw = hf.get("hybrid_override_pattern", "")
+    unknown = sorted(set(raw) - set(NEMOTRON_H_CHARS))
+    if unknown or not raw:
+      raise ValueError(f"NemotronH config has no usable layer pattern (layers_block_type or "
+                       f"hybrid_override_pattern; characters {unknown} unknown)")
+    pattern = "".join(NEMOTRON_H_CHARS[c] for c in raw)
+  problems = []
+  moe = [i for i, c in enumerate(pattern) if c == "E"]
+  if moe:
+    problems.append(f"layers {moe[:8]} are mixture-of-experts ('moe'); only the dense kinds "
+                    f"(mamba, attention, mlp) are supported")
+  for key, ok in (("use_bias", False), ("mamba_proj_bias", False), ("mlp_bias", False),
+                  ("use_conv_bias", True), ("mamba_hidden_act", "silu"),
+                  ("mlp_hidden_act", "relu2"), ("sliding_window", None)):
+    if hf.get(key, ok) != ok:
+      problems.append(f"{key}={hf[key]!r} is not supported (only {ok!r})")
+  d = hf["hidden_size"]
+  inner = hf.get("mamba_num_heads", 128) * hf.get("mamba_head_dim", 64)
+  if MAMBA in pattern and inner % d:
+    problems.append(f"mamba_num_heads*mamba_head_dim = {inner} is not a multiple of "
+                    f"hidden_size = {d}; such a model cannot be represented")
+  if problems:
+    raise ValueError("Cannot represent this transformers NemotronH config: " + "; ".join(problems))
+  # NemotronH's Mamba-2 layers clamp dt from below at time_step_min and ignore
+  # time_step_limit (transformers 5.24, NemotronHMamba2Mixer); ours says so in dt_limit.
+  t_min = float(hf.get("time_step_min", 0.001))
+  attn = ATTENTION in pattern
+  return Mamba2Config(
+      d_model=d, n_layer=len(pattern), vocab_size=hf["vocab_size"],
+      d_state=hf.get("ssm_state_size", 128), d_conv=hf.get("conv_kernel", 4),
+      expand=max(1, inner // d), headdim=hf.get("mamba_head_dim", 64), ngroups=hf.get("n_groups", 8),
+      chunk_size=hf.get("chunk_size", 128), dt_min=t_min if t_min > 0 else 0.001,
+      dt_max=hf.get("time_step_max", 0.1), dt_init_floor=hf.get("time_step_floor", 1e-4),
+      dt_limit=(t_min, math.inf), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+      tie_embeddings=False,  # transformers does not tie NemotronH's head, whatever the flag
+      layer_pattern=pattern,
+      attn_num_heads=hf.get("num_attention_heads", 32) if attn else 0,
+      attn_num_heads_kv=(hf.get("num_key_value_heads") or hf.get("num_attention_heads", 32)) if attn else 0,
+      attn_head_dim=hf.get("head_dim", 128), d_intermediate=hf.get("intermediate_size", 0) if MLP in pattern else 0,
+      mlp_act="relu2")
+
+
+def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
+                              eos_token_id: int | None = None, bos_token_id: int | None = None,
+                              pad_token_id: int | None = None, dtype: str = "float32") -> dict:
+  """transformers' NemotronHConfig fields of `cfg`, as save_pretrained writes them.
+  Refuses, naming the field, what NemotronH cannot express."""
+  problems = []
+  if cfg.attn_rotary_emb_dim:
+    problems.append("attn_rotary_emb_dim > 0: NemotronH's attention has no positional encoding")
+  if MLP in cfg.pattern and cfg.mlp_act != "relu2":
+    problems.append(f"mlp_act={cfg.mlp_act!r}: NemotronH's MLP is relu2 (squared ReLU)")
+  if math.isfinite(cfg.dt_limit[1]):
+    problems.append(f"dt_limit upper bound {cfg.dt_limit[1]}: NemotronH clamps dt only from "
+                    f"below (at time_step_min)")
+  if problems:
+    raise ValueError("Cannot export as NemotronHForCausalLM: " + "; ".join(problems))
+  names = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
+  return {
+      "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+      "hidden_size": cfg.d_model, "vocab_size": vocab_rows or cfg.padded_vocab_size,
+      "layers_block_type": [names[k] for k in cfg.pattern],
+      "num_hidden_layers": cfg.n_layer,
+      "ssm_state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "mamba_num_heads": cfg.nheads,
+      "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups, "chunk_size": cfg.chunk_size,
+      # NemotronH's lower clamp of dt (see nemotron_h_config_to_ours); 0 is none.
+      "time_step_min": cfg.dt_limit[0], "time_step_max": cfg.dt_max,
+      "time_step_floor": cfg.dt_init_floor, "time_step_limit": [cfg.dt_limit[0], {"__float__": "Infinity"}],
+      "num_attention_heads": cfg.attn_num_heads or 1, "num_key_value_heads": cfg.n_kv_heads or 1,
+      "head_dim": cfg.attn_head_dim, "intermediate_size": cfg.d_intermediate or 1,
+      "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False,
+      "mamba_proj_bias": False, "mlp_bias": False, "attention_bias": False, "use_conv_bias": True,
+      "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": False,
+      "residual_in_fp32": True, "rescale_prenorm_residual": False, "num_nextn_predict_layers": 0,
+      "eos_token_id": eos_token_id, "bos_token_id": bos_token_id, "pad_token_id": pad_token_id,
+      "torch_dtype": dtype,
+  }
+
+
 def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
   ssm = dict(mc.get("ssm_cfg") or {})
   problems = []
@@ -253,10 +479,36 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
     problems.append("ssm_cfg.layer is not 'Mamba2'")
   if not mc.get("rms_norm", True):
     problems.append("rms_norm=false (LayerNorm) is not supported")
-  if mc.get("d_intermediate", 0):
-    problems.append("d_intermediate>0 (MLP blocks) is not supported")
-  if mc.get("attn_layer_idx"):
-    problems.append("attention layers (attn_layer_idx) are not supported")
+  n_blocks, d_int = mc["n_layer"], mc.get("d_intermediate", 0) or 0
+  attn_idx = sorted(mc.get("attn_layer_idx") or [])
+  if any(not 0 <= i < n_blocks for i in attn_idx):
+    problems.append(f"attn_layer_idx {attn_idx} has indices outside [0, n_layer={n_blocks})")
+  attn = dict(mc.get("attn_cfg") or {})
+  hybrid = {}
+  if attn_idx:
+    # mamba_ssm's MHA, causal (create_block makes it so); the parts it has beyond
+    # plain attention must be off: biases (on by default there), a conv on qkv, a
+    # fused MLP, a custom scale, interleaved rotary.
+    for flag, ok in (("qkv_proj_bias", False), ("out_proj_bias", False), ("d_conv", 0),
+                     ("mlp_dim", 0), ("softmax_scale", None), ("rotary_emb_interleaved", False),
+                     ("causal", True)):
+      if attn.pop(flag, True if flag.endswith("bias") else ok) != ok:
+        problems.append(f"attn_cfg.{flag} must be {ok}")
+    heads = attn.pop("num_heads", None)
+    if not heads:
+      problems.append("attn_cfg.num_heads is missing")
+    hybrid = dict(attn_num_heads=heads or 1, attn_num_heads_kv=attn.pop("num_heads_kv", None) or 0,
+                  attn_head_dim=attn.pop("head_dim", None) or mc["d_model"] // (heads or 1),
+                  attn_rotary_emb_dim=attn.pop("rotary_emb_dim", 0),
+                  attn_rotary_base=float(attn.pop("rotary_emb_base", 10000.0)))
+    if attn:
+      problems.append(f"attn_cfg fields {sorted(attn)} are not supported")
+  if d_int:
+    # GatedMLP rounds its width up to a multiple of 128.
+    hybrid.update(d_intermediate=-(-d_int // 128) * 128, mlp_act="swiglu")
+  if attn_idx or d_int:
+    hybrid["layer_pattern"] = "".join((ATTENTION if i in attn_idx else MAMBA) + (MLP if d_int else "")
+                                      for i in range(n_blocks))
   for flag, ok in (("bias", False), ("conv_bias", True), ("D_has_hdim", False),
                    ("norm_before_gate", False), ("rmsnorm", True)):
     if ssm.pop(flag, ok) != ok:
@@ -270,9 +522,10 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
     raise ValueError("Cannot represent this mamba_ssm config: " + "; ".join(problems))
   if "dt_limit" in ssm:
     ssm["dt_limit"] = tuple(_json_float(v) for v in ssm["dt_limit"])
-  return Mamba2Config(d_model=mc["d_model"], n_layer=mc["n_layer"], vocab_size=mc["vocab_size"],
+  n_layer = len(hybrid["layer_pattern"]) if "layer_pattern" in hybrid else n_blocks
+  return Mamba2Config(d_model=mc["d_model"], n_layer=n_layer, vocab_size=mc["vocab_size"],
                       pad_vocab_size_multiple=mc.get("pad_vocab_size_multiple", 16),
-                      tie_embeddings=mc.get("tie_embeddings", True), **ssm)
+                      tie_embeddings=mc.get("tie_embeddings", True), **ssm, **hybrid)
 
 
 def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
@@ -284,15 +537,29 @@ def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
       ssm[name] = getattr(cfg, name)
   if cfg.dt_limit != d.dt_limit:
     ssm["dt_limit"] = list(cfg.dt_limit)
-  return {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer,
-          "vocab_size": cfg.vocab_size, "ssm_cfg": ssm, "attn_layer_idx": [], "attn_cfg": {},
+  problem = mamba_ssm_pattern_problem(cfg)
+  if problem:
+    raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
+  mixers = cfg.pattern.replace(MLP, "")
+  attn_idx = [i for i, k in enumerate(mixers) if k == ATTENTION]
+  attn_cfg = {} if not attn_idx else {
+      "num_heads": cfg.attn_num_heads, "num_heads_kv": cfg.n_kv_heads,
+      "head_dim": cfg.attn_head_dim, "rotary_emb_dim": cfg.attn_rotary_emb_dim,
+      "rotary_emb_base": cfg.attn_rotary_base, "qkv_proj_bias": False, "out_proj_bias": False,
+      "causal": True}
+  return {"d_model": cfg.d_model, "d_intermediate": cfg.d_intermediate if MLP in cfg.pattern else 0,
+          "n_layer": len(mixers), "vocab_size": cfg.vocab_size, "ssm_cfg": ssm,
+          "attn_layer_idx": attn_idx, "attn_cfg": attn_cfg,
           "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
           "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple,
           "tie_embeddings": cfg.tie_embeddings}
 
 
 def config_layout(outside: dict) -> str | None:
-  """'mamba_ssm' or 'hf' for an outside config.json's contents, None for neither."""
+  """'mamba_ssm', 'hf' or 'nemotron_h' for an outside config.json's contents, None
+  for none of them."""
+  if outside.get("model_type") == "nemotron_h":
+    return "nemotron_h"
   if "ssm_cfg" in outside or "d_model" in outside:
     return "mamba_ssm"
   if outside.get("model_type") == "mamba2" or "hidden_size" in outside:

@@ -2,7 +2,10 @@
 
   * `save_hf`: a transformers directory (`config.json`, `model.safetensors`, and
     tokenizer files when there is a tokenizer) that `Mamba2ForCausalLM.from_pretrained`
-    and `AutoTokenizer.from_pretrained` read with no extra code.
+    (a pure Mamba-2 model) or `NemotronHForCausalLM.from_pretrained` (a hybrid)
+    and `AutoTokenizer.from_pretrained` read with no extra code. transformers
+    never ties NemotronH's head, so a hybrid's tied head is written out as
+    `lm_head.weight` (and reads back untied, with the same logits).
   * `save_mamba_ssm`: the layout of the released state-spaces/mamba2-* repositories
     (`config.json` + `pytorch_model.bin`); writing the .bin needs torch.
 
@@ -96,11 +99,14 @@ def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None
             overwrite: bool = False) -> Path:
   from safetensors.numpy import save_file
   cfg = model.config
+  hybrid = cfg.pattern != "M" * cfg.n_layer
+  layout = "nemotron_h" if hybrid else "hf"
+  to_config = convert.ours_to_nemotron_h_config if hybrid else convert.ours_to_hf_config
+  # Config first: it refuses what the outside model cannot express, before any work.
+  hf_cfg = to_config(cfg, vocab_rows=cfg.vocab_size, eos_token_id=eos_token_id,
+                     bos_token_id=eos_token_id, pad_token_id=eos_token_id, dtype=dtype)
   # The true vocabulary: transformers then never samples a padding row.
-  sd = _cast(convert.params_to_state_dict(model.params(), cfg, "hf", vocab_rows=cfg.vocab_size), dtype)
-  hf_cfg = convert.ours_to_hf_config(cfg, vocab_rows=cfg.vocab_size, eos_token_id=eos_token_id,
-                                     bos_token_id=eos_token_id, pad_token_id=eos_token_id,
-                                     dtype=dtype)
+  sd = _cast(convert.params_to_state_dict(model.params(), cfg, layout, vocab_rows=cfg.vocab_size), dtype)
   with _atomic_dir(Path(out), overwrite) as tmp:
     save_file(sd, str(tmp / convert.HF_WEIGHTS), metadata={"format": "pt"})
     (tmp / convert.CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
@@ -116,6 +122,7 @@ def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: b
     raise ImportError("Writing pytorch_model.bin needs PyTorch: pip install -e '.[test]' "
                       "(the CPU build torch==2.13.0)") from e
   cfg = model.config
+  ssm_cfg = convert.ours_to_mamba_ssm_config(cfg)  # refuses a pattern mamba_ssm cannot hold
   sd = _cast(convert.params_to_state_dict(model.params(), cfg, "mamba_ssm"), dtype)
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   tensors = {}
@@ -127,5 +134,5 @@ def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: b
     tensors[alias] = tensors[source]
   with _atomic_dir(Path(out), overwrite) as tmp:
     torch.save(tensors, tmp / convert.MAMBA_SSM_WEIGHTS)
-    (tmp / convert.CONFIG_FILE).write_text(json.dumps(convert.ours_to_mamba_ssm_config(cfg), indent=2))
+    (tmp / convert.CONFIG_FILE).write_text(json.dumps(ssm_cfg, indent=2))
   return Path(out)

@@ -5,6 +5,8 @@ Recognised layouts:
     one checkpoint step `<workdir>/checkpoints/<step>` (Orbax);
   * a transformers directory (`config.json` with model_type mamba2 and
     `model.safetensors`, possibly sharded with `model.safetensors.index.json`);
+  * a transformers NemotronH directory (model_type nemotron_h: a hybrid of
+    Mamba-2, attention and MLP layers; MoE layers are refused);
   * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
     reading it needs torch, the `test` or `bench` extra).
 Each may be local or on a gs:// bucket (`mamba_train.storage`).
@@ -40,8 +42,8 @@ def detect_layout(path: epath.Path) -> str:
       return layout
   raise ValueError(
       f"{path} is not a model directory this library knows: expected a training workdir or "
-      f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2 directory "
-      f"(config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
+      f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2 or NemotronH "
+      f"directory (config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
 
 
 def read_safetensors(path: epath.Path) -> dict[str, np.ndarray]:
@@ -93,6 +95,13 @@ def load_hf(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Ma
   return Mamba2LM.from_params(cfg, params, rt)
 
 
+def load_nemotron_h(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  cfg, rt = _configs(convert.nemotron_h_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
+                     runtime, overrides)
+  params = convert.state_dict_to_params(read_safetensors(path), cfg, "nemotron_h")
+  return Mamba2LM.from_params(cfg, params, rt)
+
+
 def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   cfg, rt = _configs(convert.mamba_ssm_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
                      runtime, overrides)
@@ -121,7 +130,8 @@ def saved_configs(run_config: dict) -> tuple[Mamba2Config, Runtime]:
 
 
 def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  """Load a Mamba2LM from a workdir / checkpoint step, a transformers or a mamba_ssm directory.
+  """Load a Mamba2LM from a workdir / checkpoint step, a transformers (Mamba2 or
+  NemotronH) or a mamba_ssm directory.
 
   `runtime` says how it runs (default: a workdir's own, else `Runtime()`); `overrides`
   replace Runtime fields or config fields no weight depends on, for example
@@ -129,5 +139,5 @@ def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overri
   """
   path = storage.path(path)
   layout = detect_layout(path)
-  return {"hf": load_hf, "mamba_ssm": load_mamba_ssm,
+  return {"hf": load_hf, "nemotron_h": load_nemotron_h, "mamba_ssm": load_mamba_ssm,
           "checkpoint": load_checkpoint}[layout](path, runtime, **overrides)

@@ -1,14 +1,21 @@
 """The decoding cache: the whole memory of a Mamba-2 model about its context.
 
-Per layer it is the last d_conv-1 inputs of the two depthwise convolutions and
-the SSM state (h, p, n); nothing grows with the number of tokens seen, which is
-the point of a state-space model. The arrays are stacked over layers (leading
-axis L) to match the scanned blocks, and are float32 whatever the compute dtype:
-the state is a running product of decays and rounding it to bfloat16 every step
-compounds over thousands of steps.
+Per Mamba-2 layer it is the last d_conv-1 inputs of the two depthwise
+convolutions and the SSM state (h, p, n); nothing grows with the number of
+tokens seen, which is the point of a state-space model. The arrays are stacked
+over layers (leading axis L) to match the scanned blocks, and are float32
+whatever the compute dtype: the state is a running product of decays and
+rounding it to bfloat16 every step compounds over thousands of steps.
 
-Shapes: L layers, b batch, k conv kernel, i d_inner, g groups, n d_state,
-h heads, p headdim.
+A hybrid's attention layers add a fixed-size key/value buffer each (leading
+axis A, the attention layers): `capacity` positions chosen when decoding starts
+(prompt plus new tokens), which positions hold a valid key (left padding does
+not), and where the next one goes. Its size grows with the capacity; the rest
+does not. MLP layers hold nothing.
+
+Shapes: L Mamba-2 layers, A attention layers, b batch, k conv kernel,
+i d_inner, g groups, n d_state, h heads, p headdim, S capacity, kv key/value
+heads, e attention head dim.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mamba_train.model.config import Mamba2Config
+from mamba_train.model import attention as attn_lib
+from mamba_train.model.config import ATTENTION, MAMBA, Mamba2Config
 from mamba_train.model.mamba2 import zero_state
 from mamba_train.parallel import sharding
 
@@ -30,46 +38,80 @@ CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "conv_x": ("layers", "batch", None, "act_inner"),  # (L, b, k-1, i)
     "conv_bc": ("layers", "batch", None, None, None),  # (L, b, k-1, 2, g*n)
     "ssm": ("layers", "batch", "act_inner", None, None),  # (L, b, h, p, n)
+    "k": ("layers", "batch", None, "act_kv_heads", None),  # (A, b, S, kv, e)
+    "v": ("layers", "batch", None, "act_kv_heads", None),  # (A, b, S, kv, e)
+    "kv_valid": ("layers", "batch", None),  # (A, b, S)
+    "kv_pos": ("layers",),  # (A,)
 }
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mamba2Cache:
-  """Stacked per-layer recurrent state; a PyTree, so it passes through jit,
-  lax.while_loop and buffer donation as three arrays."""
+  """Stacked per-layer decoding state; a PyTree, so it passes through jit,
+  lax.while_loop and buffer donation as its arrays. A kind the model lacks
+  leaves its fields None."""
 
-  conv_x: Array  # (L, b, k-1, i) float32: the last k-1 x inputs of the conv
-  conv_bc: Array  # (L, b, k-1, 2, g*n) float32: the same for B and C
-  ssm: Array  # (L, b, h, p, n) float32
+  conv_x: Array | None  # (L, b, k-1, i) float32: the last k-1 x inputs of the conv
+  conv_bc: Array | None  # (L, b, k-1, 2, g*n) float32: the same for B and C
+  ssm: Array | None  # (L, b, h, p, n) float32
+  k: Array | None = None  # (A, b, S, kv, e) float32: keys, rotary applied
+  v: Array | None = None  # (A, b, S, kv, e) float32
+  kv_valid: Array | None = None  # (A, b, S) bool: positions holding a key
+  kv_pos: Array | None = None  # (A,) int32: where the next key goes
 
   @classmethod
-  def init(cls, cfg: Mamba2Config, batch: int) -> "Mamba2Cache":
-    """The empty cache: the state before any token."""
-    one = zero_state(cfg, batch)
-    return cls(**{k: jnp.broadcast_to(v, (cfg.n_layer,) + v.shape) for k, v in one.items()})
+  def init(cls, cfg: Mamba2Config, batch: int, capacity: int = 0) -> "Mamba2Cache":
+    """The empty cache: the state before any token, with room for `capacity`
+    positions in each attention layer."""
+    out = {}
+    for kind, one in ((MAMBA, lambda: zero_state(cfg, batch)),
+                      (ATTENTION, lambda: attn_lib.empty_kv(cfg, batch, capacity))):
+      if cfg.count(kind):
+        out.update({k: jnp.broadcast_to(v, (cfg.count(kind),) + v.shape) for k, v in one().items()})
+    return cls(**{k: out.get(k) for k in CACHE_AXES})
 
   @classmethod
   def from_states(cls, states: dict[str, Array]) -> "Mamba2Cache":
-    """From the stacked states dict that `Mamba2LM.backbone` / `step` use."""
-    return cls(conv_x=states["conv_x"], conv_bc=states["conv_bc"], ssm=states["ssm"])
+    """From the stacked states dict that `Mamba2LM.step` uses."""
+    return cls(**{k: states.get(k) for k in CACHE_AXES})
+
+  @classmethod
+  def from_prefill(cls, states: dict[str, Array], capacity: int, mask=None) -> "Mamba2Cache":
+    """From what `Mamba2LM.backbone` returns after a prompt of l positions: the
+    attention layers' keys and values go into buffers of `capacity` (>= l)
+    positions, where mask (b, l) (False on padding) says which are valid."""
+    states = dict(states)
+    if "k" in states:
+      kv = jax.vmap(lambda k, v: attn_lib.kv_from_prefill({"k": k, "v": v}, capacity, mask))(
+          states.pop("k"), states.pop("v"))
+      states.update(kv)
+    return cls.from_states(states)
 
   def states(self) -> dict[str, Array]:
-    """As the stacked states dict that `Mamba2LM.backbone` / `step` take."""
-    return {"conv_x": self.conv_x, "conv_bc": self.conv_bc, "ssm": self.ssm}
+    """As the stacked states dict that `Mamba2LM.step` takes."""
+    return {k: getattr(self, k) for k in CACHE_AXES if getattr(self, k) is not None}
 
   @property
   def nbytes(self) -> int:
-    return sum(a.size * a.dtype.itemsize for a in (self.conv_x, self.conv_bc, self.ssm))
+    return sum(a.size * a.dtype.itemsize for a in self.states().values())
 
   @staticmethod
-  def bytes_for(cfg: Mamba2Config, batch: int) -> int:
+  def bytes_for(cfg: Mamba2Config, batch: int, capacity: int = 0) -> int:
     """Cache size in bytes, computed from the config alone (no allocation).
-    Independent of the context length."""
-    shapes = jax.eval_shape(lambda: Mamba2Cache.init(cfg, batch))
+    Independent of the context length for a pure Mamba-2 model; a hybrid's grows
+    by `bytes_per_position` with the capacity."""
+    shapes = jax.eval_shape(lambda: Mamba2Cache.init(cfg, batch, capacity))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+  @staticmethod
+  def bytes_per_position(cfg: Mamba2Config, batch: int) -> int:
+    """What one more position of capacity costs: keys and values of every
+    attention layer (float32) and the valid flag."""
+    return Mamba2Cache.bytes_for(cfg, batch, 1) - Mamba2Cache.bytes_for(cfg, batch, 0)
 
   def constrain(self) -> "Mamba2Cache":
     """Pin the cache to the active mesh by the rules table (no-op without one)."""
-    return Mamba2Cache(**{k: sharding.constrain(getattr(self, k), axes)
+    return Mamba2Cache(**{k: None if getattr(self, k) is None else
+                          sharding.constrain(getattr(self, k), axes)
                           for k, axes in CACHE_AXES.items()})

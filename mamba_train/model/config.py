@@ -1,8 +1,14 @@
 """The architecture: what the weights are. Small, frozen and typed, built once at
 the entry point.
 
-Field names follow mamba_ssm (d_model, n_layer, d_state, ...). Derived sizes
-(d_inner, nheads, padded vocabulary) are properties, never configured. How the
+Field names follow mamba_ssm (d_model, n_layer, d_state, d_intermediate,
+attn_*, ...). Derived sizes (d_inner, nheads, padded vocabulary, the layer
+kinds) are properties, never configured.
+
+`layer_pattern` makes a hybrid: one character per layer, as Megatron-Core's
+`--hybrid-override-pattern` and Nemotron-H write it: 'M' a Mamba-2 layer, '*'
+causal self-attention, '-' an MLP. Empty (the default) is 'M' * n_layer, the
+pure Mamba-2 model, whose parameters and files are unchanged by the option. How the
 model runs on a machine (compute dtype, remat, SSD form and chunk caps) is not here:
 see `runtime.Runtime`.
 """
@@ -14,6 +20,13 @@ import math
 
 # Fields on which no parameter depends: a checkpoint restores across them.
 NOT_IN_WEIGHTS = ("chunk_size",)
+
+# The layer kinds of `layer_pattern`, by their character.
+MAMBA, ATTENTION, MLP = "M", "*", "-"
+KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP"}
+# Characters other tools use for kinds this library does not build.
+UNSUPPORTED_KINDS = {"E": "mixture-of-experts (MoE) layers are not supported"}
+MLP_ACTS = ("relu2", "swiglu")  # squared ReLU (Nemotron-H); gated SiLU (mamba_ssm's GatedMLP)
 
 
 class FrozenFields:
@@ -60,6 +73,20 @@ class Mamba2Config(FrozenFields):
   norm_eps: float = 1e-5
   pad_vocab_size_multiple: int = 16
   tie_embeddings: bool = True
+  # Hybrids (see the module docstring). Attention: attn_num_heads query heads and
+  # attn_num_heads_kv key/value heads (0: as many as query heads; fewer is
+  # grouped-query attention) of attn_head_dim; no positional encoding unless
+  # attn_rotary_emb_dim > 0 (rotary on that many leading dims of each head,
+  # rotate-half form, base attn_rotary_base). MLP: d_intermediate hidden units,
+  # activation mlp_act.
+  layer_pattern: str = ""
+  attn_num_heads: int = 0
+  attn_num_heads_kv: int = 0
+  attn_head_dim: int = 64
+  attn_rotary_emb_dim: int = 0
+  attn_rotary_base: float = 10000.0
+  d_intermediate: int = 0
+  mlp_act: str = "relu2"
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
@@ -81,8 +108,62 @@ class Mamba2Config(FrozenFields):
       problems.append(f"dt_limit must be (low, high) with 0 <= low < high, got {self.dt_limit}")
     if not 0.0 < self.dt_min <= self.dt_max:
       problems.append(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+    problems += self._pattern_problems()
     if problems:
       raise ValueError("Invalid Mamba2Config: " + "; ".join(problems))
+
+  def _pattern_problems(self) -> list[str]:
+    p, out = self.layer_pattern, []
+    if not isinstance(p, str):
+      return [f"layer_pattern must be a string such as 'M-M*', got {p!r}"]
+    for ch in sorted(set(p)):
+      if ch in UNSUPPORTED_KINDS:
+        out.append(f"layer_pattern has {ch!r}: {UNSUPPORTED_KINDS[ch]}")
+      elif ch not in KINDS:
+        out.append(f"layer_pattern has {ch!r}; each character must be one of "
+                   + ", ".join(f"{k!r} ({v})" for k, v in KINDS.items()))
+    if p and isinstance(self.n_layer, int) and len(p) != self.n_layer:
+      out.append(f"layer_pattern has {len(p)} layers but n_layer is {self.n_layer}; "
+                 f"set n_layer={len(p)} or give one character per layer")
+    if out:
+      return out
+    ints = ("attn_num_heads", "attn_num_heads_kv", "attn_head_dim", "attn_rotary_emb_dim",
+            "d_intermediate")
+    for name in ints:
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        out.append(f"{name} must be an integer >= 0, got {v!r}")
+    if out:
+      return out
+    if ATTENTION in p:
+      if self.attn_num_heads < 1 or self.attn_head_dim < 1:
+        out.append("layer_pattern has attention layers ('*'): set attn_num_heads and "
+                   "attn_head_dim (both >= 1)")
+      elif self.n_kv_heads < 1 or self.attn_num_heads % self.n_kv_heads:
+        out.append(f"attn_num_heads ({self.attn_num_heads}) must be a multiple of "
+                   f"attn_num_heads_kv ({self.attn_num_heads_kv})")
+      if self.attn_rotary_emb_dim % 2 or self.attn_rotary_emb_dim > self.attn_head_dim:
+        out.append(f"attn_rotary_emb_dim ({self.attn_rotary_emb_dim}) must be even and at "
+                   f"most attn_head_dim ({self.attn_head_dim}); 0 turns rotary off")
+    if MLP in p:
+      if self.d_intermediate < 1:
+        out.append("layer_pattern has MLP layers ('-'): set d_intermediate (their hidden size)")
+      if self.mlp_act not in MLP_ACTS:
+        out.append(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+    return out
+
+  @property
+  def pattern(self) -> str:
+    """One character per layer ('M' * n_layer unless layer_pattern says otherwise)."""
+    return self.layer_pattern or MAMBA * self.n_layer
+
+  def count(self, kind: str) -> int:
+    """How many layers of `kind` ('M', '*' or '-') the model has."""
+    return self.pattern.count(kind)
+
+  @property
+  def n_kv_heads(self) -> int:
+    return self.attn_num_heads_kv or self.attn_num_heads
 
   @property
   def d_inner(self) -> int:
@@ -114,6 +195,18 @@ SIZES: dict[str, dict] = {
     "1.3b": dict(d_model=2048, n_layer=48),
     "2.7b": dict(d_model=2560, n_layer=64),
 }
+
+# Hybrid sizes: one attention layer in eight, as NVIDIA's Mamba-2-Hybrid used
+# about 8% (Waleffe et al. 2024), at the width and depth of the pure model it
+# sits beside; attention heads of 128 (grouped-query), no MLPs.
+# The '*' sits mid-period, so no two attention layers are adjacent and the
+# first layers are Mamba-2, as in their 8B hybrid.
+for _name, _heads, _kv in (("1.3b", 16, 8), ("2.7b", 20, 4)):
+  _n = SIZES[_name]["n_layer"]
+  SIZES[f"{_name}-hybrid"] = dict(SIZES[_name], layer_pattern="MMMM*MMM" * (_n // 8),
+                                  attn_num_heads=_heads, attn_num_heads_kv=_kv, attn_head_dim=128)
+SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
+                            attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 
 
 def config_for(size: str, **overrides) -> Mamba2Config:

@@ -1,9 +1,12 @@
 """The Mamba-2 language model in Flax NNX: the same function as mamba_ssm's
-MambaLMHeadModel with Mamba2 mixers, and as transformers' Mamba2ForCausalLM.
+MambaLMHeadModel with Mamba2 mixers, and as transformers' Mamba2ForCausalLM;
+with a `layer_pattern`, a hybrid of Mamba-2, attention and MLP layers, the same
+function as transformers' NemotronHForCausalLM.
 
-Layers are stored stacked (a leading `layers` axis on every block parameter) and
-run with `jax.lax.scan`, so compile time does not grow with depth. The per-layer
-math is written as pure functions of a dict of that layer's arrays.
+Layers are stored stacked (a leading `layers` axis on every block parameter, one
+stack per layer kind) and run with `jax.lax.scan` (`pattern.py`), so compile
+time does not grow with depth. The per-layer math is written as pure functions
+of a dict of that layer's arrays (attention and MLP layers: `attention.py`).
 
 Precision policy: parameters float32; the three projections and the LM head run
 in the runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32 results; the
@@ -24,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_train.model.config import Mamba2Config
+from mamba_train.model import attention as attn_lib
+from mamba_train.model import pattern as pattern_lib
+from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
 from mamba_train.parallel import sharding
@@ -50,6 +55,23 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "gate_norm": ("inner",),
     "out_proj": ("inner", "embed"),  # (i, d)
 }
+
+
+# Each layer kind: its name in `Mamba2LM.params()` (the Mamba-2 stack keeps the
+# name it had before hybrids, so pure models and their checkpoints are unchanged)
+# and the keys of its decoding state.
+KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
+STATE_KEYS = {MAMBA: ("conv_x", "conv_bc", "ssm"), ATTENTION: ("k", "v", "kv_valid", "kv_pos"),
+              MLP: ()}
+
+
+def kind_axes(cfg: Mamba2Config, kind: str) -> dict[str, tuple[str | None, ...]]:
+  """One layer's parameter names of `kind` and their logical axes."""
+  if kind == MAMBA:
+    return BLOCK_PARAM_AXES
+  if kind == ATTENTION:
+    return attn_lib.param_axes(attn_lib.attn_shapes(cfg), attn_lib.ATTN_PARAM_AXES)
+  return attn_lib.param_axes(attn_lib.mlp_shapes(cfg), attn_lib.MLP_PARAM_AXES)
 
 
 def _param(value, axes):
@@ -253,14 +275,24 @@ _REMAT_POLICIES = {
 def _init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
   # Two random draws in all, in one compiled program: XLA:CPU compiles each
   # threefry call slowly (seconds), so per-tensor draws made init take a minute.
+  # (A hybrid's attention and MLP layers draw from keys folded off `key`, so the
+  # draws of a pure model are the same as before hybrids existed.)
   key_emb, key_layers = jax.random.split(key)
   v, d = cfg.padded_vocab_size, cfg.d_model
-  per_layer = sum(math.prod(s) for s in _block_uniform_shapes(cfg).values())
-  u = jax.random.uniform(key_layers, (cfg.n_layer, per_layer), F32)
   n_emb = 1 if cfg.tie_embeddings else 2
   emb = 0.02 * jax.random.normal(key_emb, (n_emb, v, d), F32)
-  out = {"embedding": emb[0], "layers": jax.vmap(lambda r: init_block_params(cfg, r))(u),
-         "norm_f": jnp.ones((d,), F32)}
+  out = {"embedding": emb[0], "norm_f": jnp.ones((d,), F32)}
+  if cfg.count(MAMBA):
+    per_layer = sum(math.prod(s) for s in _block_uniform_shapes(cfg).values())
+    u = jax.random.uniform(key_layers, (cfg.count(MAMBA), per_layer), F32)
+    out["layers"] = jax.vmap(lambda r: init_block_params(cfg, r))(u)
+  for salt, kind, shapes, out_names in (
+      (1, ATTENTION, attn_lib.attn_shapes(cfg), ("o_proj",)),
+      (2, MLP, attn_lib.mlp_shapes(cfg), ("down_proj",))):
+    if cfg.count(kind):
+      u = jax.random.uniform(jax.random.fold_in(key, salt),
+                             (cfg.count(kind), attn_lib.draws(shapes)), F32)
+      out[KIND_PARAMS[kind]] = jax.vmap(lambda r: attn_lib.init_params(shapes, out_names, cfg, r))(u)
   if not cfg.tie_embeddings:
     out["lm_head"] = emb[1]
   return out
@@ -278,16 +310,62 @@ class Mamba2LM(nnx.Module):
     self.runtime = (runtime or Runtime()).resolve()
     init = _init_params(config, rngs.params())
     self.embedding = _param(init["embedding"], ("vocab", "embed"))
-    self.layers = nnx.Dict({name: _param(init["layers"][name], ("layers",) + axes)
-                            for name, axes in BLOCK_PARAM_AXES.items()})
+    for kind, attr in KIND_PARAMS.items():
+      if config.count(kind):
+        setattr(self, attr, nnx.Dict({name: _param(init[attr][name], ("layers",) + axes)
+                                      for name, axes in kind_axes(config, kind).items()}))
     self.norm_f = _param(init["norm_f"], ("embed",))
     if not config.tie_embeddings:
       self.lm_head = _param(init["lm_head"], ("vocab", "embed"))
 
   # -- pieces, also used by training (loss on hidden states) and generation --
 
-  def layer_params(self) -> dict[str, Array]:
-    return {name: self.layers[name].get_value() for name in BLOCK_PARAM_AXES}
+  def layer_params(self, kind: str = MAMBA) -> dict[str, Array]:
+    """The stacked parameters of the layers of `kind` (default the Mamba-2 ones)."""
+    stack = getattr(self, KIND_PARAMS[kind])
+    return {name: stack[name].get_value() for name in kind_axes(self.config, kind)}
+
+  def _kinds(self) -> list[str]:
+    return [k for k in KIND_PARAMS if self.config.count(k)]
+
+  def _layer_fns(self, *, seq_idx=None, mask=None, decode=False):
+    """kind -> f(p, h, state) -> (h, state): one residual block of that kind, over
+    a sequence (h (b, l, d)) or, with decode, one position (h (b, d))."""
+    cfg, rt = self.config, self.runtime
+    norm = lambda p, h: rms_norm(h, p["norm"], cfg.norm_eps)
+    if decode:
+      def attn(p, h, st):
+        out, st = attn_lib.attention_step(p, norm(p, h), cfg, rt, st)
+        return h + out, st
+      return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st), ATTENTION: attn,
+              MLP: lambda p, h, st: (h + attn_lib.mlp(p, norm(p, h), cfg, rt), None)}
+    act = lambda h: sharding.constrain(h, ("batch", "act_length", "act_embed"))
+
+    def mamba(p, h, st):
+      h, st = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=st)
+      return act(h), st
+
+    def attn(p, h, _):
+      out, kv = attn_lib.attention(p, norm(p, h), cfg, rt, seq_idx=seq_idx, mask=mask)
+      return act(h + out), kv
+
+    def mlp(p, h, _):
+      return act(h + attn_lib.mlp(p, norm(p, h), cfg, rt)), None
+
+    fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp}
+    if rt.remat != "none":
+      fns = {k: jax.checkpoint(f, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
+             for k, f in fns.items()}
+    return fns
+
+  def _by_kind(self, states) -> dict[str, Any]:
+    """A flat states dict -> {kind: its states} (kinds without state: None)."""
+    return {k: ({n: states[n] for n in STATE_KEYS[k]} if STATE_KEYS[k] else None)
+            for k in self._kinds()}
+
+  @staticmethod
+  def _flat(by_kind) -> dict[str, Array]:
+    return {n: a for st in by_kind.values() if st is not None for n, a in st.items()}
 
   def embed(self, input_ids):
     return jnp.take(self.embedding.get_value(), input_ids, axis=0)
@@ -306,43 +384,60 @@ class Mamba2LM(nnx.Module):
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
-    final norm, and the per-layer states stacked over layers."""
-    cfg, rt = self.config, self.runtime
+    final norm, and the per-layer states stacked over each kind's layers: the
+    Mamba-2 layers' recurrent states (continued from `states` when given), an
+    attention layer's keys and values {k, v} (b, l, kv, e) (`Mamba2Cache.from_prefill`
+    puts them in a decoding buffer)."""
+    cfg = self.config
     h = sharding.constrain(self.embed(input_ids), ("batch", "act_length", "act_embed"))
     b = input_ids.shape[0]
-    if states is None:
-      states = jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.n_layer))
-
-    def body(h, xs):
-      p, state = xs
-      h, state = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=state)
-      return sharding.constrain(h, ("batch", "act_length", "act_embed")), state
-
-    if rt.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
-    h, states = jax.lax.scan(body, h, (self.layer_params(), states))
-    return h, states
+    if states is not None and cfg.count(ATTENTION):
+      raise ValueError("backbone cannot continue attention layers from earlier states; "
+                       "run the whole prefix, or decode with `step`")
+    init = {}
+    if cfg.count(MAMBA):
+      init[MAMBA] = (states if states is not None else
+                     jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
+    h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
+                             {k: self.layer_params(k) for k in self._kinds()}, init, h)
+    return h, self._flat(new)
 
   def step(self, input_ids, states):
     """One token per sequence through every block, for decoding: input_ids (b,),
-    states stacked over layers as `backbone` returns them. Returns the residual
+    states stacked over layers as a `Mamba2Cache` holds them. Returns the residual
     stream (b, d) before the final norm and the new states. Never goes through
-    the chunked scan, so a step costs the same at any context length."""
-    cfg, rt = self.config, self.runtime
-
-    def body(h, xs):
-      p, state = xs
-      return block_step(p, h, cfg, rt, state)
-
-    return jax.lax.scan(body, self.embed(input_ids), (self.layer_params(), states))
+    the chunked scan, so a Mamba-2 layer's step costs the same at any context
+    length; an attention layer's grows with its buffer's capacity."""
+    h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
+                             {k: self.layer_params(k) for k in self._kinds()},
+                             self._by_kind(states), self.embed(input_ids))
+    return h, self._flat(new)
 
   def unstacked_layers(self) -> list[dict[str, Array]]:
-    """Each layer's parameters as separate arrays (copies), for `step_unrolled`."""
-    return unstack(self.layer_params(), self.config.n_layer)
+    """Each layer's parameters as separate arrays (copies), in pattern order, for
+    `step_unrolled`."""
+    per_kind = {k: iter(unstack(self.layer_params(k), self.config.count(k))) for k in self._kinds()}
+    return [next(per_kind[k]) for k in self.config.pattern]
+
+  def unstack_states(self, states) -> list:
+    """Stacked states (as `step` takes them) -> one per layer in pattern order
+    (None for an MLP layer), for `step_unrolled`."""
+    per_kind = {k: iter(unstack(st, self.config.count(k)) if st is not None else [])
+                for k, st in self._by_kind(states).items()}
+    return [next(per_kind[k], None) for k in self.config.pattern]
+
+  def stack_states(self, per_layer: list) -> dict[str, Array]:
+    """The inverse of `unstack_states`."""
+    by_kind = {}
+    for k in self._kinds():
+      mine = [st for kind, st in zip(self.config.pattern, per_layer) if kind == k]
+      if STATE_KEYS[k]:
+        by_kind[k] = jax.tree.map(lambda *a: jnp.stack(a), *mine)
+    return self._flat(by_kind)
 
   def step_unrolled(self, input_ids, layers, states):
-    """`step` with the layers unrolled over per-layer parameters and states (lists:
-    `unstacked_layers()`, and `unstack(states, n_layer)`).
+    """`step` with the layers unrolled over per-layer parameters and states (lists
+    in pattern order: `unstacked_layers()`, and `unstack_states(states)`).
 
     Decoding is memory-bound: each step reads every weight once. Inside a layer
     scan XLA:CPU first copies the layer's slice of each stacked weight, then
@@ -350,10 +445,10 @@ class Mamba2LM(nnx.Module):
     unstacks the weights once, before it starts, and runs this; compile time grows
     with depth instead (figures: docs/bench/design_notes.md).
     """
-    cfg, rt = self.config, self.runtime
+    fns = self._layer_fns(decode=True)
     h, new = self.embed(input_ids), []
-    for p, state in zip(layers, states):
-      h, state = block_step(p, h, cfg, rt, state)
+    for kind, p, state in zip(self.config.pattern, layers, states):
+      h, state = fns[kind](p, h, state)
       new.append(state)
     return h, new
 
@@ -364,8 +459,8 @@ class Mamba2LM(nnx.Module):
   # -- parameters as a plain nested dict (the paths conversion and checkpoints use) --
 
   def params(self) -> dict[str, Any]:
-    out = {"embedding": self.embedding.get_value(), "norm_f": self.norm_f.get_value(),
-           "layers": self.layer_params()}
+    out = {"embedding": self.embedding.get_value(), "norm_f": self.norm_f.get_value()}
+    out.update({KIND_PARAMS[k]: self.layer_params(k) for k in self._kinds()})
     if not self.config.tie_embeddings:
       out["lm_head"] = self.lm_head.get_value()
     return out
@@ -380,8 +475,10 @@ class Mamba2LM(nnx.Module):
       raise ValueError(f"Parameters do not match the model config: {'; '.join(bad)}")
     model.embedding.set_value(jnp.asarray(params["embedding"], F32))
     model.norm_f.set_value(jnp.asarray(params["norm_f"], F32))
-    for name in BLOCK_PARAM_AXES:
-      model.layers[name].set_value(jnp.asarray(params["layers"][name], F32))
+    for kind in model._kinds():
+      attr = KIND_PARAMS[kind]
+      for name in kind_axes(config, kind):
+        getattr(model, attr)[name].set_value(jnp.asarray(params[attr][name], F32))
     if not config.tie_embeddings:
       model.lm_head.set_value(jnp.asarray(params["lm_head"], F32))
     return model

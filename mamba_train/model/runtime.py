@@ -19,6 +19,21 @@ from mamba_train.model.config import FrozenFields
 COMPUTE_DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_matmuls")
 SSD_FORMS = ("auto", "scan", "parallel")
+# How attention layers compute softmax(q k^T) v (`attention.attend`): 'xla', the
+# plain einsum form (the reference, and the CPU choice); 'dot_product',
+# jax.nn.dot_product_attention with XLA's implementation; 'cudnn', the same call
+# with cuDNN's fused flash attention (GPU, bfloat16 only); 'splash', JAX's Pallas
+# splash attention kernel (TPU; lengths that are not a multiple of 128 take the
+# plain form); 'auto' picks per backend.
+ATTENTION_FORMS = ("auto", "xla", "dot_product", "cudnn", "splash")
+
+
+def default_attention(backend: str, compute_dtype: str) -> str:
+  """cuDNN's flash attention on GPUs when the matmuls run in bfloat16 (it takes no
+  float32); Pallas splash attention on TPUs; the plain XLA form elsewhere."""
+  if backend == "tpu":
+    return "splash"
+  return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
 
 
 def default_form(backend: str) -> str:
@@ -44,6 +59,10 @@ class Runtime(FrozenFields):
   # both caps are in docs/bench/results.md and docs/bench/gpu.md.
   scan_chunk_size: int = 64
   parallel_chunk_size: int = 128
+  # How attention layers run (ATTENTION_FORMS); hybrids only.
+  attention: str = "auto"
+  # Run Pallas kernels (splash attention) in interpret mode: on a CPU, for tests.
+  pallas_interpret: bool = False
 
   def __post_init__(self):
     problems = []
@@ -53,6 +72,11 @@ class Runtime(FrozenFields):
       problems.append(f"remat must be one of {REMAT}, got {self.remat!r}")
     if self.ssd_form not in SSD_FORMS:
       problems.append(f"ssd_form must be one of {SSD_FORMS}, got {self.ssd_form!r}")
+    if self.attention not in ATTENTION_FORMS:
+      problems.append(f"attention must be one of {ATTENTION_FORMS}, got {self.attention!r}")
+    elif self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+      problems.append("attention='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash "
+                      "attention takes no float32); use 'dot_product' or 'xla' in float32")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -62,7 +86,7 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return self.ssd_form != "auto"
+    return self.ssd_form != "auto" and self.attention != "auto"
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -72,11 +96,14 @@ class Runtime(FrozenFields):
     if backend is None:
       import jax  # only here: choosing for the host is the one place that asks it
       backend = jax.default_backend()
-    return self.replace(ssd_form=default_form(backend))
+    return self.replace(
+        ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
+        attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
+                   else self.attention))
 
   def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
     """(form, chunk) the SSD runs with for a model whose chunk is `chunk_size`."""
-    if not self.resolved:
+    if self.ssd_form == "auto":
       raise ValueError("ssd_form 'auto' is not resolved: call Runtime.resolve(backend) first")
     cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
     return self.ssd_form, min(chunk_size, cap)

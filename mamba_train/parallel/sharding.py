@@ -39,6 +39,9 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_embed", None),
     ("act_inner", "tensor"),
     ("act_vocab", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
     ("layers", None),
     ("embed", "fsdp"),
     ("inner", "tensor"),
@@ -46,6 +49,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("state", None),
     ("conv", None),
     ("vocab", "tensor"),
+    # Hybrids: attention splits whole query and key/value heads, the MLP its
+    # hidden units (Megatron's column-then-row split: one reduction per layer).
+    ("attn_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
 )
 
 _ACTIVE: list[tuple[Mesh, dict]] = []
@@ -75,7 +83,10 @@ def constrain(x, axes: Sequence[str | None]):
   if not _ACTIVE:
     return x
   mesh, rules = _ACTIVE[-1]
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+  # fit_spec: a dimension the mesh axes do not divide (say 2 kv heads over
+  # tensor=4) stays whole, as for parameters.
+  spec = fit_spec(logical_to_spec(axes, rules), x.shape, mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def active() -> tuple[Mesh, tuple] | None:

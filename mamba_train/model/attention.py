@@ -1,0 +1,304 @@
+"""The two other layer kinds of a hybrid (`Mamba2Config.layer_pattern`): causal
+self-attention ('*') and the MLP ('-'), as pure functions of one layer's arrays,
+with their parameter tables and initialisation. Each is a pre-norm residual
+block like the Mamba-2 one: h + f(rmsnorm(h)), the residual in float32.
+
+Attention is multi-head or grouped-query (kv heads <= heads), causal, with no
+positional encoding by default (Nemotron-H: the Mamba-2 layers carry position)
+and optional rotary embeddings. Packed documents (`seq_idx`) and left padding
+(`mask`) become a key mask: no query sees a key of another document or a
+padding key. The decoding state of a layer is a fixed-size key/value buffer.
+
+Precision: projections in the runtime's compute dtype with float32
+accumulation; scores, softmax and the key/value buffer in float32 (the buffer
+holds what the projections return; it is cast to the compute dtype only for the
+products).
+
+Shapes: b batch, l length (queries), s key positions, d d_model, h query heads,
+k kv heads, r = h / k query heads per kv head, e head dim, f MLP hidden units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mamba_train.model.config import Mamba2Config
+from mamba_train.model.runtime import Runtime
+from mamba_train.parallel import sharding
+
+F32 = jnp.float32
+Array = jax.Array
+
+# One layer's parameters and their logical axes (the stacked `layers` axis is
+# prepended). Heads and MLP hidden units are what tensor parallelism splits.
+ATTN_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "norm": ("embed",),
+    "q_proj": ("embed", "attn_heads", None),  # (d, h, e)
+    "k_proj": ("embed", "kv_heads", None),  # (d, k, e)
+    "v_proj": ("embed", "kv_heads", None),  # (d, k, e)
+    "o_proj": ("attn_heads", None, "embed"),  # (h, e, d)
+}
+MLP_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "norm": ("embed",),
+    "up_proj": ("embed", "mlp"),  # (d, f)
+    "gate_proj": ("embed", "mlp"),  # (d, f), gated SiLU only
+    "down_proj": ("mlp", "embed"),  # (f, d)
+}
+
+
+def attn_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
+  d, h, k, e = cfg.d_model, cfg.attn_num_heads, cfg.n_kv_heads, cfg.attn_head_dim
+  return {"norm": (d,), "q_proj": (d, h, e), "k_proj": (d, k, e), "v_proj": (d, k, e),
+          "o_proj": (h, e, d)}
+
+
+def mlp_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
+  d, f = cfg.d_model, cfg.d_intermediate
+  out = {"norm": (d,), "up_proj": (d, f), "gate_proj": (d, f), "down_proj": (f, d)}
+  if cfg.mlp_act != "swiglu":
+    del out["gate_proj"]
+  return out
+
+
+def param_axes(kind_shapes: dict, table: dict) -> dict:
+  return {name: table[name] for name in kind_shapes}
+
+
+def init_params(shapes: dict[str, tuple[int, ...]], out_names: tuple[str, ...],
+                cfg: Mamba2Config, u: Array) -> dict[str, Array]:
+  """One attention or MLP layer from a flat vector of uniform [0, 1) draws, as
+  mamba_ssm initialises its MHA and GatedMLP: torch's nn.Linear default
+  uniform(+-1/sqrt(fan_in)), and the projections back into the residual stream
+  (`out_names`) scaled by 1/sqrt(n_layer), as mamba_ssm rescales out_proj and fc2."""
+  out, start = {}, 0
+  for name, shape in shapes.items():
+    if name == "norm":
+      out[name] = jnp.ones(shape, F32)
+      continue
+    size = math.prod(shape)
+    fan_in = math.prod(shape[:-1]) if name in out_names else shape[0]
+    bound = 1.0 / math.sqrt(fan_in) / (math.sqrt(cfg.n_layer) if name in out_names else 1.0)
+    out[name] = (2.0 * u[start:start + size].reshape(shape) - 1.0) * bound
+    start += size
+  return out
+
+
+def draws(shapes: dict[str, tuple[int, ...]]) -> int:
+  """How many uniform draws `init_params` takes for these shapes."""
+  return sum(math.prod(s) for n, s in shapes.items() if n != "norm")
+
+
+# ----------------------------------------------------------------------------
+# Attention.
+
+
+def positions(seq_idx, length: int, offset=0):
+  """Rotary positions (b, l) or (l,): the index from the start of each packed
+  document (`seq_idx` (b, l)), or offset + index without it."""
+  idx = jnp.arange(length, dtype=jnp.int32)
+  if seq_idx is None:
+    return idx + offset
+  new_doc = jnp.concatenate([jnp.ones_like(seq_idx[:, :1], bool), seq_idx[:, 1:] != seq_idx[:, :-1]], 1)
+  start = jax.lax.cummax(jnp.where(new_doc, idx, 0), axis=1)
+  return idx - start
+
+
+def rotary(x, pos, cfg: Mamba2Config):
+  """Rotary embedding on the first attn_rotary_emb_dim dims of each head, in the
+  rotate-half (GPT-NeoX) form. x: (b, l, heads, e) float32; pos: (l,) or (b, l)."""
+  r = cfg.attn_rotary_emb_dim
+  inv = cfg.attn_rotary_base ** (-jnp.arange(0, r, 2, dtype=F32) / r)  # (r/2,)
+  ang = pos.astype(F32)[..., None] * inv  # (..., l, r/2)
+  if ang.ndim == 2:
+    ang = ang[None]
+  cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]  # (b|1, l, 1, r/2)
+  x1, x2, rest = x[..., : r // 2], x[..., r // 2: r], x[..., r:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def allowed(l: int, s: int, *, seq_idx=None, key_mask=None, q_offset=0):
+  """(b|1, l, s) bool: which keys each query may see. Causal (key position <=
+  query position + q_offset); with seq_idx (b, l = s) only keys of the query's
+  document; with key_mask (b, s) only valid keys. A query always sees its own
+  position, so a padding query's row is never empty (its output is unused)."""
+  qpos = jnp.arange(l)[:, None] + q_offset
+  kpos = jnp.arange(s)[None, :]
+  ok = (kpos <= qpos)[None]
+  if seq_idx is not None:
+    ok = ok & (seq_idx[:, :, None] == seq_idx[:, None, :])
+  if key_mask is not None:
+    ok = ok & (key_mask[:, None, :] | (kpos == qpos)[None])
+  return ok
+
+
+def attend(q, k, v, ok, form: str, cd):
+  """softmax(q k^T / sqrt(e), keys where `ok`) v.
+
+  q (b, l, h, e), k and v (b, s, k, e), ok (b|1, l, s) bool, or None for plain
+  causal attention (l = s) -> (b, l, h, e) float32.
+  form 'xla' is the reference: grouped heads by reshape, scores and softmax in
+  float32. 'dot_product' / 'cudnn' call jax.nn.dot_product_attention; with no
+  mask beyond causality it takes is_causal, cuDNN's fused causal flash path
+  (an explicit mask becomes an l x l bias there).
+  """
+  b, l, h, e = q.shape
+  kv = k.shape[2]
+  scale = 1.0 / math.sqrt(e)
+  if form in ("dot_product", "cudnn"):
+    out = jax.nn.dot_product_attention(
+        q.astype(cd), k.astype(cd), v.astype(cd), mask=None if ok is None else ok[:, None],
+        is_causal=ok is None, scale=scale, implementation="cudnn" if form == "cudnn" else None)
+    return out.astype(F32)
+  if ok is None:
+    ok = allowed(l, k.shape[1])
+  qg = q.reshape(b, l, kv, h // kv, e).astype(cd)
+  s = jnp.einsum("blkre,bske->bkrls", qg, k.astype(cd), preferred_element_type=F32) * scale
+  # A finite floor, not -inf: a fully masked row would give NaN, and `allowed`
+  # keeps the diagonal so none is, but a finite value costs nothing.
+  s = jnp.where(ok[:, None, None], s, jnp.finfo(F32).min)
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum("bkrls,bske->blkre", p.astype(cd), v.astype(cd), preferred_element_type=F32)
+  return out.reshape(b, l, h, e)
+
+
+SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the length is used
+
+
+def splash_fits(l: int) -> bool:
+  return any(l % blk == 0 for blk in SPLASH_BLOCKS)
+
+
+def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
+  """Causal attention through JAX's Pallas splash kernel (TPU), in the layout and
+  with the result of `attend`. Documents and padding become its segment ids: a
+  query sees keys of its own segment only, and padding (key_mask False) is a
+  segment of its own, so it never reaches a real position. The kernel takes one
+  kv head and its r query heads at a time (its MQA form), mapped over batch and
+  kv heads; under a mesh it runs per shard (batch over data/fsdp, kv heads over
+  tensor) inside shard_map, as a Pallas call cannot be partitioned by XLA."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  b, l, h, e = q.shape
+  kv = k.shape[2]
+  r = h // kv
+  blk = next(x for x in SPLASH_BLOCKS if l % x == 0)
+  names = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+           "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
+  kernel = sk.make_splash_mqa_single_device(
+      sm.MultiHeadMask([sm.CausalMask((l, l))] * r), interpret=interpret,
+      block_sizes=sk.BlockSizes(**dict.fromkeys(names, blk)))
+  seg = jnp.zeros((b, l), jnp.int32) if seq_idx is None else seq_idx.astype(jnp.int32)
+  if key_mask is not None:
+    seg = jnp.where(key_mask, seg, -1)
+  qs = (q * (1.0 / math.sqrt(e))).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
+  ks, vs = (a.astype(cd).transpose(0, 2, 1, 3) for a in (k, v))  # (b, kv, l, e)
+
+  def run(qs, ks, vs, seg):
+    one = lambda qg, kk, vv, s: kernel(qg, kk, vv, segment_ids=sk.SegmentIds(q=s, kv=s))
+    return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qs, ks, vs, seg)
+
+  active = sharding.active()
+  if active is not None:
+    mesh, rules = active
+    spec = lambda axes, x: sharding.fit_spec(sharding.logical_to_spec(axes, rules), x.shape, mesh)
+    specs = (spec(("batch", "act_kv_heads", None, None, None), qs),
+             spec(("batch", "act_kv_heads", None, None), ks),
+             spec(("batch", "act_kv_heads", None, None), vs), spec(("batch", None), seg))
+    run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+  out = run(qs, ks, vs, seg)  # (b, kv, r, l, e)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e).astype(F32)
+
+
+def _qkv(p, u, cfg, cd):
+  uc = u.astype(cd)
+  proj = lambda w: jnp.einsum("...d,dhe->...he", uc, p[w].astype(cd), preferred_element_type=F32)
+  return proj("q_proj"), proj("k_proj"), proj("v_proj")
+
+
+def _out(p, o, cd):
+  return jnp.einsum("...he,hed->...d", o.astype(cd), p["o_proj"].astype(cd), preferred_element_type=F32)
+
+
+def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
+  """Causal self-attention over a sequence. u: (b, l, d) float32 (normed).
+  seq_idx (b, l): packed documents; mask (b, l) bool: False on padding.
+  Returns (b, l, d) float32 and the layer's keys and values {k, v} (b, l, k, e)
+  float32, rotary applied: what a decoding cache starts from."""
+  cd = jnp.dtype(rt.compute_dtype)
+  q, k, v = _qkv(p, u, cfg, cd)
+  q = sharding.constrain(q, ("batch", "act_length", "act_heads", None))
+  if cfg.attn_rotary_emb_dim:
+    pos = positions(seq_idx, u.shape[1])
+    q, k = rotary(q, pos, cfg), rotary(k, pos, cfg)
+  l = u.shape[1]
+  # With the length split over devices (the 'sequence' mesh axis), queries stay
+  # split and every device gathers all keys and values (an all-gather over the
+  # axis, then (l / n) x l scores per device).
+  split = sharding.sequence_split() is not None
+  if split:
+    k, v = (sharding.constrain(a, ("batch", None, "act_kv_heads", None)) for a in (k, v))
+  if rt.attention == "splash" and splash_fits(l) and not split:
+    o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret)
+  else:  # (splash on a length it cannot block, or under a sequence split: the plain form)
+    ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
+    o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd)
+  return _out(p, o, cd), {"k": k, "v": v}
+
+
+def empty_kv(cfg: Mamba2Config, batch: int, capacity: int) -> dict[str, Array]:
+  """One attention layer's decoding state before any token: buffers for
+  `capacity` positions, none valid, the next write at 0."""
+  shape = (batch, capacity, cfg.n_kv_heads, cfg.attn_head_dim)
+  return {"k": jnp.zeros(shape, F32), "v": jnp.zeros(shape, F32),
+          "kv_valid": jnp.zeros((batch, capacity), bool), "kv_pos": jnp.zeros((), jnp.int32)}
+
+
+def kv_from_prefill(kv: dict[str, Array], capacity: int, mask=None) -> dict[str, Array]:
+  """A layer's decoding state from the {k, v} `attention` returned for l prompt
+  positions: the buffers padded to `capacity` (>= l), padding keys invalid."""
+  b, l = kv["k"].shape[:2]
+  if capacity < l:
+    raise ValueError(f"key/value capacity {capacity} is smaller than the prompt ({l})")
+  pad = lambda a: jnp.pad(a, [(0, 0), (0, capacity - l)] + [(0, 0)] * (a.ndim - 2))
+  valid = jnp.ones((b, l), bool) if mask is None else mask.astype(bool)
+  return {"k": pad(kv["k"]), "v": pad(kv["v"]), "kv_valid": pad(valid),
+          "kv_pos": jnp.asarray(l, jnp.int32)}
+
+
+def attention_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
+  """One position per sequence: u (b, d) float32 (normed), state as `empty_kv`.
+  Writes this position's key and value at kv_pos and attends over the valid
+  buffer. Costs O(capacity) whatever the number of tokens seen."""
+  cd = jnp.dtype(rt.compute_dtype)
+  q, k, v = _qkv(p, u[:, None], cfg, cd)  # (b, 1, heads, e)
+  pos = state["kv_pos"]
+  if cfg.attn_rotary_emb_dim:
+    q, k = rotary(q, pos[None], cfg), rotary(k, pos[None], cfg)
+  write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), pos, axis=1)
+  kb, vb = write(state["k"], k), write(state["v"], v)
+  valid = write(state["kv_valid"], jnp.ones((u.shape[0], 1), bool))
+  o = attend(q, kb, vb, valid[:, None, :], "xla", cd)  # one query: the plain form on every backend
+  return _out(p, o[:, 0], cd), {"k": kb, "v": vb, "kv_valid": valid, "kv_pos": pos + 1}
+
+
+# ----------------------------------------------------------------------------
+# MLP.
+
+
+def mlp(p, u, cfg: Mamba2Config, rt: Runtime):
+  """down(act(up u)): act squared ReLU (relu2, Nemotron-H) or, for swiglu,
+  silu(gate u) * (up u) (mamba_ssm's GatedMLP). u: (..., d) float32."""
+  cd = jnp.dtype(rt.compute_dtype)
+  uc = u.astype(cd)
+  up = jnp.einsum("...d,df->...f", uc, p["up_proj"].astype(cd), preferred_element_type=F32)
+  if cfg.mlp_act == "swiglu":
+    gate = jnp.einsum("...d,df->...f", uc, p["gate_proj"].astype(cd), preferred_element_type=F32)
+    a = jax.nn.silu(gate) * up
+  else:
+    a = jnp.square(jax.nn.relu(up))
+  if a.ndim == 3:
+    a = sharding.constrain(a, ("batch", "act_length", "act_mlp"))
+  return jnp.einsum("...f,fd->...d", a.astype(cd), p["down_proj"].astype(cd), preferred_element_type=F32)

@@ -1,0 +1,109 @@
+"""How a layer pattern ('MMM*MMM-' ...) runs as scans, so that compile time
+stays flat in depth.
+
+Each layer kind keeps its own parameters stacked over its layers (leading axis:
+that kind's count). The pattern's shortest period P (the pattern is P repeated
+n / P times) is one scan body, run n / P times with `lax.scan`; inside the body
+the period is cut into runs of one kind ('MMM', '*', 'MMM', '-'), and each run of
+two or more layers is itself a scan over that kind's slice. XLA therefore
+compiles one copy of each run in the period, whatever the depth:
+
+  'M' * 48            period 'M': one scan of 48 (the pure Mamba-2 model, as before)
+  'MMMM*MMM' * 6      period of 8 -> runs M4, *, M3: three bodies, scanned 6 times
+  'M-M-M*-M-' ...     Nemotron-H style: one body per run of the period
+
+An irregular pattern (no repeat: its period is the whole pattern) runs once,
+still as scans over each run of one kind, so it compiles one body per change of
+kind rather than per layer.
+
+States (a Mamba-2 layer's recurrent state, an attention layer's keys and
+values) follow the same layout as the parameters: per kind, stacked over that
+kind's layers in pattern order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  kind: str  # the layer kind's character
+  start: int  # index of its first layer among this kind's layers in one period
+  length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  period: str  # the shortest repeating unit
+  repeats: int  # len(pattern) / len(period)
+  runs: tuple[Run, ...]  # the period cut into runs of one kind
+
+  def per_period(self, kind: str) -> int:
+    return self.period.count(kind)
+
+
+def plan(pattern: str) -> Plan:
+  n = len(pattern)
+  p = next(p for p in range(1, n + 1) if n % p == 0 and pattern == pattern[:p] * (n // p))
+  period, runs, seen = pattern[:p], [], {}
+  i = 0
+  while i < p:
+    j = i
+    while j < p and period[j] == period[i]:
+      j += 1
+    kind = period[i]
+    runs.append(Run(kind, seen.get(kind, 0), j - i))
+    seen[kind] = seen.get(kind, 0) + j - i
+    i = j
+  return Plan(period, n // p, tuple(runs))
+
+
+def _slice(tree, start, length):
+  return jax.tree.map(lambda a: a[start:start + length], tree)
+
+
+def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h):
+  """Apply every layer in pattern order.
+
+  fns[kind](p, h, state) -> (h, state) is one layer (state may be None for a
+  stateless kind); params[kind] and states[kind] are stacked over that kind's
+  layers (states[kind] may be None). Returns h and the new states, stacked
+  alike (None where the kind has no state).
+  """
+
+  def period_body(h, xs):
+    outs = {k: [] for k in xs}
+    for r in pl.runs:
+      p_k, s_k = xs[r.kind]
+      p_run = _slice(p_k, r.start, r.length)
+      s_run = None if s_k is None else _slice(s_k, r.start, r.length)
+      fn = fns[r.kind]
+      if r.length == 1:
+        h, s = fn(jax.tree.map(lambda a: a[0], p_run), h,
+                  None if s_run is None else jax.tree.map(lambda a: a[0], s_run))
+        s = None if s is None else jax.tree.map(lambda a: a[None], s)
+      else:
+        h, s = jax.lax.scan(lambda h, x, fn=fn: fn(x[0], h, x[1]), h, (p_run, s_run))
+      outs[r.kind].append(s)
+    new = {k: (None if not v or v[0] is None else
+               jax.tree.map(lambda *a: jnp.concatenate(a, 0), *v)) for k, v in outs.items()}
+    return h, new
+
+  kinds = sorted(set(pl.period))
+  xs = {k: (params[k], states.get(k)) for k in kinds}
+  if pl.repeats == 1:
+    return period_body(h, xs)
+  if len(pl.period) == 1:  # one kind throughout: a plain scan over its stack
+    k = pl.period
+    h, s = jax.lax.scan(lambda h, x: fns[k](x[0], h, x[1]), h, xs[k])
+    return h, {k: s}
+  r = pl.repeats
+  fold = lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:])
+  unfold = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+  h, new = jax.lax.scan(period_body, h, jax.tree.map(fold, xs))
+  return h, jax.tree.map(unfold, new)
