@@ -144,7 +144,7 @@ def test_runtime_fields_change_no_weights():
       nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)), nnx.Param))
   cfg, rt = config_for("tiny"), Runtime()
   other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
-           "scan_chunk_size": 16, "parallel_chunk_size": 32}
+           "scan_chunk_size": 16, "parallel_chunk_size": 32, "ssd_impl": "pallas"}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name
@@ -154,19 +154,21 @@ def test_runtime_fields_change_no_weights():
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
-    ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("parallel", 64))])
+    ("gpu", 256, ("pallas", 128)), ("tpu", 64, ("pallas", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   """The form and chunk the SSD runs at, resolved for the target backend whatever
   backend Python runs on: the scan form (CPU) capped by scan_chunk_size, the
-  parallel form (accelerators, or asked for) by parallel_chunk_size. Unresolved,
-  the model resolves for JAX's default backend."""
+  Pallas kernels (accelerators) or the parallel form (asked for) by
+  parallel_chunk_size. Unresolved, the model resolves for JAX's default backend."""
   import jax
   from flax import nnx
   from mamba_train import Mamba2LM, Runtime, config_for
   rt = Runtime()
   assert rt.resolve(backend).ssd_plan(chunk) == want
-  assert rt.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
-  assert rt.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
+  xla = rt.replace(ssd_impl="xla")
+  assert xla.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
+  assert xla.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
+  assert rt.replace(ssd_impl="interpret").resolve(backend).ssd_plan(chunk) == ("interpret", min(chunk, 128))
   with pytest.raises(ValueError, match="not resolved"):
     rt.ssd_plan(chunk)
   monkeypatch.setattr(jax, "default_backend", lambda: backend)

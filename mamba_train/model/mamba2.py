@@ -27,6 +27,7 @@ from flax import nnx
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step
+from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -192,10 +193,12 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
   form, chunk = rt.ssd_plan(cfg.chunk_size)
-  y, ssm = ssd_chunked(
-      x.astype(cd), dt, A,
-      bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n),
-      chunk, D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx, form=form)
+  ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
+  ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
+  if form in ("pallas", "interpret"):
+    y, ssm = ssd_fused(*ssd_args, **ssd_kw, interpret=form == "interpret")
+  else:
+    y, ssm = ssd_chunked(*ssd_args, **ssd_kw, form=form)
   out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 

@@ -19,6 +19,7 @@ from mamba_train.model.config import FrozenFields
 COMPUTE_DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_matmuls")
 SSD_FORMS = ("auto", "scan", "parallel")
+SSD_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 def default_form(backend: str) -> str:
@@ -26,6 +27,14 @@ def default_form(backend: str) -> str:
   each chunk's (t, s) terms stay in cache; 'parallel' on the matrix units of GPUs
   and TPUs (docs/bench/results.md, docs/bench/gpu.md)."""
   return "scan" if backend == "cpu" else "parallel"
+
+
+def default_impl(backend: str) -> str:
+  """The SSD implementation for a backend: the plain-JAX `ssd.ssd_chunked` on CPU
+  (XLA:CPU keeps a chunk's (t, s) terms in cache; Pallas runs there only in its
+  interpreter), the Pallas kernels of `ssd_pallas` on TPUs and GPUs, where they keep
+  those terms out of HBM."""
+  return "xla" if backend == "cpu" else "pallas"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,11 @@ class Runtime(FrozenFields):
   # both caps are in docs/bench/results.md and docs/bench/gpu.md.
   scan_chunk_size: int = 64
   parallel_chunk_size: int = 128
+  # Who computes the SSD: 'xla' (`ssd.ssd_chunked`, in `ssd_form`), 'pallas' (the
+  # fused kernels of `ssd_pallas`, at parallel_chunk_size; TPU and GPU only),
+  # 'interpret' (those kernels in Pallas' interpreter: any backend, slow; for
+  # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for).
+  ssd_impl: str = "auto"
 
   def __post_init__(self):
     problems = []
@@ -53,6 +67,8 @@ class Runtime(FrozenFields):
       problems.append(f"remat must be one of {REMAT}, got {self.remat!r}")
     if self.ssd_form not in SSD_FORMS:
       problems.append(f"ssd_form must be one of {SSD_FORMS}, got {self.ssd_form!r}")
+    if self.ssd_impl not in SSD_IMPLS:
+      problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -62,7 +78,7 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return self.ssd_form != "auto"
+    return self.ssd_form != "auto" and self.ssd_impl != "auto"
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -72,11 +88,17 @@ class Runtime(FrozenFields):
     if backend is None:
       import jax  # only here: choosing for the host is the one place that asks it
       backend = jax.default_backend()
-    return self.replace(ssd_form=default_form(backend))
+    form = default_form(backend) if self.ssd_form == "auto" else self.ssd_form
+    impl = default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl
+    return self.replace(ssd_form=form, ssd_impl=impl)
 
   def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
-    """(form, chunk) the SSD runs with for a model whose chunk is `chunk_size`."""
+    """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is
+    `ssd_form` when XLA runs it, else `ssd_impl` ('pallas' or 'interpret', whose
+    kernels run at most parallel_chunk_size)."""
     if not self.resolved:
-      raise ValueError("ssd_form 'auto' is not resolved: call Runtime.resolve(backend) first")
+      raise ValueError("ssd_form / ssd_impl 'auto' is not resolved: call Runtime.resolve(backend) first")
+    if self.ssd_impl != "xla":
+      return self.ssd_impl, min(chunk_size, self.parallel_chunk_size)
     cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
     return self.ssd_form, min(chunk_size, cap)

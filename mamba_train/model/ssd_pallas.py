@@ -88,7 +88,7 @@ def _states_ref(xc, dtc, ac, Bc, end):
   """Plain-JAX `_chunk_states`: xc (c, b, g, r, s, p); dtc, ac (c, b, g, r, s);
   Bc (c, b, g, s, n); end (c, b, 1, s) float32 or None."""
   cdt, q = xc.dtype, ac.shape[-1]
-  after = jnp.tril(jnp.ones((q, q), _F32), -1).T  # (k, s): k > s
+  after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
   to_end = jnp.einsum("...k,ks->...s", ac, after, precision=_HIGHEST)
   w = jnp.exp(to_end)
   if end is not None:
