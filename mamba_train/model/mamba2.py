@@ -288,14 +288,18 @@ class Mamba2LM(nnx.Module):
   def head_weight(self):
     return (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
 
+  def final_norm(self, h):
+    """The norm before the LM head: (..., d) float32."""
+    return rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
+
   def logits(self, h):
     """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows dropped)."""
     cfg = self.config
     cd = jnp.dtype(self.runtime.compute_dtype)
-    h = rms_norm(h, self.norm_f.get_value(), cfg.norm_eps)
-    out = jnp.einsum("...d,vd->...v", h.astype(cd), self.head_weight().astype(cd),
-                     preferred_element_type=F32)
-    return out[..., : cfg.vocab_size]
+    # The padding rows are dropped from the weight, inside its cast to the compute
+    # dtype, not from the logits: slicing (b, l, padded vocab) logits copies them.
+    w = self.head_weight()[: cfg.vocab_size].astype(cd)
+    return jnp.einsum("...d,vd->...v", self.final_norm(h).astype(cd), w, preferred_element_type=F32)
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
