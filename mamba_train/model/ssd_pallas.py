@@ -79,13 +79,13 @@ def _states_kernel(*refs, hb, seq):
     w = w * end_ref[...]  # (1, q): 1 where s is in the chunk end's document
   bmat = b_ref[...]  # (q, n)
   for i in range(hb):
-    xdt = x_ref[i].astype(_F32).T * dt_ref[pl.ds(i, 1), :].astype(_F32)  # (p, s)
+    xdt = x_ref[i].astype(_F32) * dt_ref[pl.ds(i, 1), :].astype(_F32)  # (p, s)
     xw = (xdt * w[i:i + 1, :]).astype(cdt)
     o_ref[i] = jax.lax.dot(xw, bmat, preferred_element_type=_F32).astype(o_ref.dtype)
 
 
 def _states_ref(xc, dtc, ac, Bc, end):
-  """Plain-JAX `_chunk_states`: xc (c, b, g, r, s, p); dtc, ac (c, b, g, r, s);
+  """Plain-JAX `_chunk_states`: xc (c, b, g, r, p, s); dtc, ac (c, b, g, r, s);
   Bc (c, b, g, s, n); end (c, b, 1, s) float32 or None."""
   cdt, q = xc.dtype, ac.shape[-1]
   after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
@@ -93,18 +93,19 @@ def _states_ref(xc, dtc, ac, Bc, end):
   w = jnp.exp(to_end)
   if end is not None:
     w = w * end[:, :, None]
-  xw = (xc.astype(_F32) * dtc[..., None] * w[..., None]).astype(cdt)
-  return jnp.einsum("...grsp,...gsn->...grpn", xw, Bc, preferred_element_type=_F32)
+  xw = (xc.astype(_F32) * dtc[..., None, :] * w[..., None, :]).astype(cdt)
+  out = jnp.einsum("...grps,...gsn->...grpn", xw, Bc, preferred_element_type=_F32)
+  return jnp.moveaxis(out, 0, 3)  # (b, g, r, c, p, n), as the kernel writes it
 
 
 def _states_call(xc, dtc, ac, Bc, end, interpret):
-  c, b, g, r, q, p = xc.shape
+  c, b, g, r, p, q = xc.shape
   n = Bc.shape[-1]
   hb = _head_block(r)
   seq = end is not None
   grid = (c, b, g, r // hb)
   head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
-  in_specs = [_spec((None, None, None, hb, q, p), lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)),
+  in_specs = [_spec((None, None, None, hb, p, q), lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)),
               _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
               _spec((None, None, None, q, n), lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0))]
   args = [xc, dtc, ac, Bc]
@@ -122,9 +123,10 @@ def _states_call(xc, dtc, ac, Bc, end, interpret):
                          + c * b * h * p * n * 4))
   return pl.pallas_call(
       functools.partial(_states_kernel, hb=hb, seq=seq),
-      out_shape=jax.ShapeDtypeStruct((c, b, g, r, p, n), _F32),
+      out_shape=jax.ShapeDtypeStruct((b, g, r, c, p, n), _F32),
       grid=grid, in_specs=in_specs,
-      out_specs=_spec((None, None, None, hb, p, n), lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)),
+      # Chunks after the heads: the state passing's matmul then needs no transpose.
+      out_specs=_spec((None, None, hb, None, p, n), lambda ci, bi, gi, ri: (bi, gi, ri, ci, 0, 0)),
       cost_estimate=cost, interpret=interpret, name="ssd_chunk_states")(*args)
 
 
@@ -158,59 +160,61 @@ def _outputs_kernel(*refs, hb, seq):
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
   after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  keep, diag = _tri(q, strict=False)  # keep[t, s] = t >= s
+  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
   upto_mask = keep  # upto[t, k] = a_k for k <= t
   after = after.astype(_F32)
   if seq:
     keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
   cmat = c_ref[...]  # (q, n)
   cb = jax.lax.dot_general(cmat, b_ref[...], _NT, preferred_element_type=_F32)  # (t, s)
+  # cs[h, t] = sum_{k <= t} a[h, k], for every head of the block in one matmul.
+  cs = jax.lax.dot(a_ref[...].astype(_F32), upto_mask.T.astype(_F32), precision=_HIGHEST,
+                   preferred_element_type=_F32)
+  decay_in = jnp.exp(cs)  # (hb, t)
+  if seq:
+    decay_in = decay_in * in_ref[...]  # (1, t): 1 where t is in the entering state's document
   for i in range(hb):
     a_row = a_ref[pl.ds(i, 1), :].astype(_F32)  # (1, q)
-    dt_row = dt_ref[pl.ds(i, 1), :].astype(_F32)
     upto = jnp.where(upto_mask, a_row, 0.0)  # (t, k)
     # seg[t, s] = sum_{s < k <= t} a_k: sums of the terms covered, never differences.
     seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
-    cs = jnp.sum(upto, axis=1, keepdims=True)  # (t, 1): sum_{k <= t} a_k
-    dt_col = jnp.sum(jnp.where(diag, dt_row, 0.0), axis=1, keepdims=True)  # (s, 1)
-    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)
-    xf = x_ref[i].astype(_F32)  # (s, p)
-    y = jax.lax.dot(m, (xf * dt_col).astype(cdt), preferred_element_type=_F32)  # (t, p)
+    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)  # (t, s)
+    xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes, no padding of p = 64
+    xdt = (xf * dt_ref[pl.ds(i, 1), :].astype(_F32)).astype(cdt)
+    y = jax.lax.dot_general(xdt, m, _NT, preferred_element_type=_F32)  # (p, t)
     state = h_ref[i].astype(cdt)  # (p, n)
-    decay_in = jnp.exp(cs)
-    if seq:
-      decay_in = decay_in * in_ref[...]  # (t, 1): 1 where t is in the entering state's document
-    y = y + jax.lax.dot_general(cmat, state, _NT, preferred_element_type=_F32) * decay_in
+    y = y + jax.lax.dot_general(state, cmat, _NT, preferred_element_type=_F32) * decay_in[i:i + 1, :]
     y = y + xf * d_ref[pl.ds(i, 1), :].astype(_F32)
     o_ref[i] = y.astype(o_ref.dtype)
 
 
 def _outputs_ref(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in):
   """Plain-JAX `_chunk_outputs` (same layouts; row (c, b, 1, s) and col (c, b, t, 1)
-  int document ids, keep_in (c, b, t, 1) float32, or all three None)."""
+  int document ids, keep_in (c, b, 1, t) float32, or all three None)."""
   cdt, q = xc.dtype, ac.shape[-1]
   upto = ac[..., None, :] * jnp.tril(jnp.ones((q, q), _F32))  # (.., t, k)
   after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
   seg = jnp.einsum("...tk,ks->...ts", upto, after, precision=_HIGHEST)
-  cs = upto.sum(-1)  # (.., t)
+  cs = jnp.einsum("...k,tk->...t", ac, jnp.tril(jnp.ones((q, q), _F32)), precision=_HIGHEST)
   keep = jnp.tril(jnp.ones((q, q), bool))
   if row is not None:
     keep = keep & (col == row)[:, :, None, None]  # (c, b, 1, 1, t, s)
   cb = jnp.einsum("...gtn,...gsn->...gts", Cc, Bc, preferred_element_type=_F32)
   m = (cb[..., None, :, :] * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)
   xf = xc.astype(_F32)
-  y = jnp.einsum("...grts,...grsp->...grtp", m, (xf * dtc[..., None]).astype(cdt),
+  y = jnp.einsum("...grps,...grts->...grpt", (xf * dtc[..., None, :]).astype(cdt), m,
                  preferred_element_type=_F32)
   decay_in = jnp.exp(cs)
   if keep_in is not None:
-    decay_in = decay_in * keep_in[:, :, None, None, :, 0]
-  y = y + jnp.einsum("...gtn,...grpn->...grtp", Cc, prev.astype(cdt),
-                     preferred_element_type=_F32) * decay_in[..., None]
+    decay_in = decay_in * keep_in[:, :, None]
+  prev = jnp.moveaxis(prev[:, :, :, :-1], 3, 0)  # (b, g, r, c+1, p, n) -> (c, b, g, r, p, n)
+  y = y + jnp.einsum("...grpn,...gtn->...grpt", prev.astype(cdt), Cc,
+                     preferred_element_type=_F32) * decay_in[..., None, :]
   return (y + xf * Dr[..., None, None]).astype(cdt)
 
 
 def _outputs_call(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret):
-  c, b, g, r, q, p = xc.shape
+  c, b, g, r, p, q = xc.shape
   n = Bc.shape[-1]
   hb = _head_block(r)
   seq = row is not None
@@ -219,32 +223,32 @@ def _outputs_call(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret):
   head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
   group = lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0)
   heads6 = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)
-  in_specs = [_spec((None, None, None, hb, q, p), heads6),
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
               _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
               _spec((None, None, None, q, n), group), _spec((None, None, None, q, n), group),
-              _spec((None, None, None, hb, p, n), heads6),
+              _spec((None, None, hb, None, p, n), lambda ci, bi, gi, ri: (bi, gi, ri, ci, 0, 0)),
               _spec((None, hb, 1), lambda ci, bi, gi, ri: (gi, ri, 0))]
   args = [xc, dtc, ac, Bc, Cc, prev, Dr[..., None]]
   if seq:
     per_seq = lambda ci, bi, gi, ri: (ci, bi, 0, 0)
     in_specs += [_spec((None, None, 1, q), per_seq), _spec((None, None, q, 1), per_seq),
-                 _spec((None, None, q, 1), per_seq)]
+                 _spec((None, None, 1, q), per_seq)]
     args += [row, col, keep_in]
   h = g * r
   isz = jnp.dtype(xc.dtype).itemsize
   bc_bytes = (Bc.size + Cc.size) * jnp.dtype(Bc.dtype).itemsize
   cost = pl.CostEstimate(
       # per group and head block: C B^T; per head: segment sums (t x k x s), the
-      # diagonal block, the entering state's output, and ~12 elementwise (t, s) ops.
+      # diagonal block, the entering state's output, prefix sums and ~12 elementwise (t, s) ops.
       flops=int(c * b * (g * nblk * 2 * q * q * n
-                         + h * (2 * q ** 3 + 2 * q * q * p + 2 * q * n * p + 12 * q * q + 6 * q * p))),
+                         + h * (2 * q ** 3 + 2 * q * q * p + 2 * q * n * p + 14 * q * q + 6 * q * p))),
       transcendentals=int(c * b * h * (q * q + q)),
-      bytes_accessed=int(2 * xc.size * isz + 2 * dtc.size * 4 + bc_bytes * nblk + prev.size * 4
+      bytes_accessed=int(2 * xc.size * isz + 2 * dtc.size * 4 + bc_bytes * nblk + prev.size * 4 * c // (c + 1)
                          + Dr.size * 4 * c * b + (3 * c * b * q * 4 * g * nblk if seq else 0)))
   return pl.pallas_call(
       functools.partial(_outputs_kernel, hb=hb, seq=seq),
       out_shape=jax.ShapeDtypeStruct(xc.shape, xc.dtype),
-      grid=grid, in_specs=in_specs, out_specs=_spec((None, None, None, hb, q, p), heads6),
+      grid=grid, in_specs=in_specs, out_specs=_spec((None, None, None, hb, p, q), heads6),
       cost_estimate=cost, interpret=interpret, name="ssd_chunk_outputs")(*args)
 
 
@@ -294,7 +298,8 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
   nc = (l + pad) // q
   # Chunk-major, head-major layouts, as `ssd_chunked`: XLA fuses these transposes
   # into the producers (conv, silu) and the consumer (gated norm) of the SSD.
-  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(1, 0, 3, 4, 2, 5)
+  # x and y as (.., p, q): positions on the lanes (128), where p = 64 would be padded.
+  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(1, 0, 3, 4, 5, 2)
   dtc = _pad_to_chunks(dt.astype(_F32), pad).reshape(b, nc, q, g, r).transpose(1, 0, 3, 4, 2)
   ac = dtc * A.astype(_F32).reshape(g, r, 1)
   Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
@@ -311,26 +316,30 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
     sq = sq.reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
     doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # (c, b)
     row, col = sq[:, :, None, :], sq[:, :, :, None]
-    keep_in = (sq == doc_in[..., None]).astype(_F32)[..., None]  # (c, b, t, 1)
+    keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
     end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
 
   states = _chunk_states(xc, dtc, ac, Bc, end, interpret)  # (c, b, g, r, p, n)
-  # State passing between chunks, as in `ssd_chunked`'s parallel form: slot 0 the
-  # initial state, slot z+1 chunk z's end state; a (c+1) x (c+1) masked product.
-  totals = ac.sum(-1)  # (c, b, g, r): each chunk's whole decay, a sum of its terms
-  states = jnp.concatenate([init[None], states], axis=0)
-  totals = jnp.concatenate([jnp.zeros_like(totals[:1]), totals], axis=0)
+  # State passing between chunks in plain JAX, as `ssd_chunked`'s parallel form:
+  # H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}, slot 0 the initial state and slot
+  # z+1 chunk z's own end state, as one (c+1) x (c+1) masked product per head,
+  # with the chunks after the heads so that the matmul reads the kernel's output
+  # and the next kernel reads the matmul's as they lie. The initial state's column
+  # is applied apart (no concatenated copy of the stack).
+  totals = jnp.moveaxis(ac.sum(-1), 0, -1)  # (b, g, r, c): each chunk's whole decay
+  totals = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals], axis=-1)
   z = nc + 1
-  upto = jnp.moveaxis(totals, 0, -1)[..., None, :] * jnp.tril(jnp.ones((z, z), _F32))
+  upto = totals[..., None, :] * jnp.tril(jnp.ones((z, z), _F32))
   seg = jnp.einsum("...tk,ks->...ts", upto, jnp.tril(jnp.ones((z, z), _F32), -1), precision=_HIGHEST)
   keep = jnp.tril(jnp.ones((z, z), bool))
   if seq_idx is not None:
-    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0)  # (c+1, b)
-    keep = keep & (doc_end[:, None] == doc_end[None, :]).transpose(2, 0, 1)[:, None, None]
-  chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)
-  states = jnp.einsum("bgrzy,ybgrpn->zbgrpn", chunk_decay, states, precision=_HIGHEST)
-  prev, final = states[:-1], states[-1]
+    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0).T  # (b, c+1)
+    keep = keep & (doc_end[:, :, None] == doc_end[:, None, :])[:, None, None]
+  chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)  # (b, g, r, z, z')
+  states = jnp.einsum("bgrzy,bgrypn->bgrzpn", chunk_decay[..., 1:], states, precision=_HIGHEST)
+  states = states + chunk_decay[..., 0, None, None] * init[:, :, :, None]  # (b, g, r, c+1, p, n)
+  prev, final = states, states[:, :, :, -1]
   y = _chunk_outputs(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
-  y = y.transpose(1, 0, 4, 2, 3, 5).reshape(b, nc * q, h, p)[:, :l]
+  y = y.transpose(1, 0, 5, 2, 3, 4).reshape(b, nc * q, h, p)[:, :l]
   return y, final.reshape(b, h, p, n)
 
