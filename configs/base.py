@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
   # ssd_impl: auto (xla on CPU, pallas on TPU/GPU) | xla | pallas | interpret
   #   (pallas: the fused SSD kernels, model/ssd_pallas.py; interpret: them in Pallas' interpreter)
+  # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
   c.runtime = ml_collections.ConfigDict(Runtime().to_dict())
 

@@ -144,7 +144,8 @@ def test_runtime_fields_change_no_weights():
       nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)), nnx.Param))
   cfg, rt = config_for("tiny"), Runtime()
   other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
-           "scan_chunk_size": 16, "parallel_chunk_size": 32, "ssd_impl": "pallas"}
+           "scan_chunk_size": 16, "parallel_chunk_size": 32, "ssd_impl": "pallas",
+           "unroll_layers": True}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name

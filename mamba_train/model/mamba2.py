@@ -196,11 +196,48 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
   ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
   if form in ("pallas", "interpret"):
-    y, ssm = ssd_fused(*ssd_args, **ssd_kw, interpret=form == "interpret")
+    y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
   else:
     y, ssm = ssd_chunked(*ssd_args, **ssd_kw, form=form)
   out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
+def _axes_size(mesh, axes) -> int:
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _ssd_fused_sharded(x, dt, A, B, C, chunk, *, D, initial_state, seq_idx, interpret):
+  """`ssd_fused` on each device's part of the batch and heads (`jax.shard_map`):
+  XLA cannot split a Pallas kernel across devices itself. The SSD is independent
+  per sequence and head; B and C are split with the heads when their groups
+  divide evenly over the tensor axis, and replicated when there is one group."""
+  fused = functools.partial(ssd_fused, interpret=interpret)
+  act = sharding.active()
+  if act is None:
+    return fused(x, dt, A, B, C, chunk, D=D, initial_state=initial_state, seq_idx=seq_idx)
+  mesh, rules = act
+  spec = lambda *axes: sharding.logical_to_spec(axes, rules)
+  if spec("act_length")[0] is not None:
+    raise ValueError("the Pallas SSD cannot split the sequence over devices (rule act_length): "
+                     "use runtime.ssd_impl='xla'")
+  tp, g = _axes_size(mesh, spec("act_inner")[0]), B.shape[2]
+  if g > 1 and g % tp:
+    raise ValueError(f"the Pallas SSD splits heads over {tp} devices but ngroups={g} does not divide "
+                     f"evenly over them: use a tensor axis dividing ngroups, or runtime.ssd_impl='xla'")
+  bc = spec("batch", None, "act_inner" if g > 1 else None, None)
+  specs = (spec("batch", None, "act_inner", None), spec("batch", None, "act_inner"), spec("act_inner"), bc, bc,
+           spec("act_inner"), spec("batch", "act_inner", None, None))
+  args = (x, dt, A, B, C, D if D is not None else jnp.zeros(A.shape, F32), initial_state)
+  if seq_idx is not None:
+    specs, args = specs + (spec("batch", None),), args + (seq_idx,)
+
+  def local(x, dt, A, B, C, D, h0, seq=None):
+    return fused(x, dt, A, B, C, chunk, D=D, initial_state=h0, seq_idx=seq)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
+                       check_vma=False)(*args)
 
 
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
@@ -317,7 +354,8 @@ class Mamba2LM(nnx.Module):
 
     if rt.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
-    h, states = jax.lax.scan(body, h, (self.layer_params(), states))
+    h, states = jax.lax.scan(body, h, (self.layer_params(), states),
+                             unroll=cfg.n_layer if rt.unroll_layers else 1)
     return h, states
 
   def step(self, input_ids, states):

@@ -58,6 +58,10 @@ class Runtime(FrozenFields):
   # 'interpret' (those kernels in Pallas' interpreter: any backend, slow; for
   # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for).
   ssd_impl: str = "auto"
+  # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
+  # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled
+  # compile is how `scripts/aot_compile.py` counts every layer.
+  unroll_layers: bool = False
 
   def __post_init__(self):
     problems = []
@@ -69,6 +73,8 @@ class Runtime(FrozenFields):
       problems.append(f"ssd_form must be one of {SSD_FORMS}, got {self.ssd_form!r}")
     if self.ssd_impl not in SSD_IMPLS:
       problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
+    if not isinstance(self.unroll_layers, bool):
+      problems.append(f"unroll_layers must be true or false, got {self.unroll_layers!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -65,28 +65,38 @@ def _spec(shape, index_map):
 
 def _states_kernel(*refs, hb, seq):
   if seq:
-    x_ref, dt_ref, a_ref, b_ref, end_ref, o_ref = refs
+    x_ref, dt_ref, a_ref, b_ref, init_ref, end_ref, o_ref = refs
   else:
-    x_ref, dt_ref, a_ref, b_ref, o_ref = refs
-  q = a_ref.shape[-1]
-  cdt = x_ref.dtype
-  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  # to_end[h, s] = sum_{k > s} a[h, k]: a sum of the terms it covers, on the MXU.
-  to_end = jax.lax.dot(a, after.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
-  w = jnp.exp(to_end)
-  if seq:
-    w = w * end_ref[...]  # (1, q): 1 where s is in the chunk end's document
-  bmat = b_ref[...]  # (q, n)
-  for i in range(hb):
-    xdt = x_ref[i].astype(_F32) * dt_ref[pl.ds(i, 1), :].astype(_F32)  # (p, s)
-    xw = (xdt * w[i:i + 1, :]).astype(cdt)
-    o_ref[i] = jax.lax.dot(xw, bmat, preferred_element_type=_F32).astype(o_ref.dtype)
+    x_ref, dt_ref, a_ref, b_ref, init_ref, o_ref = refs
+
+  # Slot 0 of the output is the initial state (so the state passing is one matmul
+  # over the slots, with no concatenated copy); slot z + 1 is chunk z's end state.
+  @pl.when(pl.program_id(3) == 0)
+  def _():
+    o_ref[...] = init_ref[...]
+
+  @pl.when(pl.program_id(3) > 0)
+  def _():
+    q = a_ref.shape[-1]
+    cdt = x_ref.dtype
+    after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+    a = a_ref[...].astype(_F32)  # (hb, q)
+    # to_end[h, s] = sum_{k > s} a[h, k]: a sum of the terms it covers, on the MXU.
+    to_end = jax.lax.dot(a, after.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
+    w = jnp.exp(to_end)
+    if seq:
+      w = w * end_ref[...]  # (1, q): 1 where s is in the chunk end's document
+    bmat = b_ref[...]  # (q, n)
+    for i in range(hb):
+      xdt = x_ref[i].astype(_F32) * dt_ref[pl.ds(i, 1), :].astype(_F32)  # (p, s)
+      xw = (xdt * w[i:i + 1, :]).astype(cdt)
+      o_ref[i] = jax.lax.dot(xw, bmat, preferred_element_type=_F32).astype(o_ref.dtype)
 
 
-def _states_ref(xc, dtc, ac, Bc, end):
+def _states_ref(xc, dtc, ac, Bc, init, end):
   """Plain-JAX `_chunk_states`: xc (c, b, g, r, p, s); dtc, ac (c, b, g, r, s);
-  Bc (c, b, g, s, n); end (c, b, 1, s) float32 or None."""
+  Bc (c, b, g, s, n); init (b, g, r, p, n) float32; end (c, b, 1, s) float32 or None.
+  Returns (b, g, r, c + 1, p, n): the initial state, then each chunk's end state."""
   cdt, q = xc.dtype, ac.shape[-1]
   after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
   to_end = jnp.einsum("...k,ks->...s", ac, after, precision=_HIGHEST)
@@ -95,22 +105,26 @@ def _states_ref(xc, dtc, ac, Bc, end):
     w = w * end[:, :, None]
   xw = (xc.astype(_F32) * dtc[..., None, :] * w[..., None, :]).astype(cdt)
   out = jnp.einsum("...grps,...gsn->...grpn", xw, Bc, preferred_element_type=_F32)
-  return jnp.moveaxis(out, 0, 3)  # (b, g, r, c, p, n), as the kernel writes it
+  return jnp.concatenate([init[:, :, :, None], jnp.moveaxis(out, 0, 3)], axis=3)
 
 
-def _states_call(xc, dtc, ac, Bc, end, interpret):
+def _states_call(xc, dtc, ac, Bc, init, end, interpret):
   c, b, g, r, p, q = xc.shape
   n = Bc.shape[-1]
   hb = _head_block(r)
   seq = end is not None
-  grid = (c, b, g, r // hb)
-  head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
-  in_specs = [_spec((None, None, None, hb, p, q), lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)),
+  # Chunks innermost (slot z reads chunk z - 1): the initial state's block stays
+  # put along them and is read once per head block.
+  grid = (b, g, r // hb, c + 1)
+  z = lambda zi: jnp.maximum(zi - 1, 0)
+  head = lambda bi, gi, ri, zi: (z(zi), bi, gi, ri, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), lambda bi, gi, ri, zi: (z(zi), bi, gi, ri, 0, 0)),
               _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
-              _spec((None, None, None, q, n), lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0))]
-  args = [xc, dtc, ac, Bc]
+              _spec((None, None, None, q, n), lambda bi, gi, ri, zi: (z(zi), bi, gi, 0, 0)),
+              _spec((None, None, hb, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0))]
+  args = [xc, dtc, ac, Bc, init]
   if seq:
-    in_specs.append(_spec((None, None, 1, q), lambda ci, bi, gi, ri: (ci, bi, 0, 0)))
+    in_specs.append(_spec((None, None, 1, q), lambda bi, gi, ri, zi: (z(zi), bi, 0, 0)))
     args.append(end)
   h = g * r
   isz = jnp.dtype(xc.dtype).itemsize
@@ -120,28 +134,28 @@ def _states_call(xc, dtc, ac, Bc, end, interpret):
       bytes_accessed=int(xc.size * isz + 2 * dtc.size * 4
                          + Bc.size * jnp.dtype(Bc.dtype).itemsize * (r // hb)  # B re-read per head block
                          + (end.size * 4 * g * (r // hb) if seq else 0)
-                         + c * b * h * p * n * 4))
+                         + init.size * 4 + (c + 1) * b * h * p * n * 4))
   return pl.pallas_call(
       functools.partial(_states_kernel, hb=hb, seq=seq),
-      out_shape=jax.ShapeDtypeStruct((b, g, r, c, p, n), _F32),
+      out_shape=jax.ShapeDtypeStruct((b, g, r, c + 1, p, n), _F32),
       grid=grid, in_specs=in_specs,
       # Chunks after the heads: the state passing's matmul then needs no transpose.
-      out_specs=_spec((None, None, hb, None, p, n), lambda ci, bi, gi, ri: (bi, gi, ri, ci, 0, 0)),
+      out_specs=_spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, zi, 0, 0)),
       cost_estimate=cost, interpret=interpret, name="ssd_chunk_states")(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _chunk_states(xc, dtc, ac, Bc, end, interpret):
-  return _states_call(xc, dtc, ac, Bc, end, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunk_states(xc, dtc, ac, Bc, init, end, interpret):
+  return _states_call(xc, dtc, ac, Bc, init, end, interpret)
 
 
-def _chunk_states_fwd(xc, dtc, ac, Bc, end, interpret):
-  return _states_call(xc, dtc, ac, Bc, end, interpret), (xc, dtc, ac, Bc, end)
+def _chunk_states_fwd(xc, dtc, ac, Bc, init, end, interpret):
+  return _states_call(xc, dtc, ac, Bc, init, end, interpret), (xc, dtc, ac, Bc, init, end)
 
 
 def _chunk_states_bwd(interpret, res, ct):
-  xc, dtc, ac, Bc, end = res
-  _, vjp = jax.vjp(lambda *a: _states_ref(*a, end), xc, dtc, ac, Bc)
+  *diff, end = res
+  _, vjp = jax.vjp(lambda *a: _states_ref(*a, end), *diff)
   return (*vjp(ct), None)
 
 
@@ -319,13 +333,12 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
     keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
     end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
 
-  states = _chunk_states(xc, dtc, ac, Bc, end, interpret)  # (c, b, g, r, p, n)
+  states = _chunk_states(xc, dtc, ac, Bc, init, end, interpret)  # (b, g, r, c+1, p, n)
   # State passing between chunks in plain JAX, as `ssd_chunked`'s parallel form:
   # H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}, slot 0 the initial state and slot
   # z+1 chunk z's own end state, as one (c+1) x (c+1) masked product per head,
   # with the chunks after the heads so that the matmul reads the kernel's output
-  # and the next kernel reads the matmul's as they lie. The initial state's column
-  # is applied apart (no concatenated copy of the stack).
+  # and the next kernel reads the matmul's as they lie.
   totals = jnp.moveaxis(ac.sum(-1), 0, -1)  # (b, g, r, c): each chunk's whole decay
   totals = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals], axis=-1)
   z = nc + 1
@@ -336,8 +349,7 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
     doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0).T  # (b, c+1)
     keep = keep & (doc_end[:, :, None] == doc_end[:, None, :])[:, None, None]
   chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)  # (b, g, r, z, z')
-  states = jnp.einsum("bgrzy,bgrypn->bgrzpn", chunk_decay[..., 1:], states, precision=_HIGHEST)
-  states = states + chunk_decay[..., 0, None, None] * init[:, :, :, None]  # (b, g, r, c+1, p, n)
+  states = jnp.einsum("bgrzy,bgrypn->bgrzpn", chunk_decay, states, precision=_HIGHEST)
   prev, final = states, states[:, :, :, -1]
   y = _chunk_outputs(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
   y = y.transpose(1, 0, 5, 2, 3, 4).reshape(b, nc * q, h, p)[:, :l]

@@ -41,8 +41,19 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
   mask = batch["loss_mask"].astype(F32)
   # LM head and cross entropy blockwise: no (b, l, vocab) logits (train/loss.py).
   total = linear_cross_entropy(model.final_norm(h), model.head_weight(), batch["targets"], mask,
-                               cfg.vocab_size, runtime.compute_dtype)
+                               cfg.vocab_size, runtime.compute_dtype, batch_shards=_batch_shards())
   return total, jnp.sum(mask)
+
+
+def _batch_shards() -> int:
+  """Devices the batch axis is split over under the active sharding rules (1 without)."""
+  act = sharding.active()
+  if act is None:
+    return 1
+  mesh, rules = act
+  axes = sharding.logical_to_spec(("batch",), rules)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _split_micro(batch, k: int, mesh: Mesh, rules):
