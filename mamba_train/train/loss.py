@@ -34,12 +34,14 @@ UNROLL = 16
 
 
 def _blocks(x, t):
-  """(b, l, ...) -> (l / t, b, t, ...), l padded with zeros to a multiple of t."""
+  """(b, l, ...) -> (l / t, b, t, ...), l padded with zeros to a multiple of t.
+  Block j holds positions j, j + l/t, j + 2 l/t, ...: strided, so that when the
+  sequence is split over devices every block keeps the same split (its t axis)."""
   b, l = x.shape[:2]
   pad = (-l) % t
   if pad:
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  return jnp.moveaxis(x.reshape(b, (l + pad) // t, t, *x.shape[2:]), 1, 0)
+  return jnp.moveaxis(x.reshape(b, t, (l + pad) // t, *x.shape[2:]), 2, 0)
 
 
 def _block_logits(hb, wc, vocab_size):
@@ -94,7 +96,7 @@ def _lce_bwd(vocab_size, compute_dtype, block, res, g):
   xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block), lse)
   dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, F32), xs, unroll=_unroll(xs[0]))
   b, l = h.shape[:2]
-  dh = jnp.moveaxis(dh, 0, 1).reshape(b, -1, h.shape[-1])[:, :l]
+  dh = jnp.moveaxis(dh, 0, 2).reshape(b, -1, h.shape[-1])[:, :l]
   return dh.astype(h.dtype), dw.astype(w.dtype), None, None
 
 
@@ -108,8 +110,8 @@ def linear_cross_entropy(h, w, targets, weights, vocab_size: int, compute_dtype=
 
   h: (b, l, d) float32 (after the final norm); w: (v_padded, d) the LM head;
   targets: (b, l) ints < vocab_size; weights: (b, l) float32 (the loss mask).
-  Gradients flow to h and w. batch_shards: the devices the batch axis is split
-  over (a block holds block_tokens positions per device).
+  Gradients flow to h and w. batch_shards: the devices the (b, l) tokens are
+  split over (a block holds block_tokens tokens per device).
   """
   b, l = targets.shape
   if h.shape[:2] != (b, l) or w.shape[-1] != h.shape[-1]:

@@ -46,14 +46,16 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
 
 
 def _batch_shards() -> int:
-  """Devices the batch axis is split over under the active sharding rules (1 without)."""
+  """Devices the (b, l) tokens are split over under the active sharding rules (1 without)."""
   act = sharding.active()
   if act is None:
     return 1
   mesh, rules = act
-  axes = sharding.logical_to_spec(("batch",), rules)[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return int(np.prod([mesh.shape[a] for a in axes]))
+  n = 1
+  for axes in sharding.logical_to_spec(("batch", "act_length"), rules):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    n *= int(np.prod([mesh.shape[a] for a in axes]))
+  return n
 
 
 def _split_micro(batch, k: int, mesh: Mesh, rules):
