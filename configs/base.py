@@ -52,7 +52,14 @@ def get_config() -> ml_collections.ConfigDict:
       clip_norm=1.0,  # global gradient norm clip (0 = off)
       grad_accum=1,  # micro-batches per step; batch_size must divide over them and the devices
       state_dtype="float32",  # Adam first moment: float32 | bfloat16
-      max_nonfinite_steps=20,  # stop after this many non-finite steps in a row (each is skipped)
+      # Stop after this many non-finite steps in a row (each is skipped). -1 = auto:
+      # min(20, steps // 4), at least 1, so that a short run cannot pass on skipped steps.
+      max_nonfinite_steps=-1,
+      # Loss-spike guard (0 = off): a loss above spike_factor x the mean of the previous
+      # spike_window losses rolls the run back to its last checkpoint and skips the
+      # batches since then (at most 3 times a run). Needs checkpoint_every > 0.
+      spike_factor=0.0,
+      spike_window=20,
   ))
 
   # --- data ---
@@ -60,13 +67,30 @@ def get_config() -> ml_collections.ConfigDict:
       source="synthetic",  # synthetic (a learnable Markov stream, no files) | corpus
       dir="",  # corpus directory ('' = the default byte-level corpus, built offline if absent)
       use_seq_idx=True,  # keep packed documents apart: no state passes between them
+      # Weighted mixture of prepared datasets (replaces dir; mamba_train/data/mixture.py):
+      # "data/web:0.7,data/code:0.3:epochs=2,data/math:0.1:tokens=5e8" (epochs/tokens cap one)
+      mixture="",
+      mixture_schedule="",  # new weights from a step on: "9000:0.5,0.5;12000:0.2,0.8"
   ))
 
-  # --- devices: data x fsdp x tensor; one axis may be -1 (fills the rest) ---
-  # Over several hosts or TPU slices, dcn_data / dcn_fsdp split that axis across them
-  # (slow network) and data / fsdp / tensor then count devices inside one (fast links):
-  # each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1))
+  # --- lm-evaluation-harness during training (mamba_train/eval_harness.py) ---
+  c.harness = ml_collections.ConfigDict(dict(
+      tasks="",  # comma-separated task names ('' = off), logged as harness/<task>/<metric>
+      every=0,  # steps between runs (0 = off)
+      include_path="",  # a directory of extra task yamls
+      limit=0,  # examples per task (0 = all)
+      num_fewshot=-1,  # -1 = the task's default
+      batch_size=16,
+  ))
+
+  # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # sequence splits each sequence's length over devices (long context:
+  # mamba_train/parallel/sequence.py); seq_len must divide over it.
+  # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
+  # across them (slow network) and data / fsdp / sequence / tensor then count devices
+  # inside one (fast links): each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1, tensor=1, dcn_data=1,
+                                          dcn_fsdp=1, dcn_sequence=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).
   c.peak_flops = 0.0

@@ -8,14 +8,16 @@ Layout: `<workdir>/checkpoints/<step>/` holding three items:
 
 Orbax writes each step into a temporary directory and renames it when complete,
 so a save cut off by a crash never becomes a step that a restart can pick.
-A step whose files are damaged is skipped on restore, with a warning naming it
-and the step used instead. Nothing is deleted except by the keep-last-k policy.
+A step any of whose items (state, data, config) is damaged is skipped on restore,
+with a warning naming it and the step used instead. Nothing is deleted except by the keep-last-k policy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 
 class ShapeMismatchError(ValueError):
   pass
+
+
+class CheckpointWriteError(RuntimeError):
+  """A save failed (a full disk, a lost mount): the run stops rather than train on unsaved."""
 
 
 class _JsonStateIterator:
@@ -64,27 +70,77 @@ class Checkpointer:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True):
     self.directory = checkpoint_dir(workdir).absolute()
+    self.keep = keep if keep > 0 else None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep if keep > 0 else None, create=True,
+        max_to_keep=self.keep, create=True,
         enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
     self.last_saved: int | None = None
+    self._failed = False
 
   # -- saving --
 
   def save(self, step: int, state, data_iter, config: dict, *, force: bool = False) -> bool:
-    """Starts an asynchronous save; returns once device arrays are copied to host."""
+    """Starts an asynchronous save; returns once device arrays are copied to host.
+    Raises CheckpointWriteError if an earlier save failed."""
+    self.check()
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(_grain_item(data_iter)),
         config=ocp.args.JsonSave(config))
+    try:
+      with _quiet_orbax():  # its traceback of the previous save's failure: we say it in one line
+        saved = self.manager.save(step, args=args, force=force)
+    except OSError as e:  # Orbax waits for the previous save first and re-raises its error
+      raise self._write_error(self.last_saved, e) from None
     self.last_saved = step
-    return self.manager.save(step, args=args, force=force)
+    return saved
+
+  def check(self) -> None:
+    """Raise CheckpointWriteError if an asynchronous save has failed; never waits.
+    Called at every step, so a failed save stops the run at the next step after it."""
+    error = _finished_save_error(self.manager)
+    if error is not None:
+      raise self._write_error(self.last_saved, error)
+
+  def _write_error(self, step, error: BaseException) -> CheckpointWriteError:
+    self._failed = True
+    try:
+      free = f"{shutil.disk_usage(_existing_parent(self.directory)).free / 2**30:.2f} GiB free there"
+    except OSError:
+      free = "free space unknown"
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+    done = [s for s in self.steps() if s != step]
+    last = f"the last complete checkpoint is step {done[-1]}" if done else "no checkpoint is complete"
+    return CheckpointWriteError(f"saving checkpoint step {step} to {self.directory} failed: {reason} "
+                                f"({free}); {last}. Free space (or use another --workdir) and rerun "
+                                "to resume.")
+
+  def preflight(self, state_bytes: int) -> None:
+    """Warn when the disk cannot hold the checkpoints this run keeps (and one being written)."""
+    keep = self.keep
+    need = state_bytes * ((keep or 1) + 1)
+    try:
+      free = shutil.disk_usage(_existing_parent(self.directory)).free
+    except OSError:
+      return
+    if need > free:
+      log.warning("%s has %.2f GiB free but this run's checkpoints need about %.2f GiB (%s of %.2f "
+                  "GiB and one being written): saves will fail. Free space, lower checkpoint_keep "
+                  "or use another --workdir.", self.directory, free / 2**30, need / 2**30,
+                  f"{keep} kept" if keep else "all kept; counting 1", state_bytes / 2**30)
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      with _quiet_orbax():
+        self.manager.wait_until_finished()
+    except OSError as e:
+      if not self._failed:  # already reported at a step
+        raise self._write_error(self.last_saved, e) from None
+    finally:
+      with _quiet_orbax(), contextlib.suppress(OSError):
+        self.manager.close()
 
   # -- restoring --
 
@@ -125,7 +181,8 @@ class Checkpointer:
         item = _grain_item(data_iter)
         data_dir = self.directory / str(s) / "data"
         mine = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        args = dict(state=ocp.args.StandardRestore(abstract_state))
+        # Every item is read, the config too: a step is trusted only if all of it is whole.
+        args = dict(state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore())
         if mine.exists():
           args["data"] = grain.checkpoint.CheckpointRestore(item)
         out = self.manager.restore(s, args=ocp.args.Composite(**args))
@@ -149,6 +206,45 @@ class Checkpointer:
       raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
                          f"move the directory away to start afresh")
     return None, None
+
+
+def _existing_parent(path: Path) -> Path:
+  while not path.exists() and path != path.parent:
+    path = path.parent
+  return path
+
+
+def _finished_save_error(manager) -> BaseException | None:
+  """The error of a finished asynchronous save, if it failed. Orbax keeps it on its
+  finalize thread and raises it only when the next save or close waits; this reads
+  it without waiting (a private attribute: absent in another version, this says None
+  and the error comes at the next save instead)."""
+  manager.check_for_errors()
+  ref = getattr(manager, "_finalize_thread", None)
+  if ref is None or not hasattr(ref, "map"):
+    return None
+  return ref.map(lambda t: None if t is None or t.is_alive() else getattr(t, "exception", None))
+
+
+class _DropOrbaxRecords(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "/orbax/" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Orbax's own log records (its warnings on reading read-only, its tracebacks of a
+  failed save that we report in one line) are dropped inside this block."""
+  quiet = _DropOrbaxRecords()
+  loggers = [logging.getLogger("absl"), logging.getLogger()]
+  handlers = [h for lg in loggers for h in lg.handlers]
+  for h in handlers:
+    h.addFilter(quiet)
+  try:
+    yield
+  finally:
+    for h in handlers:
+      h.removeFilter(quiet)
 
 
 def _move_aside(directory: Path, steps: list[int]) -> None:
@@ -191,13 +287,19 @@ def _state_tree(manager, step) -> dict:
   return meta.tree if hasattr(meta, "tree") else meta
 
 
+def _read_only(step_dir: Path) -> ocp.CheckpointManager:
+  # Orbax warns at INFO/WARNING about every read-only manager (nothing to delete, no
+  # directory to create); callers hold _quiet_orbax so generate and export print none.
+  return ocp.CheckpointManager(step_dir.parent, item_handlers=_handlers(),
+                               options=ocp.CheckpointManagerOptions(read_only=True))
+
+
 def restore_params(path, abstract_params=None) -> Any:
   """Only the parameters of a checkpoint step directory (`<workdir>/checkpoints/<step>`),
   on this process's first device, for finetuning and export. `abstract_params`,
   if given, is checked against the saved shapes first."""
   path = Path(path).absolute()
-  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+  with _quiet_orbax(), _read_only(path) as mgr:
     tree = _state_tree(mgr, int(path.name))
     if abstract_params is not None:
       bad = shape_problems(param_shapes(abstract_params), param_shapes(tree["params"]))
@@ -210,12 +312,20 @@ def restore_params(path, abstract_params=None) -> Any:
     return out["state"]["params"]
 
 
+class CheckpointDamagedError(ValueError):
+  pass
+
+
 def saved_config(path) -> dict:
   """The run config stored with a checkpoint step directory."""
   path = Path(path).absolute()
-  with ocp.CheckpointManager(path.parent, item_handlers=_handlers(),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
-    return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  with _quiet_orbax(), _read_only(path) as mgr:
+    try:
+      return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except ValueError as e:  # JSONDecodeError and Orbax's own
+      raise CheckpointDamagedError(
+          f"the run config of checkpoint {path} is damaged ({type(e).__name__}: "
+          f"{str(e).splitlines()[0][:200]}); use an earlier step of {path.parent}") from None
 
 
 def find_step_dir(path) -> Path | None:

@@ -182,22 +182,73 @@ def _plain(v):
   return v
 
 
+def set_aside_after(path: str, step: int) -> str | None:
+  """Keep in `path` (a metrics.jsonl) only the rows of steps <= `step`, so that a run
+  resumed from the checkpoint of `step` logs each later step once. The other rows (and
+  any line cut off by a kill) go, in order, to `<path>.after-<step>[.n]`, which is
+  written before `path` is replaced (os.replace: atomic), so no row is ever lost.
+  Returns the set-aside file's name, or None when there was nothing to move."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    lines = [l if l.endswith("\n") else l + "\n" for l in f]
+  keep, later = [], []
+  for line in lines:
+    try:
+      row_step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+      row_step = None  # a torn line: never a record of a kept step
+    (keep if row_step is not None and row_step <= step else later).append(line)
+  if not later:
+    return None
+  aside, n = f"{path}.after-{step}", 1
+  while os.path.exists(aside):
+    aside, n = f"{path}.after-{step}.{n}", n + 1
+  for target, rows in ((aside, later), (path, keep)):
+    with open(target + ".tmp", "w") as f:
+      f.writelines(rows)
+    os.replace(target + ".tmp", target)
+  return os.path.basename(aside)
+
+
 class MetricsWriter:
   """Appends one JSON object per call to `workdir/metrics.jsonl` and logs the
   same values to a W&B run (mode 'offline' needs no network or account;
-  'disabled' writes nothing there). Only process 0 writes."""
+  'disabled' writes nothing there). Only process 0 writes.
+
+  `resumed_from`: the step a resumed run restored. Rows of later steps, logged by
+  the run that stopped, are set aside (`set_aside_after`) and a marker row
+  `{"step": N, "event": "resumed", ...}` says where the record continues.
+  """
 
   def __init__(self, workdir: str, *, wandb_cfg: Mapping[str, Any], run_config: Mapping[str, Any],
-               is_main: bool = True):
+               is_main: bool = True, resumed_from: int | None = None):
     self.is_main = is_main
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._file = open(self.path, "a") if is_main else None
+    self._file = None
+    if is_main:
+      self.rewind(resumed_from or 0, {"event": "resumed" if resumed_from else "restarted"},
+                  always=bool(resumed_from))
     self._wandb = None
     if is_main and wandb_cfg["mode"] != "disabled":
       import wandb  # imported here: it is slow to import and tests mostly disable it
       self._wandb = wandb.init(
           mode=wandb_cfg["mode"], project=wandb_cfg["project"], name=wandb_cfg["name"] or None,
           dir=workdir, config=dict(run_config), resume="allow")
+
+  def rewind(self, step: int, marker: Mapping[str, Any], *, always: bool = True) -> None:
+    """The run continues after `step` (a resume, a rollback): rows of later steps are set
+    aside and a marker row `{"step": step, **marker, "set_aside": file}` is written
+    (`always=False`: only if some rows were set aside)."""
+    if not self.is_main:
+      return
+    if self._file is not None:
+      self._file.close()
+    aside = set_aside_after(self.path, step)
+    self._file = open(self.path, "a")
+    if always or aside:
+      self._file.write(json.dumps({"step": int(step), **marker, "set_aside": aside}) + "\n")
+      self._file.flush()
 
   def write(self, step: int, values: Mapping[str, Any]) -> None:
     if not self.is_main:

@@ -5,6 +5,7 @@ and say whether it fits, before renting the slice.
   python scripts/aot_compile.py --config configs/130m.py --topology v5e:2x2
   python scripts/aot_compile.py --config configs/1.3b.py --topology v5p-128 --config.batch_size=512
   python scripts/aot_compile.py --config configs/tiny.py --topology v6e:1x1 --json out.json
+  python scripts/aot_compile.py --config configs/long_context.py --topology v5p:2x2x2
 
 --topology takes the names `jax.experimental.topologies` knows (v4:2x2x2,
 v5e:4x4, v5p:4x4x4, v6e:2x2, ...) or Cloud TPU slice names (v5p-128, v5e-16,
@@ -59,9 +60,35 @@ def state_bytes_per_device(state) -> int:
   return total
 
 
-def _advice(config, state_bytes: int, hbm: float) -> str:
+def sequence_advice(config, state_bytes: int, hbm: float, temp_bytes: float | None) -> str | None:
+  """A larger `mesh.sequence` when the activations of one sequence are what does not
+  fit: they shrink about in proportion to the positions each device holds, the
+  state does not. None when the sequence axis would not help."""
+  sp, l = int(config.mesh.get("sequence", 1)), config.seq_len
+  room = 0.9 * hbm - state_bytes  # leave XLA a margin
+  if room <= 0:  # the state alone does not fit: shard it (fsdp), splitting l cannot help
+    return None
+  if temp_bytes is not None:
+    if temp_bytes <= room:
+      return None
+    need = sp * 2 ** math.ceil(math.log2(temp_bytes / room))
+  elif l // sp >= 4096:  # XLA refused outright: at long lengths, try twice the split
+    need = 2 * sp
+  else:
+    return None
+  if l % need or l // need < 4:
+    return None
+  return (f"seq_len {l} needs more sequence parallelism: split each sequence over "
+          f"--config.mesh.sequence={need} devices (now {sp}; {l // need} positions per device), "
+          f"taking them from data / fsdp")
+
+
+def _advice(config, state_bytes: int, hbm: float, temp_bytes: float | None = None) -> str:
   """What to change, from where the bytes are: the state (arguments) or the activations."""
   tips = []
+  seq_tip = sequence_advice(config, state_bytes, hbm, temp_bytes)
+  if seq_tip:
+    tips.append(seq_tip)
   if state_bytes > 0.5 * hbm:
     tips.append(f"the train state alone takes {state_bytes / GIB:.1f} GiB per device: shard it "
                 f"over more devices with --config.mesh.fsdp=-1 --config.mesh.data=1 (now "
@@ -152,7 +179,7 @@ def compile_train_step(config, topology: str, every_layer: bool = True) -> dict:
                      f"(state {mem['argument_bytes'] / GIB:.2f} GiB + scratch {mem['temp_bytes'] / GIB:.2f} GiB"
                      f" + outputs {mem['output_bytes'] / GIB:.2f} GiB - donated {mem['alias_bytes'] / GIB:.2f} GiB)"
                      f" but a {chip.name} device has {hbm / GIB:.0f} GiB of HBM.\nTo fit: "
-                     f"{_advice(config, state_bytes, hbm)}")
+                     f"{_advice(config, state_bytes, hbm, mem['temp_bytes'])}")
   # XLA's cost analysis counts a while-loop body once, and the layers run in a
   # scan: `every_layer_cost` counts every layer. The step time takes the larger of
   # those FLOPs and the model's count (metrics.train_flops_per_token).
@@ -176,6 +203,10 @@ def format_report(r: dict) -> str:
            f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}, "
            f"{r['runtime']['compute_dtype']}, remat {r['runtime']['remat']}, SSD {r['runtime']['ssd_impl']} ({r['runtime']['ssd_form']} form if xla)",
            f"compile: {r['compile_s']:.1f} s (+ lowering {r['lower_s']:.1f} s)"]
+  sp = r["mesh"].get("sequence", 1)
+  if sp > 1:
+    lines.append(f"sequence parallel: each sequence split over {sp} devices, "
+                 f"{r['seq_len'] // sp} positions per device")
   m = r.get("memory")
   if m:
     lines.append(f"memory per device: {g(m['peak_bytes'])} of {g(r['hbm_bytes_per_device'])} HBM "

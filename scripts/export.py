@@ -26,7 +26,7 @@ _OUT = flags.DEFINE_string("out", None, "Output directory (must not exist or be 
 _FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm"], "Output layout.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight dtype on disk.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds a previous export.")
 
 def find_tokenizer(ckpt: Path) -> Path | None:
   for d in [ckpt, *ckpt.parents][:4]:
@@ -48,8 +48,22 @@ def eos_of(tokenizer_file: Path) -> tuple[str | None, int | None]:
 def main(argv):
   del argv
   if not _CKPT.value or not _OUT.value:
-    sys.exit("export.py needs --checkpoint and --out (see --help)")
+    _fail("export.py needs --checkpoint and --out (see --help)")
   from mamba_train.interop import export
+  try:
+    export.check_out(_OUT.value, _CKPT.value)
+    _export(export)
+  except (FileExistsError, FileNotFoundError, ValueError) as e:
+    # The --out checks, a wrong path, not a model, a damaged checkpoint step: the message says.
+    _fail(str(e))
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _export(export) -> None:
   from mamba_train.interop.load import load_model
 
   ckpt = Path(_CKPT.value)
@@ -58,7 +72,7 @@ def main(argv):
   if _FORMAT.value == "hf":
     tok = Path(_TOKENIZER.value) if _TOKENIZER.value else find_tokenizer(ckpt)
     if tok is not None and not tok.exists():
-      sys.exit(f"--tokenizer {tok} does not exist")
+      _fail(f"--tokenizer {tok} does not exist")
     eos, eos_id = eos_of(tok) if tok else (None, None)
     export.save_hf(model, out, dtype=_DTYPE.value, tokenizer_file=tok, eos_token=eos,
                    eos_token_id=eos_id, overwrite=_OVERWRITE.value)

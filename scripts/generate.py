@@ -13,6 +13,7 @@ program's run time (prefill included), and the compile time is reported apart.
 """
 
 import os
+import sys
 
 from mamba_train.xla_flags import apply_cpu_defaults
 
@@ -69,7 +70,11 @@ def main(argv):
     eos = None
 
   with Timer() as t:
-    model = mamba_train.load_model(_MODEL.value)
+    try:
+      model = mamba_train.load_model(_MODEL.value)
+    except (FileNotFoundError, ValueError) as e:  # a wrong path, not a model, a damaged step
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
   print(f"loaded {_MODEL.value} in {t.seconds:.1f}s: {model.config}, {model.runtime}")
   try:
     out, stats = generate_with_stats(

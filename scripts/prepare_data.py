@@ -5,6 +5,10 @@
   # A hub dataset with the GPT-NeoX tokenizer of the released Mamba-2 models (network):
   python scripts/prepare_data.py --source=roneneldan/TinyStories \
       --tokenizer=EleutherAI/gpt-neox-20b --name=tinystories
+  # Chat / instruction data ({"messages": [...]} or {"prompt", "response"} per line), rendered
+  # with the tokenizer's chat template, loss on assistant tokens only, packed into rows:
+  python scripts/prepare_data.py --chat --source=chats.jsonl --name=sft \
+      --tokenizer=EleutherAI/gpt-neox-20b --seq_len=2048 --too_long=drop
   # The embedded default corpus (Python standard library, byte tokenizer, offline):
   python scripts/prepare_data.py --default_corpus
 
@@ -14,6 +18,8 @@ Rerunning with the same inputs returns at once; --force rebuilds.
 from mamba_train.xla_flags import apply_cpu_defaults
 
 apply_cpu_defaults()  # before JAX starts its CPU backend
+
+import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -34,14 +40,38 @@ _SAMPLE_BY = flags.DEFINE_enum("sample_by", "document", ["document", "paragraph"
 _NUM_PROC = flags.DEFINE_integer("num_proc", None, "Tokenizer processes (default: by size).")
 _FORCE = flags.DEFINE_bool("force", False, "Rebuild even if already prepared.")
 _DEFAULT = flags.DEFINE_bool("default_corpus", False, "Prepare the embedded default corpus.")
+_CHAT = flags.DEFINE_bool("chat", False, "--source is a chat/instruction jsonl file.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Chat: packed row length (the run's seq_len).")
+_TOO_LONG = flags.DEFINE_enum("too_long", "drop", ["drop", "truncate"],
+                              "Chat: examples longer than a row are dropped or truncated.")
+_TEMPLATE = flags.DEFINE_string("chat_template", None,
+                                "Chat: a jinja template file (default: the tokenizer's own, "
+                                "else a built-in one).")
 
 
 def main(argv):
   del argv
+  try:
+    prepare()
+  except (data.DataError, FileNotFoundError, KeyError, ValueError) as e:
+    # Bad input: one line naming the file (and line) and what to do.
+    print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def prepare():
   if _DEFAULT.value:
     path = data.ensure_default_corpus(_ROOT.value)
   elif _SOURCE.value is None:
     raise app.UsageError("Pass --source=... (or --default_corpus).")
+  elif _CHAT.value:
+    try:
+      path = data.prepare_chat_dataset(
+          _SOURCE.value, _NAME.value, root=_ROOT.value, seq_len=_SEQ_LEN.value,
+          tokenizer=_TOKENIZER.value, eos_token=_EOS.value, template=_TEMPLATE.value,
+          too_long=_TOO_LONG.value, val_fraction=_VAL.value)
+    except data.ChatFormatError as e:
+      raise SystemExit(f"error: {e}") from None
   else:
     path = data.prepare_dataset(
         _SOURCE.value, _NAME.value, root=_ROOT.value, text_field=_TEXT_FIELD.value,

@@ -10,8 +10,13 @@
   tests compile what train.py runs.
 """
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+
+import pytest
 
 FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
             "--xla_cpu_use_fusion_emitters=false")
@@ -24,3 +29,20 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_XLA).str
 from mamba_train.xla_flags import apply_cpu_defaults  # noqa: E402  (after the variables above)
 
 apply_cpu_defaults()
+
+
+@pytest.fixture(scope="session")
+def on_simulated_devices():
+  """`run(script, out_dir)`: run `python script out_dir` on 8 simulated CPU devices
+  (the device count is fixed when JAX starts, so multi-device checks run in their
+  own process), with the fast-compile flags; fails with the end of its stderr.
+  Returns what the script wrote to out_dir/results.json."""
+  def run(script, out_dir, devices=8, timeout=600):
+    flags = f"--xla_force_host_platform_device_count={devices} {FAST_XLA}"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, script, str(out_dir)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(out_dir, "results.json")) as f:
+      return json.load(f)
+  return run

@@ -100,3 +100,20 @@ def test_every_layer_cost_counts_each_layer():
   want = aot._cost_with_layers(c, mesh, 3, True)
   for k in ("flops", "bytes accessed"):
     assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
+
+
+def test_long_length_asks_for_more_sequence_parallelism():
+  # The advice alone (no compile): 300 GiB of activations per device against a
+  # 95 GiB chip holding 10 GiB of state needs the sequence split 4 ways more.
+  code = ("import aot_compile as a; from configs import base; c = base.get_config(); "
+          "c.seq_len = 131072; G = 2**30; "
+          "print(a.sequence_advice(c, 10 * G, 95 * G, 300 * G)); "
+          "print(a.sequence_advice(c, 10 * G, 95 * G, 20 * G))")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")])
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  first, second = r.stdout.strip().splitlines()[-2:]
+  assert "seq_len 131072 needs more sequence parallelism" in first
+  assert "--config.mesh.sequence=4 devices (now 1; 32768 positions per device)" in first
+  assert second == "None"  # fits: nothing to say

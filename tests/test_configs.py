@@ -16,7 +16,7 @@ from configs import base  # noqa: E402
 from mamba_train import SIZES  # noqa: E402
 from mamba_train.train.run_config import ConfigError, validate  # noqa: E402
 
-CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune"]
+CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune", "long_context"]
 CONTRACT = ["steps", "batch_size", "seq_len", "seed", "log_every", "eval_every", "checkpoint_every",
             "model", "optim", "data", "mesh", "wandb", "init_from"]
 
@@ -33,7 +33,8 @@ def test_config_loads_and_validates(name):
   c = load(name)
   assert all(k in c for k in CONTRACT)
   resolved = validate(c, num_devices=8, reference=base.get_config())
-  assert resolved["mesh"]["data"] * resolved["mesh"]["fsdp"] * resolved["mesh"]["tensor"] == 8
+  m = resolved["mesh"]
+  assert m["data"] * m["fsdp"] * m["sequence"] * m["tensor"] == 8
   assert c.wandb.mode == "offline"
 
 
@@ -92,11 +93,25 @@ def test_batch_not_divisible_error():
 def test_mesh_mismatch_errors():
   c = base.get_config()
   c.mesh.update(data=2, fsdp=2, tensor=1)
-  assert "spans data*fsdp*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
+  assert "spans data*fsdp*sequence*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
   c.mesh.update(data=-1, fsdp=3, tensor=1)
   assert "do not divide the 8 devices" in _errors(c, num_devices=8)
   c.mesh.update(data=-1, fsdp=-1, tensor=1)
   assert "only one axis may be -1" in _errors(c, num_devices=8)
+
+
+def test_seq_len_must_split_over_sequence_axis():
+  c = base.get_config()
+  c.mesh.update(data=2, fsdp=1, sequence=4, tensor=1)
+  c.seq_len = 2050
+  assert "seq_len 2050 must split over mesh.sequence = 4 devices" in _errors(c, num_devices=8)
+  c.seq_len = 8  # slices of 2 positions: shorter than the conv halo (d_conv - 1 = 3)
+  assert "slices of at least d_conv - 1 = 3 positions" in _errors(c, num_devices=8)
+  c.seq_len = 2048
+  assert validate(c, num_devices=8, reference=base.get_config())["mesh"]["sequence"] == 4
+  c.mesh.update(data=2, sequence=2, dcn_sequence=2)  # across two processes: 2 x 2 per host
+  assert validate(c, num_devices=8, process_count=2,
+                  reference=base.get_config())["mesh"]["sequence"] == 4
 
 
 def test_bad_choices_error():

@@ -227,20 +227,26 @@ def test_resume_with_get_state(window_dataset):
   _assert_same(_take(fresh, 8), reference[12:])
 
 
-def test_resume_with_orbax_composite(window_dataset, tmp_path):
+def orbax_round_trip(it, fresh, directory):
+  """Saves iterator `it` as train.py does (Grain's handler in an Orbax Composite) and
+  restores it into `fresh`."""
   import grain
   import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(str(directory)) as mngr:
+    mngr.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(str(directory)) as mngr:
+    mngr.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+
+
+def test_resume_with_orbax_composite(window_dataset, tmp_path):
   path, _ = window_dataset
   kw = dict(seq_len=SEQ_LEN, global_batch_size=4, seed=5)
   reference = _take(data.make_train_loader(path, **kw), 6)
   it = data.make_train_loader(path, **kw)
   _take(it, 3)
-  with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
-    mngr.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-    mngr.wait_until_finished()
   fresh = data.make_train_loader(path, **kw)
-  with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
-    mngr.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+  orbax_round_trip(it, fresh, tmp_path / "ckpt")
   _assert_same(_take(fresh, 3), reference[3:])
 
 

@@ -1,6 +1,7 @@
 """Export to and import from transformers and mamba_ssm layouts."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +216,7 @@ def test_bad_inputs(tmp_path, model):
 def test_export_cli(hf_dir, tmp_path):
   out = tmp_path / "cli"
   r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), "--checkpoint", str(hf_dir),
-                      "--out", str(out), "--format", "mamba_ssm"], capture_output=True, text=True)
+                      "--out", str(out), "--format", "mamba_ssm"], capture_output=True, text=True,
+                     env=dict(os.environ, PYTHONPATH=str(ROOT)))  # this checkout's library
   assert r.returncode == 0, r.stderr
   assert (out / "pytorch_model.bin").exists() and (out / "config.json").exists()

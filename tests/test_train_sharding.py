@@ -7,7 +7,6 @@ and compiling is most of the cost); the tests below read what it saved.
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -93,18 +92,9 @@ def _nonfinite_steps(step, state, loader, mesh):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, on_simulated_devices):
   out = tmp_path_factory.mktemp("sharding")
-  # Cheaper XLA CPU compiles: the shapes are tiny, so code quality does not matter here.
-  # (The older fusion emitters compile these small programs about 3x faster.)
-  flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  with open(out / "results.json") as f:
-    results = json.load(f)
+  results = on_simulated_devices(__file__, out)
   arrays = {name: dict(np.load(out / f"{name}.npz")) for name in results}
   return results, arrays
 

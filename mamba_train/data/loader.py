@@ -26,6 +26,7 @@ import os
 import grain
 import numpy as np
 
+from mamba_train.data import mixture as mixture_lib
 from mamba_train.data import prepare
 from mamba_train.data import tokenizer as tokenizer_lib
 
@@ -56,21 +57,60 @@ class _Windows:
     return {**self.__dict__, "_tokens": None}
 
 
-def _open_split(data_dir: str, split: str, seq_len: int) -> tuple[_Windows, dict]:
+class _PackedRows:
+  """Rows of a packed (instruction) split: (3, seq_len + 1) int32 per row holding
+  the tokens, the loss mask (1 where the token is a target to learn) and the
+  example number within the row (seq_idx)."""
+
+  def __init__(self, paths: dict[str, str], seq_len: int, n_rows: int):
+    self.paths, self.seq_len, self.n_rows = paths, seq_len, n_rows
+    self._arrays = None
+
+  def __len__(self) -> int:
+    return self.n_rows
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    if self._arrays is None:
+      self._arrays = [np.load(self.paths[k], mmap_mode="r") for k in PACKED_FIELDS]
+    return np.stack([a[i] for a in self._arrays]).astype(np.int32)
+
+  def __getstate__(self):
+    return {**self.__dict__, "_arrays": None}
+
+
+PACKED_FIELDS = ("tokens", "loss_mask", "seq_idx")
+
+
+def _open_split(data_dir: str, split: str, seq_len: int):
   meta = prepare.read_metadata(data_dir)
   if split not in meta["splits"]:
-    raise ValueError(f"{data_dir!r} has no {split!r} split (it has {list(meta['splits'])}); "
+    raise prepare.DataError(f"{data_dir!r} has no {split!r} split (it has {list(meta['splits'])}); "
                      "prepare it with a nonzero val_fraction or a validation split.")
   info = meta["splits"][split]
+  if "packed" in meta:
+    if meta["packed"]["seq_len"] != seq_len:
+      raise ValueError(f"{data_dir!r} is packed into rows of {meta['packed']['seq_len']} "
+                       f"tokens, not seq_len {seq_len}; prepare it with --seq_len={seq_len}.")
+    paths = {k: os.path.join(data_dir, info["files"][k]) for k in PACKED_FIELDS}
+    return _PackedRows(paths, seq_len, info["rows"]), meta
   path = os.path.join(data_dir, info["file"])
-  tokens = np.load(path, mmap_mode="r")
+  redo = "prepare the dataset again (scripts/prepare_data.py ... --force)"
+  try:
+    tokens = np.load(path, mmap_mode="r")
+  except (OSError, ValueError) as e:  # missing, truncated (mmap longer than the file), bad header
+    raise prepare.DataError(f"{path!r} ({split} split) cannot be read ({type(e).__name__}: "
+                            f"{e}): the file is missing or damaged; {redo}.") from None
   if tokens.shape != (info["tokens"],) or tokens.dtype.name != meta["dtype"]:
-    raise ValueError(f"{path!r} holds {tokens.dtype}{list(tokens.shape)} but metadata.json "
-                     f"says {meta['dtype']}[{info['tokens']}]: the file is damaged or "
-                     "from another preparation; prepare the dataset again.")
+    raise prepare.DataError(f"{path!r} holds {tokens.dtype}{list(tokens.shape)} but metadata.json "
+                            f"says {meta['dtype']}[{info['tokens']}]: the file is damaged or "
+                            f"from another preparation; {redo}.")
+  try:  # the first and last pages: readable to the end (the shape check saw the header only)
+    np.asarray(tokens[:4096]), np.asarray(tokens[-4096:])
+  except (OSError, ValueError) as e:
+    raise prepare.DataError(f"{path!r} ({split} split) cannot be read to the end ({e}); {redo}.") from None
   windows = _Windows(path, seq_len, info["tokens"])
   if len(windows) == 0:
-    raise ValueError(f"The {split} split of {data_dir!r} has {info['tokens']} tokens, "
+    raise prepare.DataError(f"The {split} split of {data_dir!r} has {info['tokens']} tokens, "
                      f"fewer than seq_len + 1 = {seq_len + 1}; use a shorter seq_len "
                      "or more data.")
   unused = info["tokens"] - 1 - len(windows) * seq_len
@@ -80,28 +120,56 @@ def _open_split(data_dir: str, split: str, seq_len: int) -> tuple[_Windows, dict
   return windows, meta
 
 
-def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
-  """Stacks windows (or None for padding rows) into the model's inputs.
+def check_splits(data_dir: str, splits, seq_len: int) -> None:
+  """Open every split a run will read (shape and dtype against metadata.json, first and
+  last pages read) so that a damaged file stops the run before it compiles, not at the
+  first evaluation."""
+  for split in splits:
+    _open_split(data_dir, split, seq_len)
 
-  seq_idx counts the EOS tokens strictly before each position: the EOS belongs
-  to the document it ends, and the token after it starts the next.
+
+def _make_batch(windows, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
+  """Stacks rows into the model's inputs. A row is a window of the token stream
+  (seq_len + 1 tokens), a packed row (3, seq_len + 1), or None (padding, masked).
+
+  In a window, seq_idx counts the EOS tokens strictly before each position: the
+  EOS belongs to the document it ends, and the token after it starts the next.
+  A packed row carries its own loss mask and seq_idx.
   """
-  pad = np.full(seq_len + 1, eos_id, np.int32)
-  w = np.stack([pad if x is None else x for x in windows]).astype(np.int32)
-  inputs = np.ascontiguousarray(w[:, :-1])
-  eos = (inputs == eos_id).astype(np.int32)
-  loss_mask = np.ones(inputs.shape, np.float32)
-  for row, x in enumerate(windows):
+  rows = np.zeros((len(windows), 3, seq_len + 1), np.int32)
+  rows[:, 0] = eos_id
+  flat = np.zeros(len(windows), bool)
+  for r, x in enumerate(windows):
     if x is None:
-      loss_mask[row] = 0.0
-  return {"input_ids": inputs, "targets": np.ascontiguousarray(w[:, 1:]),
-          "seq_idx": np.cumsum(eos, axis=1, dtype=np.int32) - eos, "loss_mask": loss_mask}
+      continue
+    if x.ndim == 1:
+      rows[r, 0], rows[r, 1], flat[r] = x, 1, True
+    else:
+      rows[r] = x
+  inputs = np.ascontiguousarray(rows[:, 0, :-1])
+  eos = (inputs == eos_id).astype(np.int32)
+  seq_idx = np.where(flat[:, None], np.cumsum(eos, axis=1, dtype=np.int32) - eos, rows[:, 2, :-1])
+  return {"input_ids": inputs, "targets": np.ascontiguousarray(rows[:, 0, 1:]),
+          "seq_idx": seq_idx.astype(np.int32),
+          # A packed row never learns the first token of an example from the one before.
+          "loss_mask": (rows[:, 1, 1:] * (rows[:, 2, 1:] == rows[:, 2, :-1])).astype(np.float32)}
 
 
 def _read_rows(ids: np.ndarray, windows: _Windows, rows: slice, eos_id: int):
   """This process's rows of one global batch of window ids (ids >= len: padding)."""
   return _make_batch([windows[i] if i < len(windows) else None for i in ids[rows]], eos_id,
                      windows.seq_len)
+
+
+def _read_mixed_rows(ids, sources: list, rows: slice, eos_id: int):
+  """This process's rows of one global batch of (source, row) pairs, and how many
+  rows of the whole global batch each source gave (`source_rows`)."""
+  src, key = ids
+  batch = _make_batch([sources[s][k] for s, k in zip(src[rows], key[rows])], eos_id,
+                      sources[0].seq_len)
+  if len(sources) > 1:
+    batch["source_rows"] = np.bincount(src, minlength=len(sources))
+  return batch
 
 
 def _local_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
@@ -134,17 +202,48 @@ def make_train_loader(data_dir: str, *, seq_len: int, global_batch_size: int, se
   """Infinite, shuffled, checkpointable iterator over this process's share of batches.
 
   Yields dicts of numpy arrays with b = global_batch_size // process_count rows:
-  input_ids, targets, seq_idx (int32, (b, seq_len)) and loss_mask (float32, all 1).
+  input_ids, targets, seq_idx (int32, (b, seq_len)) and loss_mask (float32: all
+  1 for a token stream, the stored mask for a packed instruction set).
+  """
+  return make_mixture_loader([mixture_lib.Source(data_dir, 1.0)], seq_len=seq_len,
+                             global_batch_size=global_batch_size, seed=seed,
+                             process_index=process_index, process_count=process_count,
+                             worker_count=worker_count, num_threads=num_threads)
+
+
+def make_mixture_loader(sources: list[mixture_lib.Source], *, seq_len: int,
+                        global_batch_size: int, seed: int,
+                        schedule: list[tuple[int, list[float]]] = (),
+                        process_index: int = 0, process_count: int = 1,
+                        worker_count: int = 0, num_threads: int = 2):
+  """`make_train_loader` over a weighted mixture (mamba_train/data/mixture.py).
+
+  schedule: [(step, weights)] from parse_schedule; the weights apply to the
+  batches after that many steps. Batches also carry `source_rows` (int, one per
+  source): the rows of the whole global batch drawn from each source.
   """
   b = _local_batch(global_batch_size, process_index, process_count)
-  windows, meta = _open_split(data_dir, "train", seq_len)
-  if len(windows) < global_batch_size:
-    log.warning("%s: %d windows per epoch, fewer than one global batch of %d: batches "
-                "repeat windows.", data_dir, len(windows), global_batch_size)
-  order = grain.MapDataset.range(len(windows)).shuffle(seed=seed).repeat(None)  # per-epoch shuffle
-  ds = order.batch(global_batch_size, drop_remainder=True).map(functools.partial(
-      _read_rows, windows=windows, rows=slice(process_index * b, (process_index + 1) * b),
-      eos_id=meta["eos_id"]))
+  opened = [_open_split(s.dir, "train", seq_len) for s in sources]
+  mixture_lib.check_sources(sources, [m for _, m in opened], seq_len)
+  parents, lengths = [], []
+  for i, (s, (windows, _)) in enumerate(zip(sources, opened)):
+    if len(windows) < global_batch_size:
+      log.warning("%s: %d rows per epoch, fewer than one global batch of %d: batches "
+                  "repeat rows.", s.dir, len(windows), global_batch_size)
+    n = s.rows(len(windows), seq_len)
+    # Source 0 keeps the run's seed, so a single dataset reads as it always has.
+    order = grain.MapDataset.range(len(windows)).shuffle(seed=seed + 1_000_003 * i)
+    order = order.repeat(None if n == mixture_lib.INFINITE else -(-n // len(windows)))
+    parents.append(order if n == mixture_lib.INFINITE else order[:n])
+    lengths.append(n)
+  phases = [(0, [s.weight for s in sources])]
+  phases += [(step * global_batch_size, w) for step, w in schedule]
+  selection = mixture_lib.MixtureMap(lengths, phases)
+  ds = grain.MapDataset.select_from_datasets(  # rows are (source, row id)
+      [p.map(functools.partial(mixture_lib.tag, i)) for i, p in enumerate(parents)], selection)
+  ds = ds.batch(global_batch_size, drop_remainder=True).map(functools.partial(
+      _read_mixed_rows, sources=[w for w, _ in opened],
+      rows=slice(process_index * b, (process_index + 1) * b), eos_id=opened[0][1]["eos_id"]))
   return _iterate(ds, worker_count, num_threads)
 
 
@@ -179,10 +278,10 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   """
   where = metadata.get("name", "the dataset")
   if metadata["max_token_id"] >= vocab_size:
-    raise ValueError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
+    raise prepare.DataError(f"{where!r} contains token id {metadata['max_token_id']}, outside the "
                      f"model's vocabulary of {vocab_size}; raise vocab_size.")
   if metadata["vocab_size"] > vocab_size:
-    raise ValueError(
+    raise prepare.DataError(
         f"Tokenizer {metadata['tokenizer']!r} of {where!r} has {metadata['vocab_size']} "
         f"tokens but the model's vocab_size is {vocab_size}; set the model vocab_size "
         f">= {metadata['vocab_size']} or prepare the data with a smaller tokenizer.")
@@ -192,6 +291,6 @@ def validate_for_model(metadata: dict, vocab_size: int, tokenizer: str | None = 
   if local and (tokenizer_lib.load_tokenizer(tokenizer).fingerprint
                 == metadata["tokenizer_fingerprint"]):
     return  # Named differently, same ids.
-  raise ValueError(
+  raise prepare.DataError(
       f"{where!r} was tokenized with {metadata['tokenizer']!r} but the config names "
       f"tokenizer {tokenizer!r}; prepare the data with that tokenizer or change the config.")

@@ -115,22 +115,35 @@ def prepare_dataset(
   return out
 
 
+class DataError(ValueError):
+  """Input data that cannot be used; the message names the file and what to do."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+  pass
+
+
 def read_metadata(data_dir: str) -> dict:
   """The metadata.json of a prepared dataset, with a clear error when it is not one."""
   if not os.path.isdir(data_dir):
-    raise FileNotFoundError(
+    raise DataNotFoundError(
         f"Dataset directory {data_dir!r} does not exist. Prepare it with "
         "`python scripts/prepare_data.py --source=... --name=...`.")
   path = os.path.join(data_dir, "metadata.json")
   if not os.path.isfile(path):
-    raise FileNotFoundError(
+    raise DataNotFoundError(
         f"{path!r} is missing: {data_dir!r} is not a prepared dataset (or its "
         "preparation never finished). Run scripts/prepare_data.py again.")
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get("format_version") != FORMAT_VERSION:
-    raise ValueError(f"{path!r} has format version {meta.get('format_version')}, this "
-                     f"code reads {FORMAT_VERSION}; prepare the dataset again.")
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise DataError(f"{path!r} is damaged ({type(e).__name__}: {e}); prepare the dataset "
+                    "again (scripts/prepare_data.py ... --force).") from None
+  if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    raise DataError(f"{path!r} has format version {version}, this "
+                    f"code reads {FORMAT_VERSION}; prepare the dataset again.")
   return meta
 
 
@@ -179,6 +192,9 @@ def _resolve_source(source: str, config_name, sample_by, cache_dir):
             f"{bad!r} is not valid UTF-8. JSON inputs must be UTF-8; re-encode the file "
             "(e.g. `iconv -f latin1 -t utf-8`). Plain text files are read with "
             "undecodable bytes replaced by U+FFFD instead.")
+      for f in files:
+        if f.lower().endswith(".jsonl"):
+          _check_json_lines(f)
     try:
       return datasets.load_dataset(builder, data_files={"train": files},
                                    cache_dir=cache_dir, **kwargs)
@@ -189,6 +205,27 @@ def _resolve_source(source: str, config_name, sample_by, cache_dir):
           "be UTF-8; re-encode the file (e.g. `iconv -f latin1 -t utf-8`). Plain text "
           "files are read with undecodable bytes replaced by U+FFFD instead.") from e
   return ", ".join(files) if len(files) <= 3 else f"{source} ({len(files)} files)", fp, load_files
+
+
+def _check_json_lines(path: str) -> None:
+  """A .jsonl file must hold one JSON object per non-blank line; name the first bad line
+  (the datasets library's own errors name neither file nor line)."""
+  seen = False
+  with open(path, "rb") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      seen = True
+      try:
+        row = json.loads(line)
+      except ValueError as e:
+        raise DataError(f"{path}:{number}: not a JSON object ({e}); each line of a .jsonl file "
+                        "must be one JSON object. Fix or remove that line.") from None
+      if not isinstance(row, dict):
+        raise DataError(f"{path}:{number}: a JSON {type(row).__name__}, not an object; each line "
+                        "of a .jsonl file must be one JSON object like {\"text\": \"...\"}.")
+  if not seen:
+    raise DataError(f"{path} is empty: it holds no JSON lines. Remove it from --source or fill it.")
 
 
 def _local_files(path: str) -> list[str] | None:

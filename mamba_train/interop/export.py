@@ -7,8 +7,10 @@
     (`config.json` + `pytorch_model.bin`); writing the .bin needs torch.
 
 Files are written into a temporary directory beside `out` and renamed into place,
-so an interrupted export never leaves a half directory that looks complete, and an
-existing `out` is never overwritten unless asked.
+so an interrupted export never leaves a half directory that looks complete. An
+existing `out` is replaced only when asked and only when it is a previous export
+(it holds the marker file `MARKER`), never a workdir or an unrelated directory;
+`check_out` refuses an `out` equal to, inside or containing what is read.
 """
 
 from __future__ import annotations
@@ -29,15 +31,36 @@ from mamba_train.model.mamba2 import Mamba2LM
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
+MARKER = ".mamba_train_export"  # in every export: what --overwrite may replace
+
+
+class ExportPathError(ValueError):
+  """An --out that would overwrite or delete something it must not."""
+
+
+def check_out(out, source) -> None:
+  """Refuse an output directory equal to, inside or containing `source` (what is read)."""
+  o, s = Path(out).resolve(), Path(source).resolve()
+  if o == s or s in o.parents or o in s.parents:
+    where = "is" if o == s else "is inside" if s in o.parents else "contains"
+    raise ExportPathError(f"--out {out} {where} the checkpoint {source} it reads; "
+                          "choose an --out outside it")
+
+
 @contextlib.contextmanager
 def _atomic_dir(out: Path, overwrite: bool):
   out = Path(out)
-  if out.exists() and any(out.iterdir()) and not overwrite:
-    raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass overwrite")
+  if out.exists() and any(out.iterdir()):
+    if not overwrite:
+      raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass overwrite")
+    if not (out / MARKER).exists():
+      raise ExportPathError(f"{out} is not a previous export (it has no {MARKER} file), so "
+                            "overwrite will not replace it; choose another --out")
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
   try:
     yield tmp
+    (tmp / MARKER).write_text("written by mamba_train's export; --overwrite may replace this directory\n")
     if out.exists():
       shutil.rmtree(out)
     os.replace(tmp, out)

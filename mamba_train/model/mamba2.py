@@ -26,7 +26,7 @@ from flax import nnx
 
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
-from mamba_train.model.ssd import ssd_chunked, ssd_step
+from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
 from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
@@ -113,12 +113,14 @@ def gated_rms_norm(y, z, weight, groups, eps):
   return xs.reshape(x.shape) * weight
 
 
-def causal_conv(x, w, bias, front, seq_idx=None):
+def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
   """Depthwise causal convolution along l.
 
   x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c), the inputs before
-  position 0 (zeros, or a decoding cache's conv state). With seq_idx, an input
-  from another document than the output position's contributes nothing.
+  position 0 (zeros, a decoding cache's conv state, or the previous device's last
+  inputs when the sequence is split). With seq_idx, an input from another
+  document than the output position's contributes nothing; front_idx (b, k-1)
+  are the front's document ids (default: position 0's).
   Written as k shifted multiply-adds: k is 4, and XLA fuses them into one loop.
   """
   k = w.shape[0]
@@ -126,7 +128,9 @@ def causal_conv(x, w, bias, front, seq_idx=None):
   xp = jnp.concatenate([front.astype(F32), x.astype(F32)], axis=1)  # (b, k-1+l, *c)
   extra = x.ndim - 2
   if seq_idx is not None:
-    ids = jnp.concatenate([jnp.repeat(seq_idx[:, :1], k - 1, axis=1), seq_idx], axis=1)
+    if front_idx is None:
+      front_idx = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)
+    ids = jnp.concatenate([front_idx, seq_idx], axis=1)
   out = jnp.broadcast_to(bias.astype(F32), x.shape)
   for j in range(k):  # tap j reads position t - (k-1-j)
     tap = xp[:, j:j + l] * w[j]
@@ -184,8 +188,14 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)
-  x, conv_x = causal_conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
-  bc, conv_bc = causal_conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
+  # With the length split over devices (the 'sequence' mesh axis), the conv and
+  # the SSD run per slice and exchange a halo and state summaries (parallel/sequence.py).
+  split = sharding.sequence_split()
+  conv = causal_conv if split is None else functools.partial(split.conv, causal_conv)
+  ssd = (ssd_chunked if split is None
+         else functools.partial(split.ssd, ssd_chunked, pass_states, state_outputs))
+  x, conv_x = conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
+  bc, conv_bc = conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
   x, bc = jax.nn.silu(x), jax.nn.silu(bc)
   dt, A = _dt_and_A(p, dt_raw, cfg)
   if mask is not None:
@@ -195,10 +205,12 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   form, chunk = rt.ssd_plan(cfg.chunk_size)
   ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
   ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
-  if form in ("pallas", "interpret"):
+  if form in ("pallas", "interpret") and split is None:
     y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
   else:
-    y, ssm = ssd_chunked(*ssd_args, **ssd_kw, form=form)
+    # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
+    # kernels do not take a slice's entering state from the other devices yet.
+    y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
   out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
@@ -219,9 +231,8 @@ def _ssd_fused_sharded(x, dt, A, B, C, chunk, *, D, initial_state, seq_idx, inte
     return fused(x, dt, A, B, C, chunk, D=D, initial_state=initial_state, seq_idx=seq_idx)
   mesh, rules = act
   spec = lambda *axes: sharding.logical_to_spec(axes, rules)
-  if spec("act_length")[0] is not None:
-    raise ValueError("the Pallas SSD cannot split the sequence over devices (rule act_length): "
-                     "use runtime.ssd_impl='xla'")
+  if _axes_size(mesh, spec("act_length")[0]) > 1:  # the mixer sends split sequences to XLA's SSD
+    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
   tp, g = _axes_size(mesh, spec("act_inner")[0]), B.shape[2]
   if g > 1 and g % tp:
     raise ValueError(f"the Pallas SSD splits heads over {tp} devices but ngroups={g} does not divide "

@@ -160,6 +160,51 @@ def _state_out(C, state, cs, keep_in=None):
   return y * decay_in[..., None]
 
 
+def pass_states(init, states, totals, doc_end=None):
+  """State passing between consecutive segments (the chunks of `ssd_chunked`, or
+  the slices of a sequence split over devices): the only sequential part, done
+  as one (z+1) x (z+1) masked product since z is small:
+  H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}, slot 0 the state before segment 0
+  and slot z+1 segment z's own end state (from a zero start).
+
+  init: (b, *hd, p, n) the state before segment 0; states: (z, b, *hd, p, n);
+  totals: (z, b, *hd) float32 log decay across each whole segment; doc_end:
+  (z+1, b) the document each slot's state belongs to (slot 0: init's, i.e. the
+  first position's; slot z+1: segment z's last position's), or None. A state
+  reaches a later slot only within its document (seq_idx is nondecreasing).
+  Returns the states entering each segment (z, b, *hd, p, n) and the final state.
+  """
+  states = jnp.concatenate([init[None].astype(states.dtype), states], axis=0)
+  totals = jnp.concatenate([jnp.zeros_like(totals[:1]), totals], axis=0)
+  seg, _ = _segsums(jnp.moveaxis(totals, 0, -1), two_level=False)  # (b, *hd, z_out, z_in)
+  keep = _tril(states.shape[0])
+  if doc_end is not None:
+    same = jnp.moveaxis(doc_end[:, None] == doc_end[None, :], -1, 0)  # (b, z_out, z_in)
+    keep = keep & same.reshape(same.shape[:1] + (1,) * (totals.ndim - 2) + same.shape[1:])
+  decay = jnp.where(keep, jnp.exp(seg), 0.0)
+  states = jnp.einsum("...zy,y...pn->z...pn", decay, states, precision=_HIGHEST)
+  return states[:-1], states[-1]
+
+
+def state_outputs(C, state, dt, A, *, keep_in=None):
+  """What a state entering a segment adds to its outputs (`_state_out` over the
+  whole segment): y_t = C_t . H exp(sum_{k<=t} dt_k A), zero where keep_in is False.
+
+  C: (b, l, g, n); state: (b, h, p, n) float32; dt: (b, l, h); A: (h,);
+  keep_in: (b, l) bool, True where position t belongs to the state's document.
+  Returns (b, l, h, p) float32. The exponent is a running sum of terms of one
+  sign (never a difference of sums), float32 like every decay here.
+  """
+  b, l, g, n = C.shape
+  h, p = state.shape[1:3]
+  f32 = _acc_dtype(state)
+  cs = jnp.cumsum(dt.astype(f32) * A.astype(f32), axis=1)  # (b, l, h)
+  cs = cs.reshape(b, l, g, h // g).transpose(0, 2, 3, 1)  # (b, g, r, t)
+  Cg = C.transpose(0, 2, 1, 3)  # (b, g, t, n)
+  y = _state_out(Cg, state.astype(f32).reshape(b, g, h // g, p, n), cs, keep_in)  # (b, g, r, t, p)
+  return y.transpose(0, 3, 1, 2, 4).reshape(b, l, h, p)
+
+
 def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
                 form: str = "parallel"):
   """Chunked SSD scan.
@@ -251,19 +296,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
     # they dominate a train step's memory (docs/bench/design_notes.md).
     terms = jax.checkpoint(functools.partial(_chunk_terms, two_level=False))
     y, states, cs = terms(xc, dtc, ac, Bc, Cc, same)  # leading (c, b)
-    # State passing between chunks (the only sequential part, as a (c+1) x (c+1)
-    # masked product since c is small): H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'},
-    # with slot 0 the initial state and slot z+1 chunk z's own end state.
-    states = jnp.concatenate([init[None], states], axis=0)  # (c+1, b, g, r, p, n)
-    totals = jnp.concatenate([jnp.zeros_like(cs[:1, ..., -1]), cs[..., -1]], axis=0)
-    seg, _ = _segsums(jnp.moveaxis(totals, 0, -1), two_level=False)  # (b, g, r, z_out, z_in)
-    keep = _tril(nc + 1)
-    if seq_idx is not None:
-      doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0)  # (c+1, b)
-      keep = keep & (doc_end[:, None] == doc_end[None, :]).transpose(2, 0, 1)[:, None, None]
-    chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)
-    states = jnp.einsum("bgrzy,ybgrpn->zbgrpn", chunk_decay, states, precision=_HIGHEST)
-    prev, final = states[:-1], states[-1]
+    doc_end = None if seq_idx is None else jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0)
+    prev, final = pass_states(init, states, cs[..., -1], doc_end)
     y = y + _state_out(Cc, prev, cs, keep_in)
     if Dr is not None:
       y = y + xc.astype(f32) * Dr

@@ -1,12 +1,12 @@
-"""The device mesh of a run, from `config.mesh` (axes data, fsdp, tensor).
+"""The device mesh of a run, from `config.mesh` (axes data, fsdp, sequence, tensor).
 
 `-1` on one axis means "all the devices the other axes leave". The shape is
 checked against the device count here, before anything is traced or compiled.
 
 Over several hosts or slices (MaxText's ici / dcn split): `dcn_data` and
-`dcn_fsdp` say how many granules (TPU slices; hosts elsewhere) an axis spans
-over the slow data-center network, and data / fsdp / tensor then describe one
-granule, over its fast links. The mesh axis is the product: `dcn_data=4,
+`dcn_fsdp` (also `dcn_sequence`, `dcn_tensor`) say how many granules (TPU slices;
+hosts elsewhere) an axis spans over the slow data-center network, and data / fsdp
+/ sequence / tensor then describe one granule, over its fast links. The mesh axis is the product: `dcn_data=4,
 data=1, fsdp=8` is a data axis of 4 across hosts and fsdp 8 inside each, so the
 gradient all-reduce is the only traffic between hosts. With every dcn_* at 1
 (the default) data / fsdp / tensor span all devices, as before.
@@ -28,7 +28,7 @@ DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
 
 
 def dcn_shape(mesh_cfg: Mapping[str, int]) -> dict[str, int]:
-  """{'data': granules, 'fsdp': ..., 'tensor': ...} from the dcn_* keys (default 1)."""
+  """{'data': granules, 'fsdp': ..., 'sequence': ..., 'tensor': ...} from the dcn_* keys (default 1)."""
   shape = {a: int(mesh_cfg.get(k, 1)) for k, a in DCN_KEYS.items()}
   bad = {f"dcn_{a}": s for a, s in shape.items() if s < 1}
   if bad:
@@ -37,7 +37,7 @@ def dcn_shape(mesh_cfg: Mapping[str, int]) -> dict[str, int]:
 
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """{'data': d, 'fsdp': f, 'tensor': t} with any -1 filled; raises ValueError on a mismatch.
+  """{'data': d, 'fsdp': f, 'sequence': s, 'tensor': t} with any -1 filled; raises ValueError on a mismatch.
   With dcn_* keys each axis is dcn_<axis> x <axis>, the latter resolved within a granule."""
   unknown = sorted(set(mesh_cfg) - set(MESH_AXES) - set(DCN_KEYS))
   if unknown:
@@ -72,14 +72,14 @@ def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int
                        f"the {num_devices} devices, so '{fill[0]}' = -1 cannot fill the rest")
     shape[fill[0]] = num_devices // fixed
   elif fixed != num_devices:
-    raise ValueError(f"config.mesh {shape} spans data*fsdp*tensor = {fixed} devices, but "
+    raise ValueError(f"config.mesh {shape} spans data*fsdp*sequence*tensor = {fixed} devices, but "
                      f"{num_devices} devices are present; make the product {num_devices} "
                      f"or set one axis to -1")
   return shape
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A Mesh over `devices` (default: all) with axes ('data', 'fsdp', 'tensor')."""
+  """A Mesh over `devices` (default: all) with axes MESH_AXES ('data', 'fsdp', 'sequence', 'tensor')."""
   devices = list(jax.devices() if devices is None else devices)
   if math.prod(dcn_shape(mesh_cfg).values()) > 1:
     return make_hybrid_mesh(mesh_cfg, devices)
@@ -123,7 +123,7 @@ def hybrid_device_grid(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device
         f"{len(granules)}")
   sizes = {len(g) for g in granules}
   if sizes != {math.prod(ici_dims)}:
-    raise ValueError(f"config.mesh: each {kind} must hold data*fsdp*tensor = {math.prod(ici_dims)} "
+    raise ValueError(f"config.mesh: each {kind} must hold data*fsdp*sequence*tensor = {math.prod(ici_dims)} "
                      f"devices, but they hold {sorted(sizes)}")
   grid = None
   if devices[0].platform != "cpu":  # topology-aware inside each granule on TPU/GPU

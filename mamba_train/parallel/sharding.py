@@ -20,16 +20,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from mamba_train.parallel.sequence import SequenceSplit
+
+# The sequence axis sits next to tensor: after it, the fastest links. Its traffic
+# is small (a state summary and a conv halo per layer), but on the critical path.
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Logical name -> mesh axis (or axes, or None = replicated).
 # Parameters: 'embed' is the model dimension FSDP shards; 'inner'/'heads'/'vocab'
 # are split by tensor parallelism (whole heads, since d_inner = heads * headdim
 # is laid out head-major). Activations use the act_* names so that the model
-# dimension of activations stays whole while the batch is split.
+# dimension of activations stays whole while the batch is split. 'act_length'
+# splits one sequence over the 'sequence' axis (parallel/sequence.py); the mixer
+# then runs its convolution and SSD under shard_map (`sequence_split`).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("act_length", None),
+    ("act_length", "sequence"),
     ("act_embed", None),
     ("act_inner", "tensor"),
     ("act_vocab", "tensor"),
@@ -77,6 +83,23 @@ def active() -> tuple[Mesh, tuple] | None:
   return _ACTIVE[-1] if _ACTIVE else None
 
 
+def sequence_split() -> SequenceSplit | None:
+  """How the active rules split the length of activations: a `SequenceSplit`
+  (the mixer's shard_map'd convolution and SSD) when 'act_length' maps to one
+  mesh axis of size > 1, else None (the mixer runs as on one device)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+  axis = dict(rules).get("act_length")
+  if isinstance(axis, tuple):
+    if len(axis) != 1:
+      raise ValueError(f"'act_length' must map to one mesh axis, got {axis}")
+    axis = axis[0]
+  if axis is None or mesh.shape[axis] == 1:
+    return None
+  return SequenceSplit(mesh, axis)
+
+
 def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
   """Drop mesh axes from dimensions they do not divide (those stay replicated)."""
   out = []
@@ -100,15 +123,45 @@ def tree_shardings(shapes: Any, logical_axes: Any, mesh: Mesh, rules=DEFAULT_RUL
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
-  """(b, l) batches: sequences split like the activations' batch axis, positions whole."""
-  return NamedSharding(mesh, logical_to_spec(("batch", None), rules))
+  """(b, l) batches: split like the activations' batch and length axes (positions
+  whole unless the sequence axis splits them)."""
+  return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
 
 
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:
   """This process's rows of a batch -> global arrays split by `batch_sharding`.
 
   Process p holds global rows [p*b, (p+1)*b), as the loaders hand them out, so
-  the global batch equals the one a single process would load.
+  the global batch equals the one a single process would load. When the sequence
+  axis spans processes (mesh.dcn_sequence), a process's devices hold some positions
+  of other processes' rows instead: the rows go up as loaded and move on the devices.
   """
   sh = batch_sharding(mesh, rules)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}
+  arrays = {k: np.asarray(v) for k, v in batch.items()}
+  if not arrays or _holds_own_rows(sh, next(iter(arrays.values())).shape):
+    return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}
+  loaded = _process_rows(mesh)
+  # device_put between shardings of one device set in another order: XLA moves the data.
+  return {k: jax.device_put(jax.make_array_from_process_local_data(loaded, v), sh)
+          for k, v in arrays.items()}
+
+
+def _holds_own_rows(sh: NamedSharding, local_shape) -> bool:
+  """Whether this process's devices hold exactly its loaded rows, every position."""
+  b, l = local_shape
+  p, global_shape = jax.process_index(), (b * jax.process_count(), l)
+  held = sh.addressable_devices_indices_map(global_shape).values()
+
+  def covered(slices, size):  # (first, end, positions in the distinct pieces)
+    pieces = {s.indices(size)[:2] for s in slices}
+    return min(a for a, _ in pieces), max(e for _, e in pieces), sum(e - a for a, e in pieces)
+
+  return (covered([r for r, _ in held], global_shape[0]) == (p * b, (p + 1) * b, b)
+          and covered([c for _, c in held], l) == (0, l, l))
+
+
+def _process_rows(mesh: Mesh) -> NamedSharding:
+  """Rows split over processes in process order, whole on each of a process's devices."""
+  devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+  grid = np.array(devices).reshape(jax.process_count(), -1)
+  return NamedSharding(Mesh(grid, ("processes", "local")), PartitionSpec("processes"))

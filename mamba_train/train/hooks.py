@@ -3,7 +3,9 @@ a run whose loss stays non-finite, and the throughput meter."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import Any, Callable, Iterable
 
 from mamba_train.metrics import Timer
@@ -37,16 +39,26 @@ class NonFiniteLossError(RuntimeError):
   pass
 
 
+def nonfinite_limit(max_steps: int, total_steps: int) -> int:
+  """The streak that stops a run: `max_steps`, or for -1 (auto) min(20, total_steps // 4),
+  at least 1, so that a short run whose steps are all skipped cannot end well."""
+  return max(1, min(20, total_steps // 4)) if max_steps < 0 else max_steps
+
+
 class NonFiniteGuard:
-  """Hook body that stops the run after `max_steps` non-finite steps in a row.
+  """Hook body that stops the run after `max_steps` non-finite steps in a row
+  (-1: `nonfinite_limit`'s automatic choice; 0: never), and counts skipped steps.
 
   It reads the previous step's streak while the current step runs, so watching
   every step does not stall the device; the last step is checked at once.
+  `finish()`, after the loop, checks what is left and fails a run that skipped
+  more than half of its steps.
   """
 
   def __init__(self, max_steps: int, last_step: int):
-    self.max_steps, self.last_step = max_steps, last_step
+    self.max_steps, self.last_step = nonfinite_limit(max_steps, last_step), last_step
     self._pending = None
+    self.checked = self.skipped = 0
 
   def __call__(self, step: int, state, metrics: dict) -> None:
     if self._pending is not None:
@@ -55,14 +67,61 @@ class NonFiniteGuard:
     if step == self.last_step:
       self._check(*self._pending)
 
+  def finish(self) -> None:
+    if self._pending is not None:
+      self._check(*self._pending)
+    if self.max_steps > 0 and 2 * self.skipped > self.checked:
+      raise NonFiniteLossError(
+          f"{self.skipped} of the {self.checked} steps of this run were skipped for a non-finite "
+          f"loss or gradient. Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
+
+  def summary(self) -> str:
+    return f"{self.skipped} of {self.checked} steps skipped (non-finite loss or gradient)"
+
   def _check(self, step, streak) -> None:
+    if self._pending is not None and step == self._pending[0]:
+      self._pending = None
     streak = int(streak)
+    self.checked += 1
+    self.skipped += streak > 0
     if self.max_steps > 0 and streak >= self.max_steps:
       raise NonFiniteLossError(
           f"the loss or gradient was non-finite for {streak} steps in a row (steps "
           f"{step - streak + 1}..{step}, optim.max_nonfinite_steps = {self.max_steps}). Those "
           f"updates were skipped, so the parameters are still those after step {step - streak}. "
           f"Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
+
+
+class LossSpike(Exception):
+  """Raised by SpikeGuard; the loop rolls back to the last checkpoint and skips batches."""
+
+  def __init__(self, step: int, loss: float, mean: float):
+    super().__init__(f"loss spike at step {step}: {loss:.4g}, above {mean:.4g} (the recent mean)")
+    self.step, self.loss, self.mean = step, loss, mean
+
+
+class SpikeGuard:
+  """Hook body: raises LossSpike when a step's loss is more than `factor` times the
+  mean of the previous `window` finite losses (once there are `window` of them).
+  Reading the loss at every step waits for the step, so the guard is off unless
+  asked for (optim.spike_factor). PaLM and OLMo met such spikes by restarting from
+  a checkpoint before them and skipping the batches in between; the loop does that."""
+
+  def __init__(self, factor: float, window: int):
+    self.factor, self.recent = factor, collections.deque(maxlen=window)
+
+  def __call__(self, step: int, state, metrics: dict) -> None:
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+      return  # the non-finite guard's business
+    if len(self.recent) == self.recent.maxlen:
+      mean = sum(self.recent) / len(self.recent)
+      if loss > self.factor * mean:
+        raise LossSpike(step, loss, mean)
+    self.recent.append(loss)
+
+  def reset(self) -> None:
+    self.recent.clear()
 
 
 class Throughput:

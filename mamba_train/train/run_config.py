@@ -7,8 +7,10 @@ point passes that config here as the reference for unknown-key checks.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
+from mamba_train.data import mixture
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -52,9 +54,38 @@ def runtime(config) -> Runtime:
     raise ConfigError(f"config.runtime: {e}") from None
 
 
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# (key, test, what it must be): settings with which a run cannot train.
+_OPTIM_RANGES = (
+    ("lr", lambda v: v > 0, "a finite number > 0 (a zero or negative rate never learns)"),
+    ("warmup_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("decay_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("final_lr_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("eps", lambda v: v > 0, "> 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("clip_norm", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("spike_window", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+)
+
+
+def _optim_problems(optim: Mapping) -> list[str]:
+  out = [f"optim.{key} must be {what}, got {optim.get(key)!r}"
+         for key, ok, what in _OPTIM_RANGES if not (_number(optim.get(key)) and ok(optim[key]))]
+  n = optim.get("max_nonfinite_steps")
+  if not isinstance(n, int) or n < -1:
+    out.append(f"optim.max_nonfinite_steps must be -1 (auto), 0 (off) or a positive integer, got {n!r}")
+  return out
+
+
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
   """Raise ConfigError listing every problem found; return the resolved pieces:
-  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'tensor'}}."""
+  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'sequence', 'tensor'}}."""
   cfg = _to_dict(config)
   problems = []
   if reference is not None:
@@ -92,8 +123,18 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
           f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
           f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
           + f"; use a multiple of {dp * accum}")
+    sp, l = mesh["sequence"], cfg.get("seq_len")
+    if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
+      problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
+                      f"of at least d_conv - 1 = {model.d_conv - 1} positions")
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
+  problems += _optim_problems(optim)
+  if optim.get("spike_factor", 0) and cfg.get("checkpoint_every") == 0:
+    problems.append("optim.spike_factor needs checkpoint_every > 0 (it rolls back to a checkpoint)")
+  for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
+    if not isinstance(cfg.get(key), int) or cfg[key] < 0:
+      problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
   if optim.get("schedule") not in SCHEDULES:
     problems.append(f"optim.schedule must be one of {SCHEDULES}, got {optim.get('schedule')!r}")
   if optim.get("state_dtype") not in STATE_DTYPES:
@@ -102,6 +143,31 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
   if cfg["data"].get("source") not in DATA_SOURCES:
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
+  problems += _mixture_problems(cfg["data"])
+  harness = cfg.get("harness", {})
+  if harness.get("tasks") and harness.get("every", 0) > 0:
+    if cfg["data"].get("source") != "corpus":
+      problems.append("harness.tasks needs data.source='corpus' (its tokenizer)")
+    if process_count > 1:
+      problems.append("harness.tasks runs in single-process jobs only; run scripts/eval.py "
+                      "on a saved checkpoint instead")
   if problems:
+    if len(problems) == 1:  # one line
+      raise ConfigError(f"Invalid run config: {problems[0]}")
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
   return {"model": model, "runtime": rt, "mesh": mesh}
+
+
+def _mixture_problems(data: Mapping) -> list[str]:
+  if not data.get("mixture"):
+    return [f"data.mixture_schedule {data['mixture_schedule']!r} needs a data.mixture"] \
+        if data.get("mixture_schedule") else []
+  problems = []
+  if data.get("source") != "corpus" or data.get("dir"):
+    problems.append("data.mixture needs data.source='corpus' and no data.dir")
+  try:
+    sources = mixture.parse_mixture(data["mixture"])
+    mixture.parse_schedule(data.get("mixture_schedule", ""), len(sources))
+  except mixture.MixtureError as e:
+    problems.append(str(e))
+  return problems

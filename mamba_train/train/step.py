@@ -61,7 +61,7 @@ def _batch_shards() -> int:
 def _split_micro(batch, k: int, mesh: Mesh, rules):
   """(b, l) -> (k, b/k, l). Row j*k + i goes to micro-batch i, so each
   micro-batch keeps the batch's split over devices and nothing moves."""
-  spec = NamedSharding(mesh, sharding.logical_to_spec((None, "batch", None), rules))
+  spec = NamedSharding(mesh, sharding.logical_to_spec((None, "batch", "act_length"), rules))
 
   def split(x):
     x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
@@ -142,13 +142,24 @@ def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=shardi
 
 
 def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, float]:
-  """Mean loss over all unmasked tokens of `batches`, and its perplexity."""
+  """Mean loss over all unmasked tokens of `batches`, its perplexity, and the token count."""
   total, count = 0.0, 0.0
   for batch in batches:
     s, n = eval_step(params, batch)
     total, count = total + float(s), count + float(n)
+  return _eval_row(total, count)
+
+
+def _eval_row(total: float, count: float) -> dict[str, float]:
   loss = total / max(count, 1.0)
-  return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0)))}
+  return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0))), "eval_tokens": count}
+
+
+def pool_eval(rows: Iterable[Mapping[str, float]]) -> dict[str, float]:
+  """One `evaluate` row over the tokens of several (each source of a mixture)."""
+  rows = list(rows)
+  return _eval_row(sum(r["eval_loss"] * r["eval_tokens"] for r in rows),
+                   sum(r["eval_tokens"] for r in rows))
 
 
 def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:

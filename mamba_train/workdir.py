@@ -1,0 +1,137 @@
+"""One run per workdir: a lock file held for the whole run.
+
+`<workdir>/.lock` is created atomically (O_CREAT | O_EXCL, which local disks and
+NFS v3+ honour) and holds the holder's host, pid and start time, plus the time
+it was last refreshed; a background thread refreshes it every `refresh_s`. A
+second run on a locked workdir is refused with the holder named. A stale lock is
+taken over with a warning: one whose pid is dead on this host, or one not
+refreshed for `stale_s` (a holder on another host that died). With several
+processes only process 0 takes the lock (one lock per job).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another live run holds the workdir."""
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # alive, another user's
+    return True
+  return True
+
+
+def _holder_text(info: dict) -> str:
+  started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+  return f"pid {info.get('pid')} on {info.get('host')}, started {started}"
+
+
+class WorkdirLock:
+  """`with WorkdirLock(workdir): ...`, or `acquire()` / `release()`."""
+
+  def __init__(self, workdir, *, refresh_s: float = 60.0, stale_s: float = 600.0):
+    self.path = Path(workdir) / LOCK_NAME
+    self.refresh_s, self.stale_s = refresh_s, stale_s
+    self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    self._stop = threading.Event()
+    self._thread = None
+    self.held = False
+
+  def _write_new(self) -> bool:
+    """Create the lock file if absent; False if it exists."""
+    try:
+      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "w") as f:
+      json.dump({**self.info, "refreshed": time.time()}, f)
+    return True
+
+  def _read(self) -> dict | None:
+    try:
+      return json.loads(self.path.read_text())
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}  # being written, or garbage: judged by its age
+
+  def _stale_reason(self, info: dict) -> str | None:
+    age = time.time() - self.path.stat().st_mtime
+    if info.get("host") == self.info["host"] and isinstance(info.get("pid"), int):
+      if not _pid_alive(info["pid"]):
+        return f"its process {info['pid']} on this host is gone"
+      return None
+    if age > self.stale_s:
+      return f"it was not refreshed for {age:.0f} s (more than {self.stale_s:.0f} s)"
+    return None
+
+  def acquire(self) -> "WorkdirLock":
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+      if self._write_new():
+        break
+      info = self._read()
+      if info is None:
+        continue  # released meanwhile: try again
+      reason = self._stale_reason(info)
+      if reason is None:
+        raise WorkdirLockedError(
+            f"{self.path.parent} is in use by another run ({_holder_text(info)}); wait for it to "
+            f"end, or use another --workdir. If that run is dead, delete {self.path}.")
+      log.warning("taking over the stale lock %s (%s): %s", self.path, _holder_text(info), reason)
+      stale = self.path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
+      try:
+        os.replace(self.path, stale)  # one taker wins; the others find no file or a new lock
+        stale.unlink()
+      except FileNotFoundError:
+        pass
+    else:
+      raise WorkdirLockedError(f"could not take the lock {self.path}; is another run starting?")
+    self.held = True
+    self._thread = threading.Thread(target=self._refresh_loop, name="workdir-lock", daemon=True)
+    self._thread.start()
+    return self
+
+  def _refresh_loop(self) -> None:
+    while not self._stop.wait(self.refresh_s):
+      try:
+        tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**self.info, "refreshed": time.time()}))
+        os.replace(tmp, self.path)
+      except OSError as e:  # a full disk must not kill the run from here
+        log.warning("could not refresh %s: %s", self.path, e)
+
+  def release(self) -> None:
+    if not self.held:
+      return
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    info = self._read()
+    if info and info.get("pid") == self.info["pid"] and info.get("host") == self.info["host"]:
+      self.path.unlink(missing_ok=True)
+    self.held = False
+
+  def __enter__(self):
+    return self.acquire()
+
+  def __exit__(self, *exc):
+    self.release()
+    return False
