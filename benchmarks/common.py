@@ -85,7 +85,7 @@ def model_cfg(args, size: str, **overrides) -> Mamba2Config:
 
 def unresolved_runtime(args) -> Runtime:
   """How the model runs, from --dtype, --remat and --ssd_form (scan or parallel:
-  the XLA SSD in that form; auto: the backend's default, Pallas kernels off CPU) (the runtime's
+  the XLA SSD in that form; auto: the backend's default, Pallas kernels on TPU) (the runtime's
   defaults where a flag is unset); 'auto' left for the caller to resolve."""
   kw = {"compute_dtype": args.dtype}
   if args.remat:

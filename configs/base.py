@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   # compute_dtype: float32 | bfloat16 (the matmuls; the rest stays float32)
   # remat: none | full | save_matmuls (what the backward pass recomputes)
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
-  # ssd_impl: auto (xla on CPU, pallas on TPU/GPU) | xla | pallas | interpret
+  # ssd_impl: auto (pallas on TPU, xla on CPU and GPU) | xla | pallas | interpret
   #   (pallas: the fused SSD kernels, model/ssd_pallas.py; interpret: them in Pallas' interpreter)
   # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form

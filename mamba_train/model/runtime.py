@@ -30,11 +30,12 @@ def default_form(backend: str) -> str:
 
 
 def default_impl(backend: str) -> str:
-  """The SSD implementation for a backend: the plain-JAX `ssd.ssd_chunked` on CPU
-  (XLA:CPU keeps a chunk's (t, s) terms in cache; Pallas runs there only in its
-  interpreter), the Pallas kernels of `ssd_pallas` on TPUs and GPUs, where they keep
-  those terms out of HBM."""
-  return "xla" if backend == "cpu" else "pallas"
+  """The SSD implementation for a backend: the Pallas kernels of `ssd_pallas` on TPUs,
+  where they keep each chunk's (t, s) terms out of HBM; the plain-JAX
+  `ssd.ssd_chunked` on CPU (XLA:CPU keeps those terms in cache; Pallas runs there
+  only in its interpreter) and on GPUs, until the kernels have run on one (they are
+  written to Mosaic TPU's rules and were never compiled for a GPU; 'pallas' asks)."""
+  return "pallas" if backend == "tpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Runtime(FrozenFields):
   # Who computes the SSD: 'xla' (`ssd.ssd_chunked`, in `ssd_form`), 'pallas' (the
   # fused kernels of `ssd_pallas`, at parallel_chunk_size; TPU and GPU only),
   # 'interpret' (those kernels in Pallas' interpreter: any backend, slow; for
-  # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for).
+  # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for:
+  # pallas on TPU, xla elsewhere).
   ssd_impl: str = "auto"
   # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
   # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled
