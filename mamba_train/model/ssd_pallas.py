@@ -5,15 +5,21 @@ and what CPUs run): float32 decays, segment sums as sums of the terms they cover
 matmuls in the dtype of x with float32 accumulation. Letters as in `ssd.py`.
 
 The XLA form writes every chunk's (t, s) decay and score matrices to HBM and reads
-them back (most of a layer's bytes on a TPU). Here they live in VMEM (TPU) or
-shared memory (GPU) only, in the two kernels of the block decomposition:
+them back. Here they live in VMEM only (the kernels follow Mosaic TPU's tiling
+rules; they were never compiled for a GPU), in the two kernels of the block
+decomposition:
 
-  `_chunk_states`: each chunk's end state from its own inputs (the right low-rank
-      factor), (c, b, h, p, n) float32; reads x, dt, a, B once.
-  the state passing between chunks: plain JAX, as in `ssd_chunked` (small: c x c);
+  `_chunk_states`: the initial state (slot 0) and each chunk's end state from its
+      own inputs (the right low-rank factor), (b, g, r, c+1, p, n) float32; reads
+      x, dt, a, B once.
+  the state passing between chunks: plain JAX, one (c+1) x (c+1) masked matmul
+      per head over those slots, as `ssd_chunked`'s parallel form;
   `_chunk_outputs`: the diagonal block, the entering state's output (the left
       factor) and the D skip, written once as y in the compute dtype; reads x, dt,
       a, B, C and the entering states once.
+
+x and y travel as (.., p, q) blocks: positions on the 128 lanes (a (q, p) block
+would pad p = 64 to 128 lanes and double their bytes).
 
 Each grid step takes one chunk, one sequence, one group and a block of `hb` heads,
 so B and C (shared by a group's heads) are read once per head block; the cost
