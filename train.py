@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -30,7 +29,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import checkpoint, data  # noqa: E402
+from mamba_train import checkpoint, data, storage  # noqa: E402
 from mamba_train import workdir as workdir_lib  # noqa: E402
 from mamba_train import metrics as metrics_lib  # noqa: E402
 from mamba_train.interop.load import load_model, saved_configs  # noqa: E402
@@ -77,6 +76,15 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds of silence after which a process counts as dead and the job stops.")
 
 
+def data_sources(config):
+  """(the prepared datasets a corpus run reads, its weight schedule)."""
+  if config.data.mixture:
+    sources = data.parse_mixture(config.data.mixture)
+    return sources, data.parse_schedule(config.data.mixture_schedule, len(sources))
+  dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
+  return [data.Source(dir_, 1.0)], []
+
+
 def make_loaders(config, model_cfg, workdir=None):
   """(train iterator, {source name: factory of eval-batch iterators}), both yielding
   this process's rows. One unnamed ('') eval source unless config.data.mixture is set."""
@@ -88,12 +96,7 @@ def make_loaders(config, model_cfg, workdir=None):
         data.SyntheticLoader(vocab_size=model_cfg.vocab_size, seed=config.seed + 7919, **kw),
         config.eval_batches)
     return train, {"": held_out}
-  if config.data.mixture:
-    sources = data.parse_mixture(config.data.mixture)
-    schedule = data.parse_schedule(config.data.mixture_schedule, len(sources))
-  else:
-    dir_ = config.data.dir or data.ensure_default_corpus(os.path.join(_HERE, "data"))
-    sources, schedule = [data.Source(dir_, 1.0)], []
+  sources, schedule = data_sources(config)
   try:  # a missing source, another tokenizer or vocabulary: refused before compiling
     metas = [data.read_metadata(s.dir) for s in sources]
     for m in metas:
@@ -111,7 +114,8 @@ def make_loaders(config, model_cfg, workdir=None):
                       config.seq_len)
   tokenizer = os.path.join(sources[0].dir, "tokenizer.json")
   if workdir and jax.process_index() == 0 and os.path.exists(tokenizer):
-    shutil.copy(tokenizer, os.path.join(workdir, "tokenizer.json"))  # exports ship it
+    with open(tokenizer) as f:  # exports ship it
+      storage.write_text(storage.path(workdir) / "tokenizer.json", f.read())
   train = data.make_mixture_loader(sources, seed=config.seed, schedule=schedule, **kw)
   named = len(sources) > 1
   held_out = {s.name if named else "": functools.partial(
@@ -119,9 +123,14 @@ def make_loaders(config, model_cfg, workdir=None):
   return train, held_out
 
 
-def make_harness(config, model_cfg, workdir):
+def make_harness(config, model_cfg, tokenizer_path):
   """`fn(step, params, writer, throughput)` running config.harness.tasks with
-  lm-evaluation-harness and logging harness/<task>/<metric>; None when off."""
+  lm-evaluation-harness and logging harness/<task>/<metric>; None when off.
+
+  In a multi-process job every process calls it: the parameters are sharded over
+  the processes, so no process can run the model's forward alone, and lm-eval builds
+  the same requests in the same order everywhere, so all run the same programs (see
+  mamba_train/eval_harness.py). Only process 0's writer writes."""
   h = config.harness
   if not (h.tasks and h.every > 0):
     return None
@@ -134,19 +143,22 @@ def make_harness(config, model_cfg, workdir):
   from mamba_train.data.tokenizer import load_tokenizer
   tasks = h.tasks.split(",")
   try:
+    eval_harness.parse_batch_size(h.batch_size)
     manager = eval_harness.task_manager(h.include_path, tasks)
     tasks = eval_harness.check_tasks(tasks, manager)
   except ValueError as e:
-    raise run_config.ConfigError(f"config.harness.tasks: {e}") from None
-  tokenizer = load_tokenizer(os.path.join(workdir, "tokenizer.json"))
-  runtime = run_config.runtime(config)
+    raise run_config.ConfigError(f"config.harness: {e}") from None
+  tokenizer = load_tokenizer(tokenizer_path)
+  runtime = run_config.runtime(config).resolve(jax.devices()[0].platform)
+  if jax.process_index() != 0:  # the same tables and progress bars as process 0's
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
 
   def run(step, params, writer, throughput):
     lm = eval_harness.HarnessLM(Mamba2LM.from_params(model_cfg, params, runtime), tokenizer,
-                                batch_size=h.batch_size)
+                                batch_size=h.batch_size, max_batch_size=h.max_batch_size)
     results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
                                      num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
-                                     bootstrap_iters=0)
+                                     bootstrap_iters=0, env_info=False)
     writer.write(step, eval_harness.flat_metrics(results))
     throughput.reset()  # evaluation time is not training time
   return run
@@ -173,6 +185,8 @@ def main(argv):
   del argv
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").addFilter(_quiet_library_info)
+  for chatty in ("gcsfs", "fsspec", "google"):  # the bucket clients log every file they open
+    logging.getLogger(chatty).setLevel(logging.WARNING)
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
@@ -219,7 +233,7 @@ MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
 
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
 USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
-               workdir_lib.WorkdirLockedError, data.DataError)
+               workdir_lib.WorkdirLockedError, data.DataError, storage.StorageError)
 # A run that started and cannot go on: one line saying why, exit 1.
 RUN_FAILURES = (hooks.NonFiniteLossError, checkpoint.CheckpointWriteError)
 
@@ -233,8 +247,9 @@ def train(config, workdir):
   if not workdir and jax.process_count() > 1:
     # Each process would stamp its own time: they must share one directory.
     raise run_config.ConfigError("--workdir is required when the job spans several processes "
-                                 "(a directory every process can reach, e.g. a GCS bucket)")
+                                 "(a directory every process can reach, e.g. gs://BUCKET/runs/NAME)")
   workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
+  storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
   lock = lock_workdir(workdir)  # before anything is read or written there
   try:
     run(config, workdir, resolved, stamp)
@@ -271,9 +286,8 @@ def run(config, workdir, resolved, stamp):
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
   check_resumable(ckpt, config, force=_FORCE_RESUME.value)
   if is_main:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config.to_dict(), f, indent=2)
+    storage.makedirs(workdir)
+    storage.write_text(storage.path(workdir) / "config.json", json.dumps(config.to_dict(), indent=2))
 
   # ===== mesh =====
   mesh = make_mesh(config.mesh)
@@ -282,7 +296,10 @@ def run(config, workdir, resolved, stamp):
   # ===== data =====
   train_loader, held_out = make_loaders(config, model_cfg, workdir)
 
-  harness = make_harness(config, model_cfg, workdir)  # task names checked before compiling
+  # Task names checked before compiling; the tokenizer of the (first) data source.
+  harness = make_harness(config, model_cfg,
+                         os.path.join(data_sources(config)[0][0].dir, "tokenizer.json")
+                         if config.data.source == "corpus" else "byte")
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
@@ -356,6 +373,7 @@ def run(config, workdir, resolved, stamp):
                         step, int(m["nonfinite_streak"]))
         return
     ckpt.save(step, state, train_loader, config.to_dict(), force=force)
+    writer.sync()  # on a bucket: the record reaches every saved step
 
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)

@@ -80,7 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
       include_path="",  # a directory of extra task yamls
       limit=0,  # examples per task (0 = all)
       num_fewshot=-1,  # -1 = the task's default
-      batch_size=16,
+      batch_size="16",  # an int, "auto" or "auto:N", as lm-eval reads --batch_size
+      max_batch_size=64,  # the most "auto" tries (lm-eval's default)
   ))
 
   # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---

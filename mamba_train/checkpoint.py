@@ -6,10 +6,13 @@ Layout: `<workdir>/checkpoints/<step>/` holding three items:
   data    the data iterator's state, one JSON file per process (Grain's handler);
   config  the resolved run config (JSON).
 
-Orbax writes each step into a temporary directory and renames it when complete,
+The workdir is a local directory or a gs:// bucket (`mamba_train.storage`). Orbax
+writes each step into a temporary directory and renames it when complete (local),
+or writes a commit file into the step last (a bucket, which has no atomic rename),
 so a save cut off by a crash never becomes a step that a restart can pick.
 A step any of whose items (state, data, config) is damaged is skipped on restore,
-with a warning naming it and the step used instead. Nothing is deleted except by the keep-last-k policy.
+with a warning naming it and the step used instead, and set aside as
+`<step>.damaged` (`storage.move_dir`). Nothing is deleted except by the keep-last-k policy.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 import signal
-from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
+from mamba_train import storage
 from mamba_train.model.mamba2 import param_shapes, shape_problems
 
 log = logging.getLogger(__name__)
@@ -61,15 +64,19 @@ def _grain_item(it):
   return it if hasattr(it, "start_prefetch") else _JsonStateIterator(it)
 
 
-def checkpoint_dir(workdir) -> Path:
-  return Path(workdir) / "checkpoints"
+# Orbax's mark of a finished step on a bucket: deleted first when a step is set aside.
+COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE
+
+
+def checkpoint_dir(workdir) -> epath.Path:
+  return storage.path(workdir) / "checkpoints"
 
 
 class Checkpointer:
   """Saves and restores (state, data iterator, config) under `<workdir>/checkpoints`."""
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True):
-    self.directory = checkpoint_dir(workdir).absolute()
+    self.directory = checkpoint_dir(workdir)
     self.keep = keep if keep > 0 else None
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=True,
@@ -106,15 +113,21 @@ class Checkpointer:
 
   def _write_error(self, step, error: BaseException) -> CheckpointWriteError:
     self._failed = True
+    remote = storage.is_remote(self.directory)
     try:
-      free = f"{shutil.disk_usage(_existing_parent(self.directory)).free / 2**30:.2f} GiB free there"
+      room = storage.free_bytes(self.directory)
+      free = "a bucket" if room is None else f"{room / 2**30:.2f} GiB free there"
     except OSError:
       free = "free space unknown"
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
-    done = [s for s in self.steps() if s != step]
-    last = f"the last complete checkpoint is step {done[-1]}" if done else "no checkpoint is complete"
+    try:
+      done = [s for s in self.steps() if s != step]
+      last = f"the last complete checkpoint is step {done[-1]}" if done else "no checkpoint is complete"
+    except Exception:  # noqa: BLE001 - the storage itself is gone
+      last = "the last complete checkpoint is unknown"
+    fix = ("Check the bucket (permissions, quota)" if remote else "Free space")
     return CheckpointWriteError(f"saving checkpoint step {step} to {self.directory} failed: {reason} "
-                                f"({free}); {last}. Free space (or use another --workdir) and rerun "
+                                f"({free}); {last}. {fix} (or use another --workdir) and rerun "
                                 "to resume.")
 
   def preflight(self, state_bytes: int) -> None:
@@ -122,10 +135,10 @@ class Checkpointer:
     keep = self.keep
     need = state_bytes * ((keep or 1) + 1)
     try:
-      free = shutil.disk_usage(_existing_parent(self.directory)).free
+      free = storage.free_bytes(self.directory)
     except OSError:
       return
-    if need > free:
+    if free is not None and need > free:
       log.warning("%s has %.2f GiB free but this run's checkpoints need about %.2f GiB (%s of %.2f "
                   "GiB and one being written): saves will fail. Free space, lower checkpoint_keep "
                   "or use another --workdir.", self.directory, free / 2**30, need / 2**30,
@@ -208,12 +221,6 @@ class Checkpointer:
     return None, None
 
 
-def _existing_parent(path: Path) -> Path:
-  while not path.exists() and path != path.parent:
-    path = path.parent
-  return path
-
-
 def _finished_save_error(manager) -> BaseException | None:
   """The error of a finished asynchronous save, if it failed. Orbax keeps it on its
   finalize thread and raises it only when the next save or close waits; this reads
@@ -228,13 +235,16 @@ def _finished_save_error(manager) -> BaseException | None:
 
 class _DropOrbaxRecords(logging.Filter):
   def filter(self, record: logging.LogRecord) -> bool:
-    return "/orbax/" not in record.pathname
+    # With a bucket, gcsfs logs every object it opens at INFO (its warnings stay).
+    return "/orbax/" not in record.pathname and (
+        record.levelno >= logging.WARNING or "/gcsfs/" not in record.pathname)
 
 
 @contextlib.contextmanager
 def _quiet_orbax():
   """Orbax's own log records (its warnings on reading read-only, its tracebacks of a
-  failed save that we report in one line) are dropped inside this block."""
+  failed save that we report in one line), and gcsfs's INFO records, are dropped
+  inside this block."""
   quiet = _DropOrbaxRecords()
   loggers = [logging.getLogger("absl"), logging.getLogger()]
   handlers = [h for lg in loggers for h in lg.handlers]
@@ -247,7 +257,7 @@ def _quiet_orbax():
       h.removeFilter(quiet)
 
 
-def _move_aside(directory: Path, steps: list[int]) -> None:
+def _move_aside(directory: epath.Path, steps: list[int]) -> None:
   if jax.process_index() != 0:
     return
   for s in steps:
@@ -257,11 +267,13 @@ def _move_aside(directory: Path, steps: list[int]) -> None:
     while dst.exists():
       dst, n = directory / f"{s}.damaged{n}", n + 1
     if src.exists():
-      src.rename(dst)
+      # A rename on a disk; on a bucket a copy, a marker, then the commit file's deletion
+      # (from then on no finished step) and the rest's.
+      storage.move_dir(src, dst, first=(COMMIT_FILE,))
       log.warning("moved the damaged checkpoint %s to %s (kept for inspection, not deleted)", src, dst)
 
 
-def _restore_data_from_other_process_count(directory: Path, data_iter) -> None:
+def _restore_data_from_other_process_count(directory: epath.Path, data_iter) -> None:
   """Grain names each process's iterator file `process_<i>-of-<n>.json`, so a run
   on another process count finds none of its own. That restore is exact for our
   loaders: their state counts global batches (every process reads its rows of the
@@ -287,7 +299,7 @@ def _state_tree(manager, step) -> dict:
   return meta.tree if hasattr(meta, "tree") else meta
 
 
-def _read_only(step_dir: Path) -> ocp.CheckpointManager:
+def _read_only(step_dir: epath.Path) -> ocp.CheckpointManager:
   # Orbax warns at INFO/WARNING about every read-only manager (nothing to delete, no
   # directory to create); callers hold _quiet_orbax so generate and export print none.
   return ocp.CheckpointManager(step_dir.parent, item_handlers=_handlers(),
@@ -298,7 +310,7 @@ def restore_params(path, abstract_params=None) -> Any:
   """Only the parameters of a checkpoint step directory (`<workdir>/checkpoints/<step>`),
   on this process's first device, for finetuning and export. `abstract_params`,
   if given, is checked against the saved shapes first."""
-  path = Path(path).absolute()
+  path = storage.path(path)
   with _quiet_orbax(), _read_only(path) as mgr:
     tree = _state_tree(mgr, int(path.name))
     if abstract_params is not None:
@@ -318,7 +330,7 @@ class CheckpointDamagedError(ValueError):
 
 def saved_config(path) -> dict:
   """The run config stored with a checkpoint step directory."""
-  path = Path(path).absolute()
+  path = storage.path(path)
   with _quiet_orbax(), _read_only(path) as mgr:
     try:
       return mgr.restore(int(path.name), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
@@ -328,15 +340,20 @@ def saved_config(path) -> dict:
           f"{str(e).splitlines()[0][:200]}); use an earlier step of {path.parent}") from None
 
 
-def find_step_dir(path) -> Path | None:
-  """`path` as a checkpoint step directory: a workdir (its newest step), its
-  `checkpoints/` directory, or a step directory itself. None if it is none of these."""
-  path = Path(path)
-  if (path / "state").is_dir() and path.name.isdigit():
-    return path
+def find_step_dir(path) -> epath.Path | None:
+  """`path` as a finished checkpoint step directory: a workdir (its newest step), its
+  `checkpoints/` directory, or a step directory itself. None if it is none of these.
+  (On a bucket a step being written already holds `state/`: Orbax says which are finished.)"""
+  path = storage.path(path)
+
+  def finished(ckdir) -> list[int]:
+    return sorted(s for s in ocp.path.step.checkpoint_steps(ckdir) if (ckdir / str(s) / "state").is_dir())
+
+  if path.name.isdigit() and (path / "state").is_dir():
+    return path if int(path.name) in finished(path.parent) else None
   ckdir = path if path.name == "checkpoints" else path / "checkpoints"
   if ckdir.is_dir():
-    steps = sorted((int(p.name) for p in ckdir.iterdir() if p.name.isdigit() and (p / "state").is_dir()))
+    steps = finished(ckdir)
     if steps:
       return ckdir / str(steps[-1])
   return None

@@ -3,7 +3,13 @@
 `generate` compiles prefill and the whole decode loop into one device program:
 a `jax.lax.while_loop` that steps every layer's recurrent state (`Mamba2Cache`,
 fixed size) one token at a time, samples on device, and stops as soon as every
-sequence has produced EOS. The host sees only the finished token buffer.
+sequence has produced EOS or one of its stop strings. The host sees only the
+finished token buffer.
+
+Stop strings are matched on the device against the bytes of the new tokens: the
+caller gives each token id's bytes (`token_byte_table`), the loop keeps the last
+few bytes of every row and compares them with the row's stop strings after each
+token, as transformers' and lm-eval's string stopping criteria do on the host.
 
 Prompts of different lengths are left-padded to one length (rounded up to a
 power of two, so a handful of programs serve all lengths) and the model's
@@ -97,23 +103,105 @@ def sample(key, logits, temperature, top_k, top_p):
 
 
 # ----------------------------------------------------------------------------
+# Stop strings, matched on the device.
+
+
+def token_byte_table(token_bytes: Sequence[bytes]) -> np.ndarray:
+  """(v, lt) int32: row i holds the bytes of token id i, then -1 (lt: the longest
+  token). An empty entry (a special token, an id the tokenizer never emits) can
+  never take part in a match."""
+  width = max(1, max(len(b) for b in token_bytes))
+  table = np.full((len(token_bytes), width), -1, np.int32)
+  for i, b in enumerate(token_bytes):
+    table[i, :len(b)] = np.frombuffer(b, np.uint8)
+  return table
+
+
+def stop_arrays(stop_strings, batch: int) -> tuple[np.ndarray, np.ndarray]:
+  """Stop strings -> (b, s, m) int32 bytes (-1 after each string's end) and their
+  lengths (b, s) (0: an unused slot). stop_strings is one list of byte strings for
+  every row or one list per row; s and m are rounded up to powers of two so few
+  programs serve all calls."""
+  per_row = stop_strings if stop_strings and not isinstance(stop_strings[0], (bytes, str)) \
+      else [stop_strings] * batch
+  if len(per_row) != batch:
+    raise ValueError(f"stop_strings holds {len(per_row)} lists for {batch} prompts; give one "
+                     "list for all prompts or one per prompt")
+  per_row = [[x.encode() if isinstance(x, str) else bytes(x) for x in row] for row in per_row]
+  if any(not x for row in per_row for x in row):
+    raise ValueError("an empty stop string would end every sequence at once; drop it")
+  s = _pow2(max(1, max(len(row) for row in per_row)))
+  m = _pow2(max([1] + [len(x) for row in per_row for x in row]))
+  stops = np.full((batch, s, m), -1, np.int32)
+  lengths = np.zeros((batch, s), np.int32)
+  for r, row in enumerate(per_row):
+    for j, x in enumerate(row):
+      stops[r, j, :len(x)] = np.frombuffer(x, np.uint8)
+      lengths[r, j] = len(x)
+  return stops, lengths
+
+
+def _pow2(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def _push_bytes(window, token_bytes):
+  """Append each row's token bytes (b, lt; -1 after the end) to its byte window
+  (b, w), keeping the newest w bytes."""
+  n = jnp.sum(token_bytes >= 0, axis=-1)
+  both = jnp.concatenate([window, token_bytes], axis=-1)
+  w = window.shape[-1]
+  return jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (w,)))(both, n)
+
+
+def _stop_hit(window, stops, lengths):
+  """(b,) bool: the row's window (b, w) holds one of its stop strings (b, s, m),
+  lengths (b, s). Bytes are >= 0 and the window's fill is -1, so only real bytes match."""
+  b, w = window.shape
+  m = stops.shape[-1]
+  padded = jnp.concatenate([window, jnp.full((b, m), -1, window.dtype)], axis=-1)
+  at = padded[:, np.arange(w)[:, None] + np.arange(m)[None, :]]  # (b, w, m): m bytes from each j
+  same = at[:, None] == stops[:, :, None, :]  # (b, s, w, m)
+  past_end = np.arange(m) >= lengths[:, :, None, None]
+  found = jnp.all(same | past_end, axis=-1).any(axis=-1)  # (b, s)
+  return jnp.any(found & (lengths > 0), axis=-1)
+
+
+# ----------------------------------------------------------------------------
 # The device program: prefill, then a while_loop of step + sample.
 
 
 def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
-                 max_new_tokens, *, buffer_len: int):
+                 max_new_tokens, stop=None, *, buffer_len: int):
   """Sample up to max_new_tokens (traced, <= buffer_len) tokens starting from
   `logits`/`cache`. Returns the tokens (b, buffer_len) int32 (pad after a
-  sequence's EOS and past the last step) and how many steps ran: the loop stops
-  early once every sequence has produced EOS (eos_id -1: never)."""
+  sequence's end and past the last step), how many steps ran, and each
+  sequence's length (b,) up to and including its EOS or the token that completed
+  a stop string (the steps run if neither came). The loop stops early once every
+  sequence has ended (eos_id -1: EOS never ends one).
+
+  stop: None, or (token bytes (v, lt), stop strings (b, s, m), their lengths
+  (b, s)) from `token_byte_table` and `stop_arrays`."""
   b = logits.shape[0]
   pick = lambda key, logits: sample(key, logits, temperature, top_k, top_p)
+  if stop is None:
+    window, ended = None, lambda window, tok: (window, tok == eos_id)
+  else:
+    table, stops, lengths = stop
+    # Enough bytes for a stop string that ends in the newest token's bytes.
+    window = jnp.full((b, stops.shape[-1] + table.shape[-1]), -1, jnp.int32)
+
+    def ended(window, tok):
+      window = _push_bytes(window, table[tok])
+      return window, (tok == eos_id) | _stop_hit(window, stops, lengths)
+
   tok = pick(jax.random.fold_in(key, 0), logits)
-  done = tok == eos_id
+  window, done = ended(window, tok)
   out = jnp.full((b, buffer_len), pad_id, jnp.int32).at[:, 0].set(tok)
+  length = jnp.where(done, 1, 0).astype(jnp.int32)
 
   def cond(carry):
-    i, _, _, _, done = carry
+    i, _, _, _, _, done, _ = carry
     return (i < max_new_tokens) & ~jnp.all(done)
 
   # Weights and states per layer, unstacked once out here: see Mamba2LM.step_unrolled.
@@ -121,23 +209,26 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
   states = unstack(cache.states(), len(layers))
 
   def body(carry):
-    i, tok, states, out, done = carry
+    i, tok, states, window, out, done, length = carry
     h, states = model.step_unrolled(tok, layers, states)
     nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), model.logits(h)))
     out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
-    return i + 1, nxt, states, out, done | (nxt == eos_id)
+    window, now = ended(window, nxt)
+    length = jnp.where(now & ~done, i + 1, length)
+    return i + 1, nxt, states, window, out, done | now, length
 
-  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, states, out, done))
-  return out, n
+  n, _, _, _, out, done, length = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), tok, states, window, out, done, length))
+  return out, n, jnp.where(done, length, n)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "buffer_len"))
 def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_k, top_p,
-                      eos_id, pad_id, max_new_tokens, *, buffer_len):
+                      eos_id, pad_id, max_new_tokens, stop, *, buffer_len):
   model = nnx.merge(graphdef, params)
   logits, cache = prefill(model, input_ids, mask)
   return decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
-                      max_new_tokens, buffer_len=buffer_len)
+                      max_new_tokens, stop, buffer_len=buffer_len)
 
 
 # ----------------------------------------------------------------------------
@@ -236,12 +327,21 @@ _COMPILED: dict = {}
 def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, eos_id: int | None = None, pad_id: int | None = None,
-                        max_prompt_len: int = MAX_PROMPT_LEN):
+                        max_prompt_len: int = MAX_PROMPT_LEN, stop_strings=None,
+                        token_bytes=None):
   """`generate`, also returning a `GenerateStats` with compile and run time."""
   cfg = model.config
   prompts, kind = _as_prompts(prompt_ids)
   _check(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
          max_prompt_len)
+  stop = None
+  if stop_strings:
+    if token_bytes is None or token_bytes.ndim != 2 or token_bytes.shape[0] < cfg.vocab_size:
+      raise ValueError("stop_strings needs token_bytes=token_byte_table(...) with a row for each "
+                       f"of the model's {cfg.vocab_size} token ids, got "
+                       f"{None if token_bytes is None else token_bytes.shape}")
+    table = token_bytes if token_bytes.shape[0] == cfg.vocab_size else token_bytes[:cfg.vocab_size]
+    stop = (table, *stop_arrays(stop_strings, len(prompts)))
   if pad_id is None:
     pad_id = eos_id if eos_id is not None else 0
   # Prompt length and output buffer are rounded up to powers of two and
@@ -253,9 +353,10 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
   args = (params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
           jnp.float32(temperature), jnp.int32(min(int(top_k), 2**31 - 1)), jnp.float32(top_p),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id),
-          jnp.int32(max_new_tokens))
+          jnp.int32(max_new_tokens), None if stop is None else tuple(map(jnp.asarray, stop)))
   # The active mesh and rules decide the cache's sharding constraints at trace time.
   signature = (graphdef, buffer_len, ids.shape, sharding.active(),
+               None if stop is None else tuple(x.shape for x in stop),
                tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params)))
   compile_s = 0.0
   if signature not in _COMPILED:
@@ -263,16 +364,12 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
       _COMPILED[signature] = _generate_program.lower(graphdef, *args, buffer_len=buffer_len).compile()
     compile_s = t.seconds
   with Timer() as t:
-    out, n = _COMPILED[signature](*args)
-    out, n = np.asarray(out), int(n)
+    out, n, lengths = _COMPILED[signature](*args)
+    out, n, lengths = sharding.to_host(out), int(sharding.to_host(n)), sharding.to_host(lengths)
   run_s = t.seconds
 
   out = out[:, :n]  # like transformers: stop at the step where every sequence ended
-  new_tokens = 0
-  for row in out:
-    hit = np.flatnonzero(row == eos_id) if eos_id is not None else []
-    new_tokens += (hit[0] + 1) if len(hit) else n
-  stats = GenerateStats(compile_s, run_s, sum(p.size for p in prompts), int(new_tokens), n)
+  stats = GenerateStats(compile_s, run_s, sum(p.size for p in prompts), int(lengths.sum()), n)
   full = [np.concatenate([p.astype(np.int32), row]) for p, row in zip(prompts, out)]
   if kind == "1d":
     return full[0], stats
@@ -283,7 +380,8 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
 
 def generate(model: Mamba2LM, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-             pad_id: int | None = None, max_prompt_len: int = MAX_PROMPT_LEN):
+             pad_id: int | None = None, max_prompt_len: int = MAX_PROMPT_LEN, stop_strings=None,
+             token_bytes=None):
   """Continue prompts by up to max_new_tokens tokens; returns each prompt followed
   by its new tokens, as transformers' `generate` does.
 
@@ -295,14 +393,21 @@ def generate(model: Mamba2LM, prompt_ids, max_new_tokens: int, *, temperature: f
   eos_id: a sequence stops at this token, the loop when all have; later
     positions hold pad_id (default eos_id, else 0). The output is cut after the
     last step run, so it can be shorter than prompt + max_new_tokens.
+  stop_strings: byte (or UTF-8 str) strings; a sequence also stops, on the device,
+    at the token whose bytes complete one of them (one list for all prompts, or a
+    list per prompt). The stop string stays in the output, as in transformers;
+    cutting the text at it is the caller's. Needs token_bytes.
+  token_bytes: `token_byte_table(...)` of the tokenizer's bytes per token id
+    (`mamba_train.data.tokenizer.token_bytes`); numpy or already on the device.
 
   Returns: for a 1-D prompt a 1-D array; for a 2-D array a 2-D array
   (b, l + steps); for a list, a list of 1-D arrays (each its own prompt, no padding).
   Raises ValueError for an empty prompt, one longer than max_prompt_len, ids
   outside the vocabulary, max_new_tokens < 1, temperature < 0, top_k < 0 or
-  top_p outside (0, 1].
+  top_p outside (0, 1], an empty stop string, or stop_strings without token_bytes.
   """
   out, _ = generate_with_stats(model, prompt_ids, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
-                               pad_id=pad_id, max_prompt_len=max_prompt_len)
+                               pad_id=pad_id, max_prompt_len=max_prompt_len,
+                               stop_strings=stop_strings, token_bytes=token_bytes)
   return out

@@ -10,11 +10,14 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from typing import Any, Mapping
 
 import jax
 
+from mamba_train import storage
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 
@@ -182,16 +185,19 @@ def _plain(v):
   return v
 
 
-def set_aside_after(path: str, step: int) -> str | None:
-  """Keep in `path` (a metrics.jsonl) only the rows of steps <= `step`, so that a run
-  resumed from the checkpoint of `step` logs each later step once. The other rows (and
-  any line cut off by a kill) go, in order, to `<path>.after-<step>[.n]`, which is
-  written before `path` is replaced (os.replace: atomic), so no row is ever lost.
-  Returns the set-aside file's name, or None when there was nothing to move."""
-  if not os.path.exists(path):
+def set_aside_after(path, step: int) -> str | None:
+  """Keep in `path` (a metrics.jsonl, local or on a bucket) only the rows of steps <=
+  `step`, so that a run resumed from the checkpoint of `step` logs each later step once.
+  The other rows (and any line cut off by a kill) go, in order, to
+  `<path>.after-<step>[.n]`, which is written before `path` is replaced; each of the two
+  writes is atomic (`storage.write_text`: a rename on a disk, one upload on a bucket),
+  so no row is ever lost. Returns the set-aside file's name, or None when there was
+  nothing to move."""
+  path = storage.path(path)
+  if not path.exists():
     return None
-  with open(path) as f:
-    lines = [l if l.endswith("\n") else l + "\n" for l in f]
+  rows = path.read_text().split("\n")  # the last: "" or a line cut off by a kill
+  lines = [l + "\n" for l in rows[:-1]] + ([rows[-1] + "\n"] if rows[-1] else [])
   keep, later = [], []
   for line in lines:
     try:
@@ -201,14 +207,12 @@ def set_aside_after(path: str, step: int) -> str | None:
     (keep if row_step is not None and row_step <= step else later).append(line)
   if not later:
     return None
-  aside, n = f"{path}.after-{step}", 1
-  while os.path.exists(aside):
-    aside, n = f"{path}.after-{step}.{n}", n + 1
-  for target, rows in ((aside, later), (path, keep)):
-    with open(target + ".tmp", "w") as f:
-      f.writelines(rows)
-    os.replace(target + ".tmp", target)
-  return os.path.basename(aside)
+  aside, n = path.with_name(f"{path.name}.after-{step}"), 1
+  while aside.exists():
+    aside, n = path.with_name(f"{path.name}.after-{step}.{n}"), n + 1
+  storage.write_text(aside, "".join(later))
+  storage.write_text(path, "".join(keep))
+  return aside.name
 
 
 class MetricsWriter:
@@ -219,12 +223,25 @@ class MetricsWriter:
   `resumed_from`: the step a resumed run restored. Rows of later steps, logged by
   the run that stopped, are set aside (`set_aside_after`) and a marker row
   `{"step": N, "event": "resumed", ...}` says where the record continues.
+
+  On a bucket, where an object cannot be appended to, rows go to a local copy that
+  is uploaded whole (one atomic write) every `sync_every_s`, at `sync()` (the train
+  loop calls it at each checkpoint, so the record reaches every saved step) and at
+  `close()`; W&B then keeps its files under $WANDB_DIR or ./wandb, not in the bucket.
   """
 
-  def __init__(self, workdir: str, *, wandb_cfg: Mapping[str, Any], run_config: Mapping[str, Any],
-               is_main: bool = True, resumed_from: int | None = None):
+  def __init__(self, workdir, *, wandb_cfg: Mapping[str, Any], run_config: Mapping[str, Any],
+               is_main: bool = True, resumed_from: int | None = None, sync_every_s: float = 60.0):
     self.is_main = is_main
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = storage.path(workdir) / "metrics.jsonl"
+    self._remote = storage.is_remote(workdir)
+    self._staging = None
+    self._local = self.path
+    if is_main and self._remote:
+      self._staging = tempfile.mkdtemp(prefix="mamba_train_metrics_")
+      self._local = os.path.join(self._staging, "metrics.jsonl")
+    self.sync_every_s = sync_every_s
+    self._synced = time.monotonic()
     self._file = None
     if is_main:
       self.rewind(resumed_from or 0, {"event": "resumed" if resumed_from else "restarted"},
@@ -234,7 +251,7 @@ class MetricsWriter:
       import wandb  # imported here: it is slow to import and tests mostly disable it
       self._wandb = wandb.init(
           mode=wandb_cfg["mode"], project=wandb_cfg["project"], name=wandb_cfg["name"] or None,
-          dir=workdir, config=dict(run_config), resume="allow")
+          dir=None if self._remote else os.fspath(workdir), config=dict(run_config), resume="allow")
 
   def rewind(self, step: int, marker: Mapping[str, Any], *, always: bool = True) -> None:
     """The run continues after `step` (a resume, a rollback): rows of later steps are set
@@ -244,11 +261,16 @@ class MetricsWriter:
       return
     if self._file is not None:
       self._file.close()
+      self.sync()  # the whole record where set_aside_after reads it
     aside = set_aside_after(self.path, step)
-    self._file = open(self.path, "a")
+    if self._remote:  # the local copy starts from the bucket's record
+      with open(self._local, "w") as f:
+        f.write(self.path.read_text() if self.path.exists() else "")
+    self._file = open(self._local, "a")
     if always or aside:
       self._file.write(json.dumps({"step": int(step), **marker, "set_aside": aside}) + "\n")
       self._file.flush()
+      self.sync()
 
   def write(self, step: int, values: Mapping[str, Any]) -> None:
     if not self.is_main:
@@ -256,13 +278,26 @@ class MetricsWriter:
     row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
+    if self._remote and time.monotonic() - self._synced > self.sync_every_s:
+      self.sync()
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(step))
+
+  def sync(self) -> None:
+    """On a bucket: upload the record whole (one atomic write). Nothing to do on a disk."""
+    if self._remote and self.is_main and os.path.exists(self._local):
+      with open(self._local) as f:
+        storage.write_text(self.path, f.read())
+    self._synced = time.monotonic()
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
       self._file = None
+      self.sync()
+    if self._staging is not None:
+      shutil.rmtree(self._staging, ignore_errors=True)
+      self._staging = None
     if self._wandb is not None:
       self._wandb.finish()
       self._wandb = None

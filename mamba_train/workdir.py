@@ -1,11 +1,13 @@
 """One run per workdir: a lock file held for the whole run.
 
 `<workdir>/.lock` is created atomically (O_CREAT | O_EXCL, which local disks and
-NFS v3+ honour) and holds the holder's host, pid and start time, plus the time
+NFS v3+ honour; on a gs:// bucket an upload that succeeds only if no object exists,
+`mamba_train.storage`) and holds the holder's host, pid and start time, plus the time
 it was last refreshed; a background thread refreshes it every `refresh_s`. A
 second run on a locked workdir is refused with the holder named. A stale lock is
 taken over with a warning: one whose pid is dead on this host, or one not
-refreshed for `stale_s` (a holder on another host that died). With several
+refreshed for `stale_s` (a holder on another host that died): it is removed only if
+it is still the version judged stale, so of several takers one wins. With several
 processes only process 0 takes the lock (one lock per job).
 """
 
@@ -17,7 +19,8 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
+
+from mamba_train import storage
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +50,15 @@ class WorkdirLock:
   """`with WorkdirLock(workdir): ...`, or `acquire()` / `release()`."""
 
   def __init__(self, workdir, *, refresh_s: float = 60.0, stale_s: float = 600.0):
-    self.path = Path(workdir) / LOCK_NAME
+    self.path = storage.path(workdir) / LOCK_NAME
     self.refresh_s, self.stale_s = refresh_s, stale_s
     self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     self._stop = threading.Event()
     self._thread = None
     self.held = False
 
-  def _write_new(self) -> bool:
-    """Create the lock file if absent; False if it exists."""
-    try:
-      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "w") as f:
-      json.dump({**self.info, "refreshed": time.time()}, f)
-    return True
+  def _text(self) -> str:
+    return json.dumps({**self.info, "refreshed": time.time()})
 
   def _read(self) -> dict | None:
     try:
@@ -72,8 +68,8 @@ class WorkdirLock:
     except (OSError, ValueError):
       return {}  # being written, or garbage: judged by its age
 
-  def _stale_reason(self, info: dict) -> str | None:
-    age = time.time() - self.path.stat().st_mtime
+  def _stale_reason(self, info: dict, modified: float) -> str | None:
+    age = time.time() - modified
     if info.get("host") == self.info["host"] and isinstance(info.get("pid"), int):
       if not _pid_alive(info["pid"]):
         return f"its process {info['pid']} on this host is gone"
@@ -83,25 +79,21 @@ class WorkdirLock:
     return None
 
   def acquire(self) -> "WorkdirLock":
-    self.path.parent.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(self.path.parent)
     for _ in range(3):
-      if self._write_new():
+      if storage.create_new(self.path, self._text()):
         break
+      seen = storage.version(self.path)
       info = self._read()
-      if info is None:
+      if seen is None or info is None:
         continue  # released meanwhile: try again
-      reason = self._stale_reason(info)
+      reason = self._stale_reason(info, seen[1])
       if reason is None:
         raise WorkdirLockedError(
             f"{self.path.parent} is in use by another run ({_holder_text(info)}); wait for it to "
             f"end, or use another --workdir. If that run is dead, delete {self.path}.")
       log.warning("taking over the stale lock %s (%s): %s", self.path, _holder_text(info), reason)
-      stale = self.path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
-      try:
-        os.replace(self.path, stale)  # one taker wins; the others find no file or a new lock
-        stale.unlink()
-      except FileNotFoundError:
-        pass
+      storage.remove_if_unchanged(self.path, seen[0])  # one taker wins; the others try again
     else:
       raise WorkdirLockedError(f"could not take the lock {self.path}; is another run starting?")
     self.held = True
@@ -112,10 +104,8 @@ class WorkdirLock:
   def _refresh_loop(self) -> None:
     while not self._stop.wait(self.refresh_s):
       try:
-        tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**self.info, "refreshed": time.time()}))
-        os.replace(tmp, self.path)
-      except OSError as e:  # a full disk must not kill the run from here
+        storage.write_text(self.path, self._text())
+      except Exception as e:  # noqa: BLE001 - a full disk or a lost bucket must not kill the run from here
         log.warning("could not refresh %s: %s", self.path, e)
 
   def release(self) -> None:

@@ -2,16 +2,17 @@
 
   # Standard tasks (their data comes from the Hugging Face hub: needs the network once):
   python scripts/eval.py --model PATH/TO/mamba2-130m --tokenizer EleutherAI/gpt-neox-20b \
-      --tasks lambada_openai,hellaswag,piqa,arc_easy --batch_size 32 --output_path results/
+      --tasks lambada_openai,hellaswag,piqa,arc_easy --batch_size auto --output_path results/
   # A training run's checkpoint (its tokenizer.json is in the workdir), a local task, offline:
   HF_DATASETS_OFFLINE=1 python scripts/eval.py --model runs/tiny --step 100 \
       --include_path tests/data/harness --tasks tiny_mc --limit 5 --log_samples --output_path out/
 
 --model is anything `mamba_train.load_model` accepts: a workdir (its newest
 checkpoint, or --step), a transformers or a mamba_ssm directory. The flags
---tasks, --include_path, --limit, --num_fewshot, --batch_size, --output_path and
---log_samples mean what they mean to `lm_eval`, which writes its results and
-samples files under --output_path.
+--tasks, --include_path, --limit, --num_fewshot, --batch_size (an int, auto or
+auto:N), --max_batch_size, --output_path and --log_samples mean what they mean to
+`lm_eval` (also its default batch size, 1), which writes its results and samples
+files under --output_path.
 """
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -32,7 +33,10 @@ _TASKS = flags.DEFINE_list("tasks", None, "lm-eval task names.", required=True)
 _INCLUDE = flags.DEFINE_string("include_path", None, "Directory of extra task yamls.")
 _LIMIT = flags.DEFINE_float("limit", None, "Examples per task (< 1: a fraction).")
 _FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples (default: the task's).")
-_BATCH = flags.DEFINE_integer("batch_size", 16, "Rows per forward pass / generate call.")
+_BATCH = flags.DEFINE_string("batch_size", "1", "Rows per forward pass / generate call: an int, "
+                             "'auto' (the largest that fits the device) or 'auto:N' (detected "
+                             "again N times as requests shorten), as lm-eval reads it.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch_size", 64, "The largest batch 'auto' tries.")
 _MAX_LEN = flags.DEFINE_integer("max_length", 2048, "Longest context scored (lm-eval's default).")
 _OUT = flags.DEFINE_string("output_path", None, "Where lm-eval writes results (and samples).")
 _SAMPLES = flags.DEFINE_bool("log_samples", False, "Also write per-sample outputs.")
@@ -43,20 +47,25 @@ def main(argv):
   del argv
   import mamba_train  # pylint: disable=import-outside-toplevel
   from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
+  from mamba_train import storage  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   manager = eval_harness.task_manager(_INCLUDE.value, _TASKS.value)
   try:
+    eval_harness.parse_batch_size(_BATCH.value)
     tasks = eval_harness.check_tasks(_TASKS.value, manager)  # before loading any weights
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   path = _MODEL.value
   if _STEP.value is not None:
     path = os.path.join(path, "checkpoints", str(_STEP.value))
-  spec = _TOKENIZER.value or os.path.join(_MODEL.value, "tokenizer.json")
-  if not _TOKENIZER.value and not os.path.isfile(spec):
+  spec = _TOKENIZER.value or os.path.join(_MODEL.value, "tokenizer.json")  # a workdir may be gs://
+  if not _TOKENIZER.value and not storage.path(spec).is_file():
     raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer")
+  if storage.is_remote(spec):  # the tokenizers library reads local files
+    spec = storage.local_copy(spec)
   lm = eval_harness.HarnessLM(mamba_train.load_model(path), load_tokenizer(spec),
-                              batch_size=_BATCH.value, max_length=_MAX_LEN.value)
+                              batch_size=_BATCH.value, max_batch_size=_MAX_BATCH.value,
+                              max_length=_MAX_LEN.value)
   results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=_LIMIT.value,
                                    num_fewshot=_FEWSHOT.value, log_samples=_SAMPLES.value,
                                    seed=_SEED.value)
@@ -65,7 +74,10 @@ def main(argv):
   if _OUT.value:
     from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
     tracker = EvaluationTracker(output_path=_OUT.value)
-    tracker.general_config_tracker.model_name = os.path.abspath(path)
+    # As lm_eval's command line: files go under a directory named after the model.
+    tracker.general_config_tracker.log_experiment_args(
+        model_source="mamba_train", model_args=f"pretrained={path if storage.is_remote(path) else os.path.abspath(path)}",
+        system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
     if _SAMPLES.value and samples:

@@ -28,10 +28,14 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight 
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds a previous export.")
 
-def find_tokenizer(ckpt: Path) -> Path | None:
+def find_tokenizer(ckpt) -> Path | None:
+  """tokenizer.json in `ckpt` or up to three directories above (a workdir holds one);
+  one on a bucket is copied to a local temporary file."""
+  from mamba_train import storage
+  ckpt = storage.path(ckpt)
   for d in [ckpt, *ckpt.parents][:4]:
     if (d / "tokenizer.json").exists():
-      return d / "tokenizer.json"
+      return Path(storage.local_copy(d / "tokenizer.json"))
   return None
 
 
@@ -66,7 +70,7 @@ def _fail(message: str) -> None:
 def _export(export) -> None:
   from mamba_train.interop.load import load_model
 
-  ckpt = Path(_CKPT.value)
+  ckpt = _CKPT.value
   model = load_model(ckpt)
   out = Path(_OUT.value)
   if _FORMAT.value == "hf":

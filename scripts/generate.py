@@ -22,6 +22,7 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
+from mamba_train import storage  # noqa: E402
 from mamba_train.generate import MAX_PROMPT_LEN, generate_with_stats  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
 
@@ -47,8 +48,10 @@ def _tokenizer():
   spec = _TOKENIZER.value
   if spec is None:
     spec = os.path.join(_MODEL.value, "tokenizer.json")
-    if not os.path.isfile(spec):
+    if not storage.path(spec).is_file():
       raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer or --ids")
+  if storage.is_remote(spec):  # the tokenizers library reads local files
+    spec = storage.local_copy(spec)
   return load_tokenizer(spec)
 
 

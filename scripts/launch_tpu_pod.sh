@@ -12,11 +12,14 @@
 #   1. reuses the TPU VM slice --name, or creates it (--accelerator, --version, --spot);
 #   2. copies the project's committed tree (git archive HEAD) to every worker and
 #      installs it with jax[tpu] into ~/mamba_venv;
-#   3. mounts the bucket on every worker with gcsfuse at /mnt/gcs/<bucket>, so the run's
-#      workdir (/mnt/gcs/<bucket>[/path]/runs/<run>) is shared: process 0 writes metrics and
-#      config, every process writes its own checkpoint shards through Orbax, and a
-#      restart with the same --run resumes from the last checkpoint;
-#   4. starts `python train.py --workdir <that> <train args>` on all workers at once,
+#   3. mounts the bucket read-only on every worker with gcsfuse at /mnt/gcs/<bucket>, for
+#      reading prepared data only. The run's workdir is the bucket itself,
+#      gs://<bucket>[/path]/runs/<run>, handed to train.py as a gs:// path: Orbax then
+#      writes checkpoints with commit files (a bucket has no atomic rename, and gcsfuse
+#      refuses directory renames on ordinary buckets), process 0 writes metrics, config
+#      and the lock through the bucket's API, every process writes its own checkpoint
+#      shards, and a restart with the same --run resumes from the last checkpoint;
+#   4. starts `python train.py --workdir gs://... <train args>` on all workers at once,
 #      detached (nohup; a dropped ssh session does not stop training). JAX finds the
 #      other workers from the TPU metadata (mamba_train/parallel/distributed.py), so no
 #      coordinator flags are needed;
@@ -34,7 +37,7 @@
 #                        (default v2-alpha-tpuv5; v6e wants v2-alpha-tpuv6e)
 #   --spot               create a Spot slice (cheaper, can be preempted; rerun to resume)
 #   --bucket gs://B[/P]  bucket (and folder) for the workdir [TPU_BUCKET] (required to train)
-#   --run NAME           run name: workdir /mnt/gcs/B[/P]/runs/NAME [RUN_NAME] (default: date-time)
+#   --run NAME           run name: workdir gs://B[/P]/runs/NAME [RUN_NAME] (default: date-time)
 #   --skip-install       the workers already hold this tree and its venv
 #   --logs               only stream worker 0's log of the current run
 #   --stop               only stop the run: SIGTERM to train.py on every worker, which
@@ -43,8 +46,9 @@
 #   -- ARGS...           passed to train.py as they are (config and overrides)
 #
 # The data: pass --config.data.dir pointing at a prepared dataset on every worker,
-# e.g. one prepared into the bucket (/mnt/gcs/B/data/...; read through gcsfuse) or
-# copied to each worker's disk beforehand. Check that a config fits the slice first:
+# e.g. one prepared into the bucket (/mnt/gcs/B/data/...; read through the read-only
+# gcsfuse mount) or copied to each worker's disk beforehand (faster: the loader
+# memory-maps its shards). Check that a config fits the slice first:
 #   python scripts/aot_compile.py --config configs/130m.py --topology v5p-32
 set -euo pipefail
 
@@ -124,7 +128,7 @@ bucket_path=${bucket#gs://}
 bucket_path=${bucket_path%/}
 bucket_name=${bucket_path%%/*}
 mount_dir=/mnt/gcs/$bucket_name
-workdir=/mnt/gcs/$bucket_path/runs/$run_name
+workdir=gs://$bucket_path/runs/$run_name
 
 # 1. The slice: reuse it if it exists, else create it.
 if ((dry_run)) || ! "${gcloud_tpu[@]}" describe "$name" "${where[@]}" --format='value(state)' >/dev/null 2>&1; then
@@ -146,24 +150,24 @@ if ((install)); then
     && tar -xzf ~/mamba_train.tar.gz -C ~/mamba_train \
     && { [ -d ~/mamba_venv ] || python3 -m venv ~/mamba_venv; } \
     && ~/mamba_venv/bin/pip install -q -U pip \
-    && ~/mamba_venv/bin/pip install -q -e ~/mamba_train 'jax[tpu]'"
+    && ~/mamba_venv/bin/pip install -q -e ~/mamba_train'[gcs]' 'jax[tpu]'"
 fi
 
-# 3. The shared workdir: the bucket through gcsfuse on every worker.
+# 3. The bucket, read-only through gcsfuse on every worker: data only (the workdir is gs://).
 on_all_workers "set -e; command -v gcsfuse >/dev/null || { \
     echo 'deb https://packages.cloud.google.com/apt gcsfuse-'\$(lsb_release -c -s)' main' \
       | sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null \
     && curl -fsS https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo apt-key add - \
     && sudo apt-get update -q && sudo apt-get install -y -q gcsfuse; }; \
   mountpoint -q $mount_dir || { sudo mkdir -p $mount_dir && sudo chown \$(id -u):\$(id -g) $mount_dir \
-    && gcsfuse --implicit-dirs $bucket_name $mount_dir; }"
+    && gcsfuse --implicit-dirs -o ro $bucket_name $mount_dir; }"
 
 # 4. The same command on every worker, detached.
 args=''
 ((${#train_args[@]})) && printf -v args ' %q' "${train_args[@]}"
 on_all_workers "cd ~/mamba_train && { nohup ~/mamba_venv/bin/python train.py --workdir $workdir$args \
   > $log_file 2>&1 < /dev/null & echo \$! > $pid_file; }"
-echo "run '$run_name' started on every worker of $name; workdir gs://$bucket_path/runs/$run_name"
+echo "run '$run_name' started on every worker of $name; workdir $workdir"
 
 # 5. The job's log.
 stream_logs

@@ -1,13 +1,21 @@
 """lm-evaluation-harness on our model, offline, with the tiny local tasks of
 tests/data/harness: the same per-sample scores and generations as lm-eval's own `hf`
-backend running the exported transformers weights, and the script's files and errors."""
+backend running the exported transformers weights (also from the training hook in a
+two-process job), stop sequences matched on the device, lm-eval's batch sizes, and
+the script's files and errors.
+
+Cost: one random model, one hf-backend run and one run of ours per module (fixtures),
+whose compiled programs the later tests reuse; the script and the two-process hook
+run as subprocesses started at the top, in parallel with the in-process tests."""
 
 import glob
 import json
 import os
-import shutil
+import socket
 import subprocess
 import sys
+import textwrap
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +25,10 @@ pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "data", "harness")
+NAMES = ["tiny_mc", "tiny_ppl", "tiny_gen"]
+# A one-layer model (small shapes compile fast; lm-eval's torch run is quick); at seed 2
+# it answers every prompt with " K K K...", which tiny_gen.yaml's "K K" stops.
+SMALL = dict(n_layer=1, d_model=64, d_state=16, headdim=16, chunk_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -34,32 +46,127 @@ def setup(tmp_path_factory):
   for f in glob.glob(os.path.join(TASKS, "*.yaml")):
     text = open(f).read().replace("tests/data/harness/tiny.jsonl", os.path.join(TASKS, "tiny.jsonl"))
     (tasks / os.path.basename(f)).write_text(text)
-  model = _random_model(config_for("tiny", n_layer=2, vocab_size=257), np.random.default_rng(0))
+  model = _random_model(config_for("tiny", vocab_size=257, **SMALL), np.random.default_rng(2))
   tokenizer_lib.byte_tokenizer().save(str(tmp / "tokenizer.json"))
   hf = save_hf(model, tmp / "hf", tokenizer_file=tmp / "tokenizer.json",
                eos_token=tokenizer_lib.EOS_TOKEN, eos_token_id=256)
   return model, str(hf), str(tasks), tmp
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+# train.py's harness hook in a two-process job (one CPU device each, the parameters
+# split over both by fsdp): every process runs it, process 0 writes.
+_HOOK_WORKER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    from mamba_train.parallel import distributed
+    distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=120)
+    import jax
+    import train
+    from configs import tiny
+    from mamba_train import metrics as metrics_lib
+    from mamba_train.parallel.mesh import make_mesh
+    from mamba_train.train import hooks, run_config, step as steps
+    c = tiny.get_config()
+    c.model.update({small!r})
+    c.mesh.update(dcn_fsdp=2, data=1, fsdp=1)
+    c.harness.update(tasks={tasks!r}, every=1, include_path={include!r}, batch_size="auto",
+                     max_batch_size=8)
+    model_cfg = run_config.validate(c, num_devices=jax.device_count(), process_count=2)["model"]
+    state = steps.build(c, make_mesh(c.mesh), params=train.load_init_params({hf!r}, model_cfg)).state
+    assert not state.params["embedding"].is_fully_addressable  # split over the processes
+    run = train.make_harness(c, model_cfg, os.path.join({hf!r}, "tokenizer.json"))
+    writer = metrics_lib.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},
+                                       is_main=jax.process_index() == 0)
+    run(7, state.params, writer, hooks.Throughput())
+    writer.close()
+""")
+
+
+@pytest.fixture(scope="module")
+def background(setup):
+  """The eval script and the two-process hook, started once: they run while the
+  in-process tests do. -> {name: (process(es), log paths, output dir)}."""
+  _, hf, tasks, tmp = setup
+  # The suite's XLA flags (tests/conftest.py) and compilation cache, one CPU device each.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": ROOT}
+
+  def start(args, log):
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+  script = [os.path.join(ROOT, "scripts", "eval.py"), "--model", hf, "--include_path", tasks,
+            "--limit", "3", "--batch_size", "auto:2", "--max_batch_size", "4", "--tasks", "tiny_mc",
+            "--log_samples", "--output_path", str(tmp / "out"), "--num_fewshot", "1"]
+  worker = _HOOK_WORKER.format(root=ROOT, port=_free_port(), small=SMALL, tasks="tiny_ppl,tiny_gen",
+                               include=tasks, hf=hf, out=str(tmp / "two"))
+  os.makedirs(tmp / "two")
+  procs = {"script": ([start(script, tmp / "script.log")], [tmp / "script.log"], tmp / "out"),
+           "two": ([start(["-c", worker, str(r)], tmp / f"two{r}.log") for r in range(2)],
+                   [tmp / f"two{r}.log" for r in range(2)], tmp / "two")}
+  yield procs
+  for ps, _, _ in procs.values():
+    for p in ps:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+
+
+def _finish(entry, timeout=600):
+  procs, logs, out = entry
+  codes = [p.wait(timeout=timeout) for p in procs]
+  assert codes == [0] * len(procs), "\n\n".join(open(f).read()[-3000:] for f in logs)
+  return out
+
+
+@pytest.fixture(scope="module")
+def theirs(setup):
+  """lm-eval's own hf backend on the exported weights, every task."""
+  import lm_eval
+  from mamba_train import eval_harness
+  _, hf, tasks, _ = setup
+  with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # runs pip
+    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
+                                   tasks=NAMES, task_manager=eval_harness.task_manager(tasks, NAMES),
+                                   device="cpu", batch_size=8, log_samples=True, bootstrap_iters=0)
+
+
+@pytest.fixture(scope="module")
+def ours(setup):
+  from mamba_train import eval_harness
+  from mamba_train.data.tokenizer import load_tokenizer
+  model, hf, tasks, _ = setup
+  # One batch holds all five prompts: one program per width to compile.
+  lm = eval_harness.HarnessLM(model, load_tokenizer(os.path.join(hf, "tokenizer.json")), batch_size=8)
+  return lm, eval_harness.run_tasks(lm, NAMES, manager=eval_harness.task_manager(tasks, NAMES),
+                                    log_samples=True, bootstrap_iters=0, env_info=False)
+
+
 def _by_doc(samples):
   return {s["doc_id"]: s for s in samples}
 
 
-def test_same_scores_and_generations_as_lm_evals_hf_backend(setup):
-  import lm_eval
+def _assert_same_results(flat, theirs, rtol):
+  """Our flat harness/<task>/<metric> row against lm-eval's hf results."""
   from mamba_train import eval_harness
-  from mamba_train.data.tokenizer import load_tokenizer
-  model, hf, tasks, _ = setup
-  names = ["tiny_mc", "tiny_ppl", "tiny_gen"]
-  manager = eval_harness.task_manager(tasks, names)
-  ours = eval_harness.run_tasks(
-      # One batch holds all five prompts: one generate program to compile.
-      eval_harness.HarnessLM(model, load_tokenizer(os.path.join(hf, "tokenizer.json")), batch_size=8),
-      names, manager=manager, log_samples=True, bootstrap_iters=0)
-  theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
-                                   tasks=names, task_manager=manager, device="cpu", batch_size=4,
-                                   log_samples=True, bootstrap_iters=0)
-  for task in names:
+  expected = eval_harness.flat_metrics(theirs)  # the same keys, lm-eval's values
+  assert sorted(flat) == sorted(expected) and expected
+  for key, value in expected.items():
+    if "perplexity" in key or "bits_per_byte" in key:
+      np.testing.assert_allclose(flat[key], value, rtol=rtol, err_msg=key)
+    else:
+      assert flat[key] == value, key
+
+
+def test_same_scores_and_generations_as_lm_evals_hf_backend(background, ours, theirs):
+  from mamba_train import eval_harness
+  _, ours = ours
+  for task in NAMES:
     a, b = _by_doc(ours["samples"][task]), _by_doc(theirs["samples"][task])
     assert sorted(a) == sorted(b) == list(range(5))
     for doc in a:
@@ -72,58 +179,171 @@ def test_same_scores_and_generations_as_lm_evals_hf_backend(setup):
         assert [x[1] for x in ra] == [x[1] for x in rb]
       else:
         np.testing.assert_allclose(float(ra[0]), float(rb[0]), rtol=1e-4)
-  assert ours["results"]["tiny_mc"]["acc,none"] == theirs["results"]["tiny_mc"]["acc,none"]
-  flat = eval_harness.flat_metrics(ours)
-  assert flat["harness/tiny_mc/acc"] == ours["results"]["tiny_mc"]["acc,none"]
+  # The generations ended at a stop sequence ("K K", three tokens), found on the device.
+  assert all(len(_by_doc(ours["samples"]["tiny_gen"])[d]["resps"][0][0]) < 12 for d in range(5))
+  _assert_same_results(eval_harness.flat_metrics(ours), theirs, rtol=1e-4)
 
 
-def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(setup):
-  _, hf, tasks, tmp = setup
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": ROOT}
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "eval.py"), "--model", hf,
-         "--include_path", tasks, "--limit", "3", "--batch_size", "4"]
-  out = tmp / "out"
-  proc = subprocess.run(cmd + ["--tasks", "tiny_mc", "--log_samples", "--output_path", str(out),
-                               "--num_fewshot", "1"],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  results = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
-  samples = glob.glob(str(out / "**" / "samples_tiny_mc_*.jsonl"), recursive=True)
+def test_stop_strings_end_rows_on_the_device(setup):
+  """A made-up tokenizer whose tokens are 2 to 4 bytes ("7.", "42.", "256."), so stop
+  strings start and end inside tokens: each row ends at the token completing its first
+  stop string, with the tokens a run without stops makes up to there, and the loop
+  ends when every row has."""
+  from mamba_train.generate import generate_with_stats, token_byte_table
+  model = setup[0]
+  text = [f"{i}.".encode() for i in range(model.config.vocab_size)]
+  table = token_byte_table(text)
+  prompts = [np.frombuffer(p.encode(), np.uint8).astype(np.int32) for p in
+             ("The sky is", "2 + 2 =", "def f(x):", "a", "Once upon a time")]
+  run = lambda stops: generate_with_stats(model, prompts, 12, pad_id=0, stop_strings=stops,
+                                          token_bytes=table)  # one program: (5, 2, 8) stops
+  free, _ = run(["~", "~" * 8])  # never matched: the digits and dots of the tokens only
+  free = [row[len(p):] for p, row in zip(prompts, free)]
+  assert all(len(row) == 12 for row in free)
+
+  def end(row, stops):  # index of the token that completes the first stop, on the host
+    ends = np.cumsum([len(text[t]) for t in row])
+    joined = b"".join(text[t] for t in row)
+    hits = [joined.find(s) + len(s) for s in stops if s in joined]
+    return int(np.searchsorted(ends, min(hits))) if hits else None
+
+  # Per row, 3 to 5 bytes from the middle of its token 1, 2 or 3; then one list for all
+  # rows, whose "." every token ends with: all end at their first token, from prefill.
+  per_row = []
+  for r, row in enumerate(free):
+    joined, start = b"".join(text[t] for t in row), sum(len(text[t]) for t in row[:1 + r % 3]) + 1
+    per_row.append([joined[start:start + 3 + r % 3], b"~"])
+  for stops in (per_row, [b".", b"~" * 8]):
+    out, stats = run(stops)
+    want = [end(row, stops if isinstance(stops[0], bytes) else row_stops)
+            for row, row_stops in zip(free, per_row)]
+    assert all(k is not None and k < 11 for k in want)  # every row stops early...
+    assert len(set(want)) > 1 if stops is per_row else want == [0] * 5
+    width = max(want) + 1  # ...and so does the loop
+    assert stats.steps == width and stats.new_tokens == sum(k + 1 for k in want)
+    for p, row, ref, k in zip(prompts, out, free, want):
+      np.testing.assert_array_equal(row[len(p):], np.r_[ref[:k + 1], np.zeros(width - k - 1, int)])
+  # A row whose stop never comes runs to max_new_tokens, the others still end at theirs.
+  out, stats = run([per_row[0], ["~", "~~"], *per_row[2:]])
+  assert stats.steps == 12 and len(out[1]) == len(prompts[1]) + 12
+  np.testing.assert_array_equal(out[0][len(prompts[0]):][:end(free[0], per_row[0]) + 1],
+                                free[0][:end(free[0], per_row[0]) + 1])
+  assert (out[0][len(prompts[0]) + end(free[0], per_row[0]) + 1:] == 0).all()
+  with pytest.raises(ValueError, match="needs token_bytes"):
+    generate_with_stats(model, prompts, 4, stop_strings=["."])
+  with pytest.raises(ValueError, match="empty stop string"):
+    generate_with_stats(model, prompts, 4, stop_strings=[""], token_bytes=table)
+
+
+def test_token_bytes_join_to_the_decoded_text():
+  """ByteLevel BPE: a sequence's bytes are its tokens' bytes (special tokens none);
+  a Metaspace tokenizer gets none, so stops are cut on the host only."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+  from mamba_train.data.tokenizer import token_bytes
+  texts = ["Tōkyō and Zürich; naïve café.\n", "def add(a, b):\n    return a + b\n", "The sky  is blue."]
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts * 5, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.add_tokens([AddedToken("<tab>", special=False)])
+  table = token_bytes(tok, 320)
+  assert len(table) == 320 and table[tok.token_to_id("<|endoftext|>")] == b"" and table[-1] == b""
+  for t in [*texts, "<|endoftext|>x <tab> ō"]:
+    ids = tok.encode(t).ids
+    assert b"".join(table[i] for i in ids) == tok.decode(ids).encode()
+  assert any(len(b) > 3 for b in table)  # merges: multi-byte tokens
+  meta = Tokenizer(models.BPE())
+  meta.pre_tokenizer, meta.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+  assert token_bytes(meta) is None
+
+
+def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
+  from mamba_train import eval_harness
+  for bad in ("big", "0", "-2", "auto:0", "auto:x", "auto8"):
+    with pytest.raises(ValueError, match="as lm-eval reads it"):
+      eval_harness.parse_batch_size(bad)
+  assert eval_harness.parse_batch_size("auto:3") == ("auto", 3.0)
+  assert eval_harness.parse_batch_size(8) == eval_harness.parse_batch_size("8") == (8, 1.0)
+  model, hf, tasks, _ = setup
+  lm, fixed = ours
+  auto = eval_harness.HarnessLM(model, lm.tok, batch_size="auto:2", max_batch_size=8)
+  assert eval_harness._free_device_bytes() is None  # the CPU reports no limit: the most allowed
+  assert auto.detect_batch_size(32) == 8
+  # A device with room for 4 rows of 32 tokens but not 8 (XLA's figures for the program).
+  need = {}
+  for rows in (4, 8):
+    m = eval_harness._scorer(auto._graphdef, auto._params, rows, 32).memory_analysis()
+    need[rows] = m.temp_size_in_bytes + m.output_size_in_bytes + rows * 32 * 4
+  assert need[4] < need[8]
+  monkeypatch.setattr(eval_harness, "_free_device_bytes", lambda: (need[4] + need[8]) // 2)
+  assert auto.detect_batch_size(32) == 4
+  res = eval_harness.run_tasks(auto, ["tiny_mc"], manager=eval_harness.task_manager(tasks, ["tiny_mc"]),
+                               log_samples=True, bootstrap_iters=0, env_info=False)
+  assert res["config"]["batch_size"] == "auto:2"
+  # Detected at the longest request (question, space, choice: byte tokens) first.
+  docs = [json.loads(line) for line in open(os.path.join(TASKS, "tiny.jsonl"))]
+  longest = max(len(f"{d['question']} {c}".encode()) for d in docs for c in d["choices"])
+  width = eval_harness._bucket(longest)
+  fits = [r for r in (8, 4, 2, 1) if r == 1 or (lambda m: m.temp_size_in_bytes + m.output_size_in_bytes
+          + r * width * 4)(eval_harness._scorer(auto._graphdef, auto._params, r, width)
+                            .memory_analysis()) <= (need[4] + need[8]) // 2]
+  sizes = res["config"]["batch_sizes"]
+  assert len(sizes) == 2 and sizes[0] == fits[0] and sizes[1] in (1, 2, 4, 8)  # auto:2: two slots
+  a, b = _by_doc(res["samples"]["tiny_mc"]), _by_doc(fixed["samples"]["tiny_mc"])
+  for doc in a:  # the same scores whatever the batch
+    np.testing.assert_allclose([float(x[0]) for x in a[doc]["filtered_resps"]],
+                               [float(x[0]) for x in b[doc]["filtered_resps"]], rtol=1e-5)
+
+
+def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
+  """train.py's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
+  import train
+  from configs import tiny
+  from mamba_train import metrics as metrics_lib
+  from mamba_train.train import hooks, run_config
+  model, hf, tasks, _ = setup
+  c = tiny.get_config()
+  c.model.update(SMALL)
+  c.harness.update(tasks="tiny_mc,tiny_ppl", every=1, include_path=tasks, batch_size="8")
+  run = train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+  writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
+  run(5, model.params(), writer, hooks.Throughput())
+  writer.close()
+  row = json.loads(open(tmp_path / "metrics.jsonl").read())
+  assert row.pop("step") == 5
+  _assert_same_results(row, {"results": {t: theirs["results"][t] for t in ("tiny_mc", "tiny_ppl")}},
+                       rtol=1e-4)
+  c.harness.update(batch_size="many")  # refused before any task is indexed
+  with pytest.raises(run_config.ConfigError, match="as lm-eval reads it"):
+    train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+
+
+def test_training_hook_in_a_two_process_job(background, theirs):
+  """Both processes run the scoring (rolling loglikelihoods) and generate programs on
+  the split parameters; process 0 writes lm-eval's hf scores."""
+  out = _finish(background["two"])
+  rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+  assert len(rows) == 1 and rows[0].pop("step") == 7
+  _assert_same_results(rows[0], {"results": {t: theirs["results"][t] for t in ("tiny_ppl", "tiny_gen")}},
+                       rtol=1e-4)
+
+
+def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(background, setup):
+  _, _, tasks, _ = setup
+  out = _finish(background["script"])
+  # In a directory named after the model, as lm_eval's command line names it.
+  named = out / os.path.abspath(setup[1]).replace("/", "__")
+  results = glob.glob(str(named / "results_*.json"))
+  samples = glob.glob(str(named / "samples_tiny_mc_*.jsonl"))
   assert len(results) == 1 and len(samples) == 1
   r = json.load(open(results[0]))
   assert r["n-shot"]["tiny_mc"] == 1 and 0 <= r["results"]["tiny_mc"]["acc,none"] <= 1
+  # --batch_size auto:2 on a CPU, which states no memory limit: --max_batch_size rows.
+  assert r["config"]["batch_size"] == "auto:2" and r["config"]["batch_sizes"] == [4, 4]  # 2 slots
   assert len(open(samples[0]).readlines()) == 3  # --limit 3
   # Unknown names are refused before any weight loads, with what was found (the script
   # calls this; indexing lm-eval's own tasks too would take 20 s here).
   from mamba_train import eval_harness
   with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['tiny_mcq'\].*Found: tiny_gen, tiny_mc, tiny_ppl"):
     eval_harness.check_tasks(["tiny_mc", "tiny_mcq"], eval_harness.task_manager(tasks, ["tiny_mc"]))
-  shutil.rmtree(out)
-
-
-def test_training_hook_logs_task_scores(setup, tmp_path):
-  """train.py's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
-  import lm_eval
-  import train
-  from configs import tiny
-  from mamba_train import metrics as metrics_lib
-  from mamba_train.train import hooks
-  model, hf, tasks, _ = setup
-  c = tiny.get_config()
-  c.model.update(n_layer=2)
-  c.harness.update(tasks="tiny_mc", every=1, include_path=tasks, limit=3, batch_size=4)
-  shutil.copy(os.path.join(hf, "tokenizer.json"), tmp_path / "tokenizer.json")
-  run = train.make_harness(c, model.config, str(tmp_path))
-  writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
-  run(5, model.params(), writer, hooks.Throughput())
-  writer.close()
-  row = json.loads(open(tmp_path / "metrics.jsonl").read())
-  theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
-                                   tasks=["tiny_mc"], task_manager=eval_harness_manager(tasks),
-                                   device="cpu", batch_size=4, limit=3, bootstrap_iters=0)
-  assert row["step"] == 5 and row["harness/tiny_mc/acc"] == theirs["results"]["tiny_mc"]["acc,none"]
-
-
-def eval_harness_manager(tasks):
-  from mamba_train import eval_harness
-  return eval_harness.task_manager(tasks, ["tiny_mc"])

@@ -175,7 +175,10 @@ def test_mixture_run_logs_share_and_eval_per_source(tmp_path):
   from test_train_run import ROOT, SMALL
   a, b = (_prepare(tmp_path, k, LETTERS[k], n_docs=40) for k in "ab")
   small = [f for f in SMALL if not f.startswith(("--config.data.source", "--config.model.vocab_size",
-                                                  "--config.steps", "--config.eval_every"))]
+                                                  "--config.steps", "--config.eval_every",
+                                                  "--config.model.n_layer", "--config.seq_len",
+                                                  "--config.model.chunk_size"))]
+  small += ["--config.model.n_layer=1", "--config.seq_len=32", "--config.model.chunk_size=16"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true",
          "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_cpu_use_fusion_emitters=false"}

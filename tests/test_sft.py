@@ -95,7 +95,9 @@ def test_masked_targets_get_zero_gradient_and_packed_row_equals_examples_alone(t
   path = data.prepare_chat_dataset(src, "sft", root=str(tmp_path), seq_len=255, val_fraction=0)
   rows, _ = loader_lib._open_split(path, "train", 255)
   packed = rows[0]
-  cfg = config_for("tiny", n_layer=2, vocab_size=257)
+  # Small shapes compile fast; chunks of 32 put eight chunk boundaries in a row.
+  cfg = config_for("tiny", n_layer=1, d_model=64, d_state=16, headdim=16, chunk_size=32,
+                   vocab_size=257)
   model = _random_model(cfg, np.random.default_rng(0))
   params, rt = model.params(), Runtime().resolve("cpu")
   # Row 0 packed with seq_idx, then each of its examples alone in rows of the same width.

@@ -11,8 +11,6 @@ import hashlib
 import os
 import sysconfig
 
-import datasets
-
 from mamba_train.data import prepare
 
 
@@ -55,7 +53,7 @@ def ensure_default_corpus(root: str = "data", *, max_bytes: int = 4_000_000) -> 
         f"No Python sources found under {sysconfig.get_paths()['stdlib']!r} for the "
         "default corpus; prepare a dataset with scripts/prepare_data.py instead.")
   digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
-  ds = datasets.Dataset.from_dict({"text": texts})
+  ds = prepare._datasets().Dataset.from_dict({"text": texts})
   return prepare.prepare_dataset(ds, NAME, root=root, tokenizer="byte", val_fraction=0.02,
                                  num_proc=1, source_fingerprint=digest,
                                  source_description=f"Python {sysconfig.get_python_version()} "

@@ -22,7 +22,6 @@ import shutil
 import time
 from typing import Any
 
-import datasets
 import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
@@ -35,6 +34,14 @@ FORMAT_VERSION = 1
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
              ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _GLOB_CHARS = "*?["
+
+
+def _datasets():
+  # Imported when a dataset is prepared, not with the package: it takes seconds (pandas
+  # and all), and train.py on a prepared dataset, the scripts and the tests' many
+  # train.py processes never use it.
+  import datasets
+  return datasets
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
@@ -71,6 +78,7 @@ def prepare_dataset(
   Non-UTF-8 bytes in text files are decoded as U+FFFD (errors="replace") and
   counted in the log and metadata; JSON files must be valid UTF-8.
   """
+  datasets = _datasets()
   tok = tokenizer_lib.load_tokenizer(tokenizer, eos_token=eos_token)
   if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):
     desc = source_description or "<in-memory dataset>"
@@ -156,6 +164,7 @@ def _resolve_source(source: str, config_name, sample_by, cache_dir):
   Local inputs are fingerprinted by path, size and mtime (no full read), so a
   rerun decides to reuse in milliseconds.
   """
+  datasets = _datasets()
   path = os.path.expanduser(source)
   if os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json"))
                               or os.path.isfile(os.path.join(path, "state.json"))):
@@ -252,6 +261,7 @@ def _local_files(path: str) -> list[str] | None:
 
 def _as_splits(ds, desc, text_field, val_fraction) -> dict[str, datasets.Dataset]:
   """{"train": ..., "validation": ...} with empty documents removed (and counted)."""
+  datasets = _datasets()
   if isinstance(ds, datasets.Dataset):
     ds = datasets.DatasetDict(train=ds)
   if "train" not in ds:
@@ -307,6 +317,7 @@ def _write_split(ds, split, out_dir, tok, text_field, num_proc, desc) -> dict:
 
   if num_proc is None:  # Worker processes pay off only on large inputs.
     num_proc = max(1, min(os.cpu_count() or 1, len(ds) // 20_000)) or None
+  datasets = _datasets()
   features = datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype.name)),
                                 "bad": datasets.Value("int64")})
   ds = ds.map(encode, input_columns=text_field, batched=True, batch_size=256,

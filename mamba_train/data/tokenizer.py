@@ -104,6 +104,34 @@ def load_tokenizer(spec: str = BYTE, *, eos_token: str | None = None) -> Tokeniz
   return TokenizerInfo(tok, spec, vocab[name], vocab_size)
 
 
+def token_bytes(tok: tokenizers.Tokenizer, size: int | None = None) -> list[bytes] | None:
+  """The bytes each token id decodes to (special tokens: none, as decoding skips
+  them), `size` entries (default: the tokenizer's ids); for matching stop strings
+  on the device (`mamba_train.generate.token_byte_table`).
+
+  Exact for ByteLevel decoders (GPT-2, GPT-NeoX, the byte tokenizer): decoding a
+  sequence there is joining its tokens' bytes. None for other decoders, whose
+  output is not a concatenation (Metaspace drops the first space, WordPiece joins
+  with spaces), so a caller falls back to cutting text on the host."""
+  decoder = json.loads(tok.to_str()).get("decoder") or {}
+  kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+  if kinds != ["ByteLevel"]:
+    return None
+  to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
+  special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+  size = size or max(tok.get_vocab(with_added_tokens=True).values()) + 1
+  out = []
+  for i in range(size):
+    text = None if i in special else tok.id_to_token(i)
+    if text is None:
+      out.append(b"")
+    elif all(ch in to_byte for ch in text):  # as the ByteLevel decoder maps it
+      out.append(bytes(to_byte[ch] for ch in text))
+    else:
+      out.append(text.encode())
+  return out
+
+
 def tokenizer_fingerprint(tok: tokenizers.Tokenizer) -> str:
   """A hash of what decides the ids (vocab, merges, normalizer, ...), independent of
   where the file came from."""

@@ -312,5 +312,6 @@ def hf_tokenizer_files(eos_token: str | None) -> dict[str, dict]:
 
 
 def read_json(path) -> dict:
-  with open(path) as f:
+  """A JSON file; `path` may be an epath.Path on a bucket."""
+  with path.open() if hasattr(path, "open") else open(path) as f:
     return json.load(f)

@@ -10,7 +10,9 @@ Files are written into a temporary directory beside `out` and renamed into place
 so an interrupted export never leaves a half directory that looks complete. An
 existing `out` is replaced only when asked and only when it is a previous export
 (it holds the marker file `MARKER`), never a workdir or an unrelated directory;
-`check_out` refuses an `out` equal to, inside or containing what is read.
+`check_out` refuses an `out` equal to, inside or containing what is read, and an
+`out` on a bucket (the rename into place needs a local disk; copy the export to a
+bucket afterwards). What is read may be on a bucket.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from mamba_train import storage
 from mamba_train.interop import convert
 from mamba_train.model.mamba2 import Mamba2LM
 
@@ -39,7 +42,13 @@ class ExportPathError(ValueError):
 
 
 def check_out(out, source) -> None:
-  """Refuse an output directory equal to, inside or containing `source` (what is read)."""
+  """Refuse an output directory equal to, inside or containing `source` (what is read),
+  or on a bucket."""
+  if storage.is_remote(out):
+    raise ExportPathError(f"--out {out} is not a local directory; export to a local one and copy "
+                          "it (gcloud storage cp -r OUT gs://...)")
+  if storage.is_remote(source):
+    return  # a local --out is never inside a bucket
   o, s = Path(out).resolve(), Path(source).resolve()
   if o == s or s in o.parents or o in s.parents:
     where = "is" if o == s else "is inside" if s in o.parents else "contains"

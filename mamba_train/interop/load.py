@@ -7,26 +7,28 @@ Recognised layouts:
     `model.safetensors`, possibly sharded with `model.safetensors.index.json`);
   * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
     reading it needs torch, the `test` or `bench` extra).
+Each may be local or on a gs:// bucket (`mamba_train.storage`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-from pathlib import Path
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 
-from mamba_train import checkpoint
+from mamba_train import checkpoint, storage
 from mamba_train.interop import convert
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 
 
-def detect_layout(path: Path) -> str:
+def detect_layout(path: epath.Path) -> str:
   cfg_file = path / convert.CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(f"{path} does not exist")
@@ -42,8 +44,8 @@ def detect_layout(path: Path) -> str:
       f"(config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-  from safetensors.numpy import load_file
+def read_safetensors(path: epath.Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load, load_file
   index = path / convert.HF_WEIGHTS_INDEX
   if index.exists():
     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -54,11 +56,11 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
                             f"save the model with save_pretrained(..., safe_serialization=True)")
   sd = {}
   for f in files:
-    sd.update(load_file(str(path / f)))
+    sd.update(load((path / f).read_bytes()) if storage.is_remote(path) else load_file(str(path / f)))
   return sd
 
 
-def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
+def read_torch_bin(file: epath.Path) -> dict[str, np.ndarray]:
   try:
     import torch
   except ImportError as e:
@@ -66,7 +68,8 @@ def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
                       f"(which installs the CPU build torch==2.13.0)") from e
   if not file.exists():
     raise FileNotFoundError(f"{file} is missing")
-  sd = torch.load(file, map_location="cpu", weights_only=True)
+  src = io.BytesIO(file.read_bytes()) if storage.is_remote(file) else str(file)
+  sd = torch.load(src, map_location="cpu", weights_only=True)
   return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()}
 
 
@@ -83,14 +86,14 @@ def _configs(cfg: Mamba2Config, runtime: Runtime | None, overrides: dict):
   return cfg.replace(**arch), rt
 
 
-def load_hf(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+def load_hf(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   cfg, rt = _configs(convert.hf_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
                      runtime, overrides)
   params = convert.state_dict_to_params(read_safetensors(path), cfg, "hf")
   return Mamba2LM.from_params(cfg, params, rt)
 
 
-def load_mamba_ssm(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   cfg, rt = _configs(convert.mamba_ssm_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
                      runtime, overrides)
   params = convert.state_dict_to_params(read_torch_bin(path / convert.MAMBA_SSM_WEIGHTS), cfg,
@@ -98,7 +101,7 @@ def load_mamba_ssm(path: Path, runtime: Runtime | None = None, **overrides) -> M
   return Mamba2LM.from_params(cfg, params, rt)
 
 
-def load_checkpoint(path: Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+def load_checkpoint(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   step_dir = checkpoint.find_step_dir(path)
   cfg, saved_rt = saved_configs(checkpoint.saved_config(step_dir))
   cfg, rt = _configs(cfg, runtime or saved_rt, overrides)
@@ -124,7 +127,7 @@ def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overri
   replace Runtime fields or config fields no weight depends on, for example
   compute_dtype='bfloat16', remat='full', ssd_form='scan' or chunk_size=128.
   """
-  path = Path(path)
+  path = storage.path(path)
   layout = detect_layout(path)
   return {"hf": load_hf, "mamba_ssm": load_mamba_ssm,
           "checkpoint": load_checkpoint}[layout](path, runtime, **overrides)

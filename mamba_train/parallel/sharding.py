@@ -165,3 +165,15 @@ def _process_rows(mesh: Mesh) -> NamedSharding:
   devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
   grid = np.array(devices).reshape(jax.process_count(), -1)
   return NamedSharding(Mesh(grid, ("processes", "local")), PartitionSpec("processes"))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole value of a (possibly multi-process) array, on every process.
+
+  np.asarray reads only arrays this process holds whole (one process, or a full
+  replica); a program's output over parameters sharded across processes may be
+  split instead, and then every process must take part in the gather."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -148,9 +148,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if harness.get("tasks") and harness.get("every", 0) > 0:
     if cfg["data"].get("source") != "corpus":
       problems.append("harness.tasks needs data.source='corpus' (its tokenizer)")
-    if process_count > 1:
-      problems.append("harness.tasks runs in single-process jobs only; run scripts/eval.py "
-                      "on a saved checkpoint instead")
   if problems:
     if len(problems) == 1:  # one line
       raise ConfigError(f"Invalid run config: {problems[0]}")
