@@ -84,13 +84,15 @@ def model_cfg(args, size: str, **overrides) -> Mamba2Config:
 
 
 def unresolved_runtime(args) -> Runtime:
-  """How the model runs, from --dtype, --remat and --ssd_form (the runtime's
+  """How the model runs, from --dtype, --remat and --ssd_form (scan or parallel:
+  the XLA SSD in that form; auto: the backend's default, Pallas kernels on TPU) (the runtime's
   defaults where a flag is unset); 'auto' left for the caller to resolve."""
   kw = {"compute_dtype": args.dtype}
   if args.remat:
     kw["remat"] = args.remat
   if args.ssd_form in ("scan", "parallel"):
     kw["ssd_form"] = args.ssd_form
+    kw["ssd_impl"] = "xla"  # a form names the XLA SSD's way of combining chunks
   return Runtime(**kw)
 
 

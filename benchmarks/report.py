@@ -123,7 +123,7 @@ def markdown(results) -> str:
   for r in rl_rows:
     rl = r["roofline"]
     out.append(f"{r['impl']} {r['program']} on {r['target']}: XLA counts {r['xla_flops']:.3g} FLOPs and "
-               f"{r['xla_bytes']:.3g} bytes (scan body scaled by depth), intensity {rl['intensity']:.0f} "
+               f"{r['xla_bytes']:.3g} bytes (every layer counted), intensity {rl['intensity']:.0f} "
                f"FLOP/byte: {rl['bound']}-bound, {rl['time_s'] * 1e3:.1f} ms at the datasheet peaks "
                f"(compute {rl['compute_s'] * 1e3:.1f} ms, memory {rl['memory_s'] * 1e3:.1f} ms).")
   return "\n".join(out) + "\n"

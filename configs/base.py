@@ -35,6 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   # compute_dtype: float32 | bfloat16 (the matmuls; the rest stays float32)
   # remat: none | full | save_matmuls (what the backward pass recomputes)
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
+  # ssd_impl: auto (pallas on TPU, xla on CPU and GPU) | xla | pallas | interpret
+  #   (pallas: the fused SSD kernels, model/ssd_pallas.py; interpret: them in Pallas' interpreter)
+  # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
   # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)
   c.runtime = ml_collections.ConfigDict(Runtime().to_dict())

@@ -64,9 +64,10 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   # Narrower than the recipe (d_model 64): the TPU compile takes half the time.
   narrow = ("--config.model.d_model=64", "--config.model.d_intermediate=128", "--config.model.headdim=32",
             "--config.model.d_state=16", "--config.model.attn_head_dim=32")
+  # --every_layer=false: two compiles fewer (every_layer_cost has its own test below).
   # Length 128: the splash attention kernel's smallest block (TPU's default form).
   r = _run("--topology", "v6e:2x2", *_SMALL, *narrow, "--config.seq_len=128", "--json", str(out),
-           config="tiny-hybrid")
+           "--every_layer=false", config="tiny-hybrid")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "memory per device" in r.stdout and "of 32.00 GiB HBM" in r.stdout, r.stdout
   import json
@@ -87,6 +88,27 @@ def test_too_large_for_hbm_is_refused():
   assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
   assert "DOES NOT FIT" in r.stderr and "To fit" in r.stderr, r.stderr[-3000:]
   assert "fsdp" in r.stderr and "batch_size" in r.stderr and "remat" in r.stderr
+
+
+def test_every_layer_cost_counts_each_layer():
+  """aot_compile's every-layer counts (one layer, plus n - 1 times the difference
+  two unrolled layers make) against XLA's counts of the whole step compiled with
+  its layers unrolled (which XLA counts in full). On CPU: the arithmetic is the
+  same for any backend."""
+  import jax
+  spec = importlib.util.spec_from_file_location("aot_compile", SCRIPT)
+  aot = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(aot)
+  from configs import base
+  from mamba_train.parallel.mesh import make_mesh
+  c = base.get_config()
+  c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8)
+  c.seq_len, c.batch_size = 8, 1
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  got = aot.every_layer_cost(c, mesh, {})
+  want = aot._cost_with_layers(c, mesh, 3, True)
+  for k in ("flops", "bytes accessed"):
+    assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
 
 
 def test_long_length_asks_for_more_sequence_parallelism():

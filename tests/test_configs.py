@@ -161,7 +161,7 @@ def test_runtime_fields_change_no_weights():
   cfg, rt = config_for("tiny-hybrid"), Runtime()
   other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
            "scan_chunk_size": 16, "parallel_chunk_size": 32, "attention": "dot_product",
-           "pallas_interpret": True}
+           "pallas_interpret": True, "ssd_impl": "pallas", "unroll_layers": True}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name
@@ -171,19 +171,21 @@ def test_runtime_fields_change_no_weights():
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
-    ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("parallel", 64))])
+    ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("pallas", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   """The form and chunk the SSD runs at, resolved for the target backend whatever
   backend Python runs on: the scan form (CPU) capped by scan_chunk_size, the
-  parallel form (accelerators, or asked for) by parallel_chunk_size. Unresolved,
-  the model resolves for JAX's default backend."""
+  Pallas kernels (TPU) or the parallel form (GPU, or asked for) by
+  parallel_chunk_size. Unresolved, the model resolves for JAX's default backend."""
   import jax
   from flax import nnx
   from mamba_train import Mamba2LM, Runtime, config_for
   rt = Runtime()
   assert rt.resolve(backend).ssd_plan(chunk) == want
-  assert rt.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
-  assert rt.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
+  xla = rt.replace(ssd_impl="xla")
+  assert xla.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
+  assert xla.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
+  assert rt.replace(ssd_impl="interpret").resolve(backend).ssd_plan(chunk) == ("interpret", min(chunk, 128))
   with pytest.raises(ValueError, match="not resolved"):
     rt.ssd_plan(chunk)
   monkeypatch.setattr(jax, "default_backend", lambda: backend)

@@ -63,7 +63,7 @@ def test_flop_count_matches_xla(chunk):
   # once, whatever the trip count (the layer scan, and the CPU's chunk scan).
   cfg = config_for("tiny", d_model=256, n_layer=1, vocab_size=256, d_state=32, headdim=64,
                    chunk_size=chunk)
-  rt = Runtime(ssd_form="parallel")
+  rt = Runtime(ssd_form="parallel", ssd_impl="xla")
   model = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)
   graph, state = nnx.split(model)
   ids = jnp.zeros((2, 256), jnp.int32)
@@ -76,7 +76,7 @@ def test_flop_count_matches_xla(chunk):
   assert 0.85 < (ours + segsum) / xla < 1.0, (ours, segsum, xla)
   assert metrics.train_flops_per_token(cfg, rt, 256) == 3 * ours
   # The scan form runs at scan_chunk_size and passes states without a matmul.
-  scan = Runtime(ssd_form="scan", scan_chunk_size=chunk)
+  scan = Runtime(ssd_form="scan", scan_chunk_size=chunk, ssd_impl="xla")
   h, pn = cfg.nheads, cfg.headdim * cfg.d_state
   passing = 2 * (256 // chunk + 1) ** 2 * h * pn / 256
   assert metrics.forward_flops_per_token(cfg, scan, 256) == pytest.approx(ours - passing)

@@ -32,6 +32,7 @@ from mamba_train.model import pattern as pattern_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
+from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -224,12 +225,52 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
   form, chunk = rt.ssd_plan(cfg.chunk_size)
-  y, ssm = ssd(
-      x.astype(cd), dt, A,
-      bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n),
-      chunk, D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx, form=form)
+  ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
+  ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
+  if form in ("pallas", "interpret") and split is None:
+    y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
+  else:
+    # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
+    # kernels do not take a slice's entering state from the other devices yet.
+    y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
   out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
+def _axes_size(mesh, axes) -> int:
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _ssd_fused_sharded(x, dt, A, B, C, chunk, *, D, initial_state, seq_idx, interpret):
+  """`ssd_fused` on each device's part of the batch and heads (`jax.shard_map`):
+  XLA cannot split a Pallas kernel across devices itself. The SSD is independent
+  per sequence and head; B and C are split with the heads when their groups
+  divide evenly over the tensor axis, and replicated when there is one group."""
+  fused = functools.partial(ssd_fused, interpret=interpret)
+  act = sharding.active()
+  if act is None:
+    return fused(x, dt, A, B, C, chunk, D=D, initial_state=initial_state, seq_idx=seq_idx)
+  mesh, rules = act
+  spec = lambda *axes: sharding.logical_to_spec(axes, rules)
+  if _axes_size(mesh, spec("act_length")[0]) > 1:  # the mixer sends split sequences to XLA's SSD
+    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
+  tp, g = _axes_size(mesh, spec("act_inner")[0]), B.shape[2]
+  if g > 1 and g % tp:
+    raise ValueError(f"the Pallas SSD splits heads over {tp} devices but ngroups={g} does not divide "
+                     f"evenly over them: use a tensor axis dividing ngroups, or runtime.ssd_impl='xla'")
+  bc = spec("batch", None, "act_inner" if g > 1 else None, None)
+  specs = (spec("batch", None, "act_inner", None), spec("batch", None, "act_inner"), spec("act_inner"), bc, bc,
+           spec("act_inner"), spec("batch", "act_inner", None, None))
+  args = (x, dt, A, B, C, D if D is not None else jnp.zeros(A.shape, F32), initial_state)
+  if seq_idx is not None:
+    specs, args = specs + (spec("batch", None),), args + (seq_idx,)
+
+  def local(x, dt, A, B, C, D, h0, seq=None):
+    return fused(x, dt, A, B, C, chunk, D=D, initial_state=h0, seq_idx=seq)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
+                       check_vma=False)(*args)
 
 
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
@@ -373,14 +414,18 @@ class Mamba2LM(nnx.Module):
   def head_weight(self):
     return (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
 
+  def final_norm(self, h):
+    """The norm before the LM head: (..., d) float32."""
+    return rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
+
   def logits(self, h):
     """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows dropped)."""
     cfg = self.config
     cd = jnp.dtype(self.runtime.compute_dtype)
-    h = rms_norm(h, self.norm_f.get_value(), cfg.norm_eps)
-    out = jnp.einsum("...d,vd->...v", h.astype(cd), self.head_weight().astype(cd),
-                     preferred_element_type=F32)
-    return out[..., : cfg.vocab_size]
+    # The padding rows are dropped from the weight, inside its cast to the compute
+    # dtype, not from the logits: slicing (b, l, padded vocab) logits copies them.
+    w = self.head_weight()[: cfg.vocab_size].astype(cd)
+    return jnp.einsum("...d,vd->...v", self.final_norm(h).astype(cd), w, preferred_element_type=F32)
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
@@ -399,7 +444,8 @@ class Mamba2LM(nnx.Module):
       init[MAMBA] = (states if states is not None else
                      jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
-                             {k: self.layer_params(k) for k in self._kinds()}, init, h)
+                             {k: self.layer_params(k) for k in self._kinds()}, init, h,
+                             unroll=self.runtime.unroll_layers)
     return h, self._flat(new)
 
   def step(self, input_ids, states):

@@ -67,8 +67,10 @@ def _slice(tree, start, length):
   return jax.tree.map(lambda a: a[start:start + length], tree)
 
 
-def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h):
-  """Apply every layer in pattern order.
+def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h,
+        unroll: bool = False):
+  """Apply every layer in pattern order (every scan unrolled when `unroll`: XLA's
+  cost analysis then counts each layer, not one loop body).
 
   fns[kind](p, h, state) -> (h, state) is one layer (state may be None for a
   stateless kind); params[kind] and states[kind] are stacked over that kind's
@@ -88,7 +90,7 @@ def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict
                   None if s_run is None else jax.tree.map(lambda a: a[0], s_run))
         s = None if s is None else jax.tree.map(lambda a: a[None], s)
       else:
-        h, s = jax.lax.scan(lambda h, x, fn=fn: fn(x[0], h, x[1]), h, (p_run, s_run))
+        h, s = jax.lax.scan(lambda h, x, fn=fn: fn(x[0], h, x[1]), h, (p_run, s_run), unroll=unroll or 1)
       outs[r.kind].append(s)
     new = {k: (None if not v or v[0] is None else
                jax.tree.map(lambda *a: jnp.concatenate(a, 0), *v)) for k, v in outs.items()}
@@ -100,10 +102,10 @@ def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict
     return period_body(h, xs)
   if len(pl.period) == 1:  # one kind throughout: a plain scan over its stack
     k = pl.period
-    h, s = jax.lax.scan(lambda h, x: fns[k](x[0], h, x[1]), h, xs[k])
+    h, s = jax.lax.scan(lambda h, x: fns[k](x[0], h, x[1]), h, xs[k], unroll=unroll or 1)
     return h, {k: s}
   r = pl.repeats
   fold = lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:])
   unfold = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-  h, new = jax.lax.scan(period_body, h, jax.tree.map(fold, xs))
+  h, new = jax.lax.scan(period_body, h, jax.tree.map(fold, xs), unroll=unroll or 1)
   return h, jax.tree.map(unfold, new)

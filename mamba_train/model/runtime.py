@@ -34,6 +34,7 @@ def default_attention(backend: str, compute_dtype: str) -> str:
   if backend == "tpu":
     return "splash"
   return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
+SSD_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 def default_form(backend: str) -> str:
@@ -41,6 +42,15 @@ def default_form(backend: str) -> str:
   each chunk's (t, s) terms stay in cache; 'parallel' on the matrix units of GPUs
   and TPUs (docs/bench/results.md, docs/bench/gpu.md)."""
   return "scan" if backend == "cpu" else "parallel"
+
+
+def default_impl(backend: str) -> str:
+  """The SSD implementation for a backend: the Pallas kernels of `ssd_pallas` on TPUs,
+  where they keep each chunk's (t, s) terms out of HBM; the plain-JAX
+  `ssd.ssd_chunked` on CPU (XLA:CPU keeps those terms in cache; Pallas runs there
+  only in its interpreter) and on GPUs, until the kernels have run on one (they are
+  written to Mosaic TPU's rules and were never compiled for a GPU; 'pallas' asks)."""
+  return "pallas" if backend == "tpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,16 @@ class Runtime(FrozenFields):
   attention: str = "auto"
   # Run Pallas kernels (splash attention) in interpret mode: on a CPU, for tests.
   pallas_interpret: bool = False
+  # Who computes the SSD: 'xla' (`ssd.ssd_chunked`, in `ssd_form`), 'pallas' (the
+  # fused kernels of `ssd_pallas`, at parallel_chunk_size; TPU and GPU only),
+  # 'interpret' (those kernels in Pallas' interpreter: any backend, slow; for
+  # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for:
+  # pallas on TPU, xla elsewhere).
+  ssd_impl: str = "auto"
+  # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
+  # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled
+  # compile is how `scripts/aot_compile.py` counts every layer.
+  unroll_layers: bool = False
 
   def __post_init__(self):
     problems = []
@@ -77,6 +97,10 @@ class Runtime(FrozenFields):
     elif self.attention == "cudnn" and self.compute_dtype != "bfloat16":
       problems.append("attention='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash "
                       "attention takes no float32); use 'dot_product' or 'xla' in float32")
+    if self.ssd_impl not in SSD_IMPLS:
+      problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
+    if not isinstance(self.unroll_layers, bool):
+      problems.append(f"unroll_layers must be true or false, got {self.unroll_layers!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -86,7 +110,7 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return self.ssd_form != "auto" and self.attention != "auto"
+    return self.ssd_form != "auto" and self.ssd_impl != "auto" and self.attention != "auto"
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -98,12 +122,17 @@ class Runtime(FrozenFields):
       backend = jax.default_backend()
     return self.replace(
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
+        ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention))
 
   def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
-    """(form, chunk) the SSD runs with for a model whose chunk is `chunk_size`."""
-    if self.ssd_form == "auto":
-      raise ValueError("ssd_form 'auto' is not resolved: call Runtime.resolve(backend) first")
+    """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is
+    `ssd_form` when XLA runs it, else `ssd_impl` ('pallas' or 'interpret', whose
+    kernels run at most parallel_chunk_size)."""
+    if "auto" in (self.ssd_form, self.ssd_impl):
+      raise ValueError("ssd_form / ssd_impl 'auto' is not resolved: call Runtime.resolve(backend) first")
+    if self.ssd_impl != "xla":
+      return self.ssd_impl, min(chunk_size, self.parallel_chunk_size)
     cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
     return self.ssd_form, min(chunk_size, cap)

@@ -20,6 +20,7 @@ from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 from mamba_train.train import run_config
+from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import make_optimizer, nonfinite_streak
 from mamba_train.train.state import (TrainState, abstract_train_state, init_train_state,
                                      param_shardings, state_shardings)
@@ -37,11 +38,24 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
   """
   model = Mamba2LM.from_params(cfg, params, runtime)
   h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
-  logits = model.logits(h)  # (b, l, vocab) float32
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None].astype(jnp.int32), -1)[..., 0]
   mask = batch["loss_mask"].astype(F32)
-  return jnp.sum((logz - target_logit) * mask), jnp.sum(mask)
+  # LM head and cross entropy blockwise: no (b, l, vocab) logits (train/loss.py).
+  total = linear_cross_entropy(model.final_norm(h), model.head_weight(), batch["targets"], mask,
+                               cfg.vocab_size, runtime.compute_dtype, batch_shards=_batch_shards())
+  return total, jnp.sum(mask)
+
+
+def _batch_shards() -> int:
+  """Devices the (b, l) tokens are split over under the active sharding rules (1 without)."""
+  act = sharding.active()
+  if act is None:
+    return 1
+  mesh, rules = act
+  n = 1
+  for axes in sharding.logical_to_spec(("batch", "act_length"), rules):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    n *= int(np.prod([mesh.shape[a] for a in axes]))
+  return n
 
 
 def _split_micro(batch, k: int, mesh: Mesh, rules):

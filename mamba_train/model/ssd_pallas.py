@@ -1,0 +1,363 @@
+"""The chunked SSD with each chunk's (t, s) terms kept on chip: two Pallas kernels.
+
+Same function, arguments and numerical rules as `ssd.ssd_chunked` (the reference,
+and what CPUs run): float32 decays, segment sums as sums of the terms they cover,
+matmuls in the dtype of x with float32 accumulation. Letters as in `ssd.py`.
+
+The XLA form writes every chunk's (t, s) decay and score matrices to HBM and reads
+them back. Here they live in VMEM only (the kernels follow Mosaic TPU's tiling
+rules; they were never compiled for a GPU), in the two kernels of the block
+decomposition:
+
+  `_chunk_states`: the initial state (slot 0) and each chunk's end state from its
+      own inputs (the right low-rank factor), (b, g, r, c+1, p, n) float32; reads
+      x, dt, a, B once.
+  the state passing between chunks: plain JAX, one (c+1) x (c+1) masked matmul
+      per head over those slots, as `ssd_chunked`'s parallel form;
+  `_chunk_outputs`: the diagonal block, the entering state's output (the left
+      factor) and the D skip, written once as y in the compute dtype; reads x, dt,
+      a, B, C and the entering states once.
+
+x and y travel as (.., p, q) blocks: positions on the 128 lanes (a (q, p) block
+would pad p = 64 to 128 lanes and double their bytes).
+
+Each grid step takes one chunk, one sequence, one group and a block of `hb` heads,
+so B and C (shared by a group's heads) are read once per head block; the cost
+estimates count those re-reads.
+
+Backward: each kernel is a `jax.custom_vjp` whose backward pass is the vjp of the
+plain-JAX form of the same per-chunk function (`_states_ref`, `_outputs_ref`),
+recomputing the (t, s) terms from the chunk inputs. That backward still moves the
+(t, s) stacks through HBM as the XLA form's does: an interim until a Pallas
+backward kernel recomputes them on chip.
+
+`interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
+tests). This module imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+_NT = (((1,), (1,)), ((), ()))  # dot_general: a @ b.T
+
+
+def _head_block(r: int) -> int:
+  # A TPU block's second-to-last dim must be a multiple of 8 or the whole axis:
+  # 8 heads a step where r allows (VMEM stays small at any width), else all r.
+  return 8 if r % 8 == 0 else r
+
+
+def _tri(q, strict: bool):
+  """(q, q) masks from iotas (inside a kernel): row >= col, or row > col."""
+  row = jax.lax.broadcasted_iota(jnp.int32, (q, q), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (q, q), 1)
+  return (row > col) if strict else (row >= col), row == col
+
+
+def _spec(shape, index_map):
+  return pl.BlockSpec(shape, index_map)
+
+
+# ----------------------------------------------------------------------------
+# Chunk end states from the chunk's own inputs.
+
+
+def _states_kernel(*refs, hb, seq):
+  if seq:
+    x_ref, dt_ref, a_ref, b_ref, init_ref, end_ref, o_ref = refs
+  else:
+    x_ref, dt_ref, a_ref, b_ref, init_ref, o_ref = refs
+
+  # Slot 0 of the output is the initial state (so the state passing is one matmul
+  # over the slots, with no concatenated copy); slot z + 1 is chunk z's end state.
+  @pl.when(pl.program_id(3) == 0)
+  def _():
+    o_ref[...] = init_ref[...]
+
+  @pl.when(pl.program_id(3) > 0)
+  def _():
+    q = a_ref.shape[-1]
+    cdt = x_ref.dtype
+    after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+    a = a_ref[...].astype(_F32)  # (hb, q)
+    # to_end[h, s] = sum_{k > s} a[h, k]: a sum of the terms it covers, on the MXU.
+    to_end = jax.lax.dot(a, after.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
+    w = jnp.exp(to_end)
+    if seq:
+      w = w * end_ref[...]  # (1, q): 1 where s is in the chunk end's document
+    bmat = b_ref[...]  # (q, n)
+    for i in range(hb):
+      xdt = x_ref[i].astype(_F32) * dt_ref[pl.ds(i, 1), :].astype(_F32)  # (p, s)
+      xw = (xdt * w[i:i + 1, :]).astype(cdt)
+      o_ref[i] = jax.lax.dot(xw, bmat, preferred_element_type=_F32).astype(o_ref.dtype)
+
+
+def _states_ref(xc, dtc, ac, Bc, init, end):
+  """Plain-JAX `_chunk_states`: xc (c, b, g, r, p, s); dtc, ac (c, b, g, r, s);
+  Bc (c, b, g, s, n); init (b, g, r, p, n) float32; end (c, b, 1, s) float32 or None.
+  Returns (b, g, r, c + 1, p, n): the initial state, then each chunk's end state."""
+  cdt, q = xc.dtype, ac.shape[-1]
+  after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
+  to_end = jnp.einsum("...k,ks->...s", ac, after, precision=_HIGHEST)
+  w = jnp.exp(to_end)
+  if end is not None:
+    w = w * end[:, :, None]
+  xw = (xc.astype(_F32) * dtc[..., None, :] * w[..., None, :]).astype(cdt)
+  out = jnp.einsum("...grps,...gsn->...grpn", xw, Bc, preferred_element_type=_F32)
+  return jnp.concatenate([init[:, :, :, None], jnp.moveaxis(out, 0, 3)], axis=3)
+
+
+def _states_call(xc, dtc, ac, Bc, init, end, interpret):
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  seq = end is not None
+  # Chunks innermost (slot z reads chunk z - 1): the initial state's block stays
+  # put along them and is read once per head block.
+  grid = (b, g, r // hb, c + 1)
+  z = lambda zi: jnp.maximum(zi - 1, 0)
+  head = lambda bi, gi, ri, zi: (z(zi), bi, gi, ri, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), lambda bi, gi, ri, zi: (z(zi), bi, gi, ri, 0, 0)),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), lambda bi, gi, ri, zi: (z(zi), bi, gi, 0, 0)),
+              _spec((None, None, hb, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0))]
+  args = [xc, dtc, ac, Bc, init]
+  if seq:
+    in_specs.append(_spec((None, None, 1, q), lambda bi, gi, ri, zi: (z(zi), bi, 0, 0)))
+    args.append(end)
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  cost = pl.CostEstimate(
+      flops=int(c * b * (g * (r // hb) * 2 * hb * q * q + h * (2 * p * q * n + 4 * q * p))),
+      transcendentals=int(c * b * h * q),
+      bytes_accessed=int(xc.size * isz + 2 * dtc.size * 4
+                         + Bc.size * jnp.dtype(Bc.dtype).itemsize * (r // hb)  # B re-read per head block
+                         + (end.size * 4 * g * (r // hb) if seq else 0)
+                         + init.size * 4 + (c + 1) * b * h * p * n * 4))
+  return pl.pallas_call(
+      functools.partial(_states_kernel, hb=hb, seq=seq),
+      out_shape=jax.ShapeDtypeStruct((b, g, r, c + 1, p, n), _F32),
+      grid=grid, in_specs=in_specs,
+      # Chunks after the heads: the state passing's matmul then needs no transpose.
+      out_specs=_spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, zi, 0, 0)),
+      cost_estimate=cost, interpret=interpret, name="ssd_chunk_states")(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunk_states(xc, dtc, ac, Bc, init, end, interpret):
+  return _states_call(xc, dtc, ac, Bc, init, end, interpret)
+
+
+def _chunk_states_fwd(xc, dtc, ac, Bc, init, end, interpret):
+  return _states_call(xc, dtc, ac, Bc, init, end, interpret), (xc, dtc, ac, Bc, init, end)
+
+
+def _chunk_states_bwd(interpret, res, ct):
+  *diff, end = res
+  _, vjp = jax.vjp(lambda *a: _states_ref(*a, end), *diff)
+  return (*vjp(ct), None)
+
+
+_chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Outputs: diagonal block + entering state + D skip.
+
+
+def _outputs_kernel(*refs, hb, seq):
+  if seq:
+    (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, row_ref, col_ref, in_ref, o_ref) = refs
+  else:
+    x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, o_ref = refs
+  q = a_ref.shape[-1]
+  cdt = x_ref.dtype
+  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
+  upto_mask = keep  # upto[t, k] = a_k for k <= t
+  after = after.astype(_F32)
+  if seq:
+    keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
+  cmat = c_ref[...]  # (q, n)
+  cb = jax.lax.dot_general(cmat, b_ref[...], _NT, preferred_element_type=_F32)  # (t, s)
+  # cs[h, t] = sum_{k <= t} a[h, k], for every head of the block in one matmul.
+  cs = jax.lax.dot(a_ref[...].astype(_F32), upto_mask.T.astype(_F32), precision=_HIGHEST,
+                   preferred_element_type=_F32)
+  decay_in = jnp.exp(cs)  # (hb, t)
+  if seq:
+    decay_in = decay_in * in_ref[...]  # (1, t): 1 where t is in the entering state's document
+  for i in range(hb):
+    a_row = a_ref[pl.ds(i, 1), :].astype(_F32)  # (1, q)
+    upto = jnp.where(upto_mask, a_row, 0.0)  # (t, k)
+    # seg[t, s] = sum_{s < k <= t} a_k: sums of the terms covered, never differences.
+    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
+    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)  # (t, s)
+    xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes, no padding of p = 64
+    xdt = (xf * dt_ref[pl.ds(i, 1), :].astype(_F32)).astype(cdt)
+    y = jax.lax.dot_general(xdt, m, _NT, preferred_element_type=_F32)  # (p, t)
+    state = h_ref[i].astype(cdt)  # (p, n)
+    y = y + jax.lax.dot_general(state, cmat, _NT, preferred_element_type=_F32) * decay_in[i:i + 1, :]
+    y = y + xf * d_ref[pl.ds(i, 1), :].astype(_F32)
+    o_ref[i] = y.astype(o_ref.dtype)
+
+
+def _outputs_ref(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in):
+  """Plain-JAX `_chunk_outputs` (same layouts; row (c, b, 1, s) and col (c, b, t, 1)
+  int document ids, keep_in (c, b, 1, t) float32, or all three None)."""
+  cdt, q = xc.dtype, ac.shape[-1]
+  upto = ac[..., None, :] * jnp.tril(jnp.ones((q, q), _F32))  # (.., t, k)
+  after = jnp.tril(jnp.ones((q, q), _F32), -1)  # (k, s): k > s
+  seg = jnp.einsum("...tk,ks->...ts", upto, after, precision=_HIGHEST)
+  cs = jnp.einsum("...k,tk->...t", ac, jnp.tril(jnp.ones((q, q), _F32)), precision=_HIGHEST)
+  keep = jnp.tril(jnp.ones((q, q), bool))
+  if row is not None:
+    keep = keep & (col == row)[:, :, None, None]  # (c, b, 1, 1, t, s)
+  cb = jnp.einsum("...gtn,...gsn->...gts", Cc, Bc, preferred_element_type=_F32)
+  m = (cb[..., None, :, :] * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)
+  xf = xc.astype(_F32)
+  y = jnp.einsum("...grps,...grts->...grpt", (xf * dtc[..., None, :]).astype(cdt), m,
+                 preferred_element_type=_F32)
+  decay_in = jnp.exp(cs)
+  if keep_in is not None:
+    decay_in = decay_in * keep_in[:, :, None]
+  prev = jnp.moveaxis(prev[:, :, :, :-1], 3, 0)  # (b, g, r, c+1, p, n) -> (c, b, g, r, p, n)
+  y = y + jnp.einsum("...grpn,...gtn->...grpt", prev.astype(cdt), Cc,
+                     preferred_element_type=_F32) * decay_in[..., None, :]
+  return (y + xf * Dr[..., None, None]).astype(cdt)
+
+
+def _outputs_call(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret):
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  seq = row is not None
+  nblk = r // hb
+  grid = (c, b, g, nblk)
+  head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
+  group = lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0)
+  heads6 = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), group), _spec((None, None, None, q, n), group),
+              _spec((None, None, hb, None, p, n), lambda ci, bi, gi, ri: (bi, gi, ri, ci, 0, 0)),
+              _spec((None, hb, 1), lambda ci, bi, gi, ri: (gi, ri, 0))]
+  args = [xc, dtc, ac, Bc, Cc, prev, Dr[..., None]]
+  if seq:
+    per_seq = lambda ci, bi, gi, ri: (ci, bi, 0, 0)
+    in_specs += [_spec((None, None, 1, q), per_seq), _spec((None, None, q, 1), per_seq),
+                 _spec((None, None, 1, q), per_seq)]
+    args += [row, col, keep_in]
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  bc_bytes = (Bc.size + Cc.size) * jnp.dtype(Bc.dtype).itemsize
+  cost = pl.CostEstimate(
+      # per group and head block: C B^T; per head: segment sums (t x k x s), the
+      # diagonal block, the entering state's output, prefix sums and ~12 elementwise (t, s) ops.
+      flops=int(c * b * (g * nblk * 2 * q * q * n
+                         + h * (2 * q ** 3 + 2 * q * q * p + 2 * q * n * p + 14 * q * q + 6 * q * p))),
+      transcendentals=int(c * b * h * (q * q + q)),
+      bytes_accessed=int(2 * xc.size * isz + 2 * dtc.size * 4 + bc_bytes * nblk + prev.size * 4 * c // (c + 1)
+                         + Dr.size * 4 * c * b + (3 * c * b * q * 4 * g * nblk if seq else 0)))
+  return pl.pallas_call(
+      functools.partial(_outputs_kernel, hb=hb, seq=seq),
+      out_shape=jax.ShapeDtypeStruct(xc.shape, xc.dtype),
+      grid=grid, in_specs=in_specs, out_specs=_spec((None, None, None, hb, p, q), heads6),
+      cost_estimate=cost, interpret=interpret, name="ssd_chunk_outputs")(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _chunk_outputs(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret):
+  return _outputs_call(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
+
+
+def _chunk_outputs_fwd(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret):
+  out = _outputs_call(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
+  return out, (xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in)
+
+
+def _chunk_outputs_bwd(interpret, res, ct):
+  *diff, row, col, keep_in = res
+  _, vjp = jax.vjp(lambda *a: _outputs_ref(*a, row, col, keep_in), *diff)
+  return (*vjp(ct), None, None, None)
+
+
+_chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
+
+
+# ----------------------------------------------------------------------------
+# The scan.
+
+
+def _pad_to_chunks(x, pad, value=0):
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
+              interpret: bool = False):
+  """`ssd.ssd_chunked` with the per-chunk work in Pallas kernels (see the module doc).
+
+  Same arguments and results; `interpret` runs the kernels in Pallas' interpreter.
+  """
+  b, l, h, p = x.shape
+  g, n = B.shape[-2:]
+  if h % g:
+    raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+  r, q, cdt = h // g, chunk_size, x.dtype
+  pad = (-l) % q
+  nc = (l + pad) // q
+  # Chunk-major, head-major layouts, as `ssd_chunked`: XLA fuses these transposes
+  # into the producers (conv, silu) and the consumer (gated norm) of the SSD.
+  # x and y as (.., p, q): positions on the lanes (128), where p = 64 would be padded.
+  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(1, 0, 3, 4, 5, 2)
+  dtc = _pad_to_chunks(dt.astype(_F32), pad).reshape(b, nc, q, g, r).transpose(1, 0, 3, 4, 2)
+  ac = dtc * A.astype(_F32).reshape(g, r, 1)
+  Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  Cc = _pad_to_chunks(C, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  Dr = (jnp.zeros((h,), _F32) if D is None else D.astype(_F32)).reshape(g, r)
+  init = (jnp.zeros((b, g, r, p, n), _F32) if initial_state is None
+          else initial_state.astype(_F32).reshape(b, g, r, p, n))
+
+  row = col = keep_in = end = None
+  if seq_idx is not None:
+    sq = _pad_to_chunks(seq_idx.astype(jnp.int32), pad, 0)
+    if pad:  # padding joins the last document (it carries no input)
+      sq = sq.at[:, l:].set(seq_idx[:, -1:].astype(jnp.int32))
+    sq = sq.reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
+    doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # (c, b)
+    row, col = sq[:, :, None, :], sq[:, :, :, None]
+    keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
+    end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
+
+  states = _chunk_states(xc, dtc, ac, Bc, init, end, interpret)  # (b, g, r, c+1, p, n)
+  # State passing between chunks in plain JAX, as `ssd_chunked`'s parallel form:
+  # H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}, slot 0 the initial state and slot
+  # z+1 chunk z's own end state, as one (c+1) x (c+1) masked product per head,
+  # with the chunks after the heads so that the matmul reads the kernel's output
+  # and the next kernel reads the matmul's as they lie.
+  totals = jnp.moveaxis(ac.sum(-1), 0, -1)  # (b, g, r, c): each chunk's whole decay
+  totals = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals], axis=-1)
+  z = nc + 1
+  upto = totals[..., None, :] * jnp.tril(jnp.ones((z, z), _F32))
+  seg = jnp.einsum("...tk,ks->...ts", upto, jnp.tril(jnp.ones((z, z), _F32), -1), precision=_HIGHEST)
+  keep = jnp.tril(jnp.ones((z, z), bool))
+  if seq_idx is not None:
+    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0).T  # (b, c+1)
+    keep = keep & (doc_end[:, :, None] == doc_end[:, None, :])[:, None, None]
+  chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)  # (b, g, r, z, z')
+  states = jnp.einsum("bgrzy,bgrypn->bgrzpn", chunk_decay, states, precision=_HIGHEST)
+  prev, final = states, states[:, :, :, -1]
+  y = _chunk_outputs(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
+  y = y.transpose(1, 0, 5, 2, 3, 4).reshape(b, nc * q, h, p)[:, :l]
+  return y, final.reshape(b, h, p, n)
+
