@@ -25,11 +25,16 @@ Each grid step takes one chunk, one sequence, one group and a block of `hb` head
 so B and C (shared by a group's heads) are read once per head block; the cost
 estimates count those re-reads.
 
-Backward: each kernel is a `jax.custom_vjp` whose backward pass is the vjp of the
-plain-JAX form of the same per-chunk function (`_states_ref`, `_outputs_ref`),
-recomputing the (t, s) terms from the chunk inputs. That backward still moves the
-(t, s) stacks through HBM as the XLA form's does: an interim until a Pallas
-backward kernel recomputes them on chip.
+Backward: each kernel is a `jax.custom_vjp` whose backward pass is a Pallas
+kernel of its own (`ssd_chunk_states_bwd`, `ssd_chunk_outputs_bwd`) that
+recomputes the chunk's (t, s) terms in VMEM from the same inputs and writes only
+input-sized gradients, under the same numerical rules (the gradient of a segment
+sum is again a masked 0/1 matmul at HIGHEST: a sum of the terms it covers). The
+gradients of B and C, shared by a group's heads, are summed over the head blocks
+in an output block that stays in VMEM along the last grid axis (sequential on
+TPU), so they are written once per chunk and group. The plain-JAX forms of the
+per-chunk functions (`_states_ref`, `_outputs_ref`) are what the tests hold the
+kernels and their gradients against.
 
 `interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
 tests). This module imports nothing from the package.
