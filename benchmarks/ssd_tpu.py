@@ -20,7 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mamba_train import metrics
 from mamba_train.model import ssd, ssd_pallas
@@ -34,7 +35,8 @@ def reference_backward():
   sp = ssd_pallas
   states = jax.custom_vjp(sp._states_call, nondiff_argnums=(6,))
   states.defvjp(lambda *a: (sp._states_call(*a), a[:6]),
-                lambda interp, res, ct: (*jax.vjp(lambda *a: sp._states_ref(*a, res[5]), *res[:5])[1](ct), None))
+                lambda interp, res, ct: (*jax.vjp(lambda *a: sp._states_ref(*a, res[5]), *res[:5])[1](ct),
+                                         None))
   outputs = jax.custom_vjp(sp._outputs_call, nondiff_argnums=(10,))
   outputs.defvjp(lambda *a: (sp._outputs_call(*a), a[:10]),
                  lambda interp, res, ct: (*jax.vjp(lambda *a: sp._outputs_ref(*a, *res[7:]), *res[:7])[1](ct),
@@ -74,7 +76,7 @@ def main(argv=None):
   print("| form | program | XLA FLOPs | XLA bytes | roofline ms | bound | compile s |")
   print("|---|---|---|---|---|---|---|")
   for name, (fn, ctx) in FORMS.items():
-    def run(x, dt, A, B, C, D, seq):
+    def run(x, dt, A, B, C, D, seq, fn=fn):
       y, s = fn(x, dt, A, B, C, q, D=D, seq_idx=seq)
       return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
     progs = {"forward": jax.jit(run),

@@ -94,8 +94,9 @@ def _chunk_inputs(docs):
   if docs:  # a document ends mid-chunk 0, another starts at chunk 1's first position
     sq = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 2, 2, 3, 3, 3, 3]])[:, None, :]  # (c, b, s)
     doc_in = jnp.array([[0], [1]])
-    masks = (sq[:, :, None, :], sq[:, :, :, None], (sq == doc_in[..., None]).astype(jnp.float32)[:, :, None, :],
-             (sq == sq[:, :, -1:]).astype(jnp.float32)[:, :, None, :])
+    keep_in = (sq == doc_in[..., None]).astype(jnp.float32)[:, :, None, :]
+    end = (sq == sq[:, :, -1:]).astype(jnp.float32)[:, :, None, :]
+    masks = (sq[:, :, None, :], sq[:, :, :, None], keep_in, end)
   return (xc, dtc, ac, Bc, Cc, init, prev, Dr), (ds, dy), masks
 
 

@@ -167,7 +167,7 @@ def _chunk_states_fwd(xc, dtc, ac, Bc, init, end, interpret):
 
 
 def _chunk_states_bwd(interpret, res, ct):
-  xc, dtc, ac, Bc, init, end = res
+  xc, dtc, ac, Bc, _, end = res
   dx, ddt, da, dB = _states_bwd_call(xc, dtc, ac, Bc, ct, end, interpret)
   return dx, ddt, da, dB.astype(Bc.dtype), ct[:, :, :, 0], None
 
