@@ -92,9 +92,18 @@ for topo in sys.argv[1:]:
   def loss(x, dt, A, B, C, D, h0, seq):
     y, s = ssd_fused(x, dt, A, B, C, 128, D=D, initial_state=h0, seq_idx=seq)
     return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
-  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward kernels + backward
+  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward + backward
   hlo = step.lower(*args).compile().as_text()
-  assert "ssd_chunk_outputs" in hlo and "ssd_chunk_states" in hlo, "kernels missing"
+  # The one-pass forward; the backward recomputes the chunk states with their kernel.
+  assert "ssd_one_pass" in hlo and "ssd_chunk_states" in hlo, "kernels missing"
+  # The forwards alone: the one-pass kernel (its sequential chunk axis, the state
+  # carried in VMEM) without the two kernels, and the two-kernel form.
+  for one_pass, want, absent in [(True, "ssd_one_pass", "ssd_chunk_states"),
+                                 (False, "ssd_chunk_outputs", "ssd_one_pass")]:
+    fwd = jax.jit(lambda *a: ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7],
+                                       one_pass=one_pass))
+    hlo = fwd.lower(*args).compile().as_text()
+    assert want in hlo and absent not in hlo, (one_pass, "kernel missing")
   print("compiled", topo)
 """
 
