@@ -54,6 +54,32 @@ def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
     assert not np.array_equal(np.asarray(y3)[~last], np.asarray(y4)[~last])
 
 
+def test_one_pass_carries_the_state_across_chunks_and_documents():
+  """The one-pass forward (the state carried from chunk to chunk on chip) against
+  `ssd_chunked` and the two-kernel forward: 6 chunks (the last ragged), an initial
+  state, documents that start mid-chunk, exactly at a chunk start, and span whole
+  chunks (row 0), and one document through every chunk (row 1)."""
+  l, q, g, h = 45, 8, 2, 4
+  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 4, g, 5, jnp.float32)
+  seq = np.zeros((2, l), np.int32)
+  seq[0, 3:], seq[0, 16:], seq[0, 37:] = 1, 2, 3  # doc 2: chunk 2's start to mid chunk 4
+  seq = jnp.asarray(seq)
+
+  @jax.jit
+  def run(x, dt, A, B, C, D, h0, seq):
+    kw = dict(D=D, initial_state=h0, seq_idx=seq)
+    return [ssd_pallas.ssd_fused(x, dt, A, B, C, q, **kw, interpret=True, one_pass=o) for o in (True, False)] + [
+        ssd.ssd_chunked(x, dt, A, B, C, q, **kw, form="parallel")]
+
+  (y1, s1), (y2, s2), (y3, s3) = run(x, dt, A, B, C, D, h0, seq)
+  assert rel(y1, y3) < 1e-5 and rel(s1, s3) < 1e-5
+  assert rel(y2, y3) < 1e-5 and rel(s2, s3) < 1e-5
+  # The carry really is cut: without documents the outputs differ after the first start.
+  y4, _ = run(x, dt, A, B, C, D, h0, jnp.zeros_like(seq))[0]
+  np.testing.assert_array_equal(np.asarray(y4)[1], np.asarray(y1)[1])
+  assert not np.allclose(np.asarray(y4)[0, 3:], np.asarray(y1)[0, 3:])
+
+
 def test_model_with_fused_ssd_matches_xla_model():
   """Tiny model, logits and parameter gradients: ssd_impl 'interpret' (the kernels)
   against 'xla' in the parallel form at the same chunk."""
