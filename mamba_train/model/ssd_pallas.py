@@ -1,4 +1,4 @@
-"""The chunked SSD with each chunk's (t, s) terms kept on chip: two Pallas kernels.
+"""The chunked SSD with each chunk's (t, s) terms kept on chip: Pallas kernels.
 
 Same function, arguments and numerical rules as `ssd.ssd_chunked` (the reference,
 and what CPUs run): float32 decays, segment sums as sums of the terms they cover,
@@ -6,8 +6,18 @@ matmuls in the dtype of x with float32 accumulation. Letters as in `ssd.py`.
 
 The XLA form writes every chunk's (t, s) decay and score matrices to HBM and reads
 them back. Here they live in VMEM only (the kernels follow Mosaic TPU's tiling
-rules; they were never compiled for a GPU), in the two kernels of the block
-decomposition:
+rules; they were never compiled for a GPU).
+
+The forward (`ssd_fused`) is one kernel, `_one_pass_call`: its grid walks each head
+block's chunks in order (the chunk axis innermost and sequential) and carries the
+block's state, (hb, p, n) float32, in a VMEM scratch buffer from chunk to chunk. Per
+chunk it computes the diagonal block, the entering state's output and the D skip,
+writes y, then moves the state across the chunk (H <- exp(chunk's total decay) H +
+the chunk's own end state, with the document resets of `ssd_chunked`'s scan form).
+It reads x, dt, a, B, C and the initial state once and writes y and the final
+state once: no per-chunk states in HBM.
+
+The block decomposition as two kernels, with the state passing between them:
 
   `_chunk_states`: the initial state (slot 0) and each chunk's end state from its
       own inputs (the right low-rank factor), (b, g, r, c+1, p, n) float32; reads
@@ -18,6 +28,11 @@ decomposition:
       factor) and the D skip, written once as y in the compute dtype; reads x, dt,
       a, B, C and the entering states once.
 
+is what the backward differentiates (`one_pass=False` also runs it forward): the
+one-pass kernel's VJP recomputes the chunk states with `_chunk_states` and the
+passing, and takes the vjp of that composition, so it uses whatever backward those
+two kernels have.
+
 x and y travel as (.., p, q) blocks: positions on the 128 lanes (a (q, p) block
 would pad p = 64 to 128 lanes and double their bytes).
 
@@ -25,11 +40,11 @@ Each grid step takes one chunk, one sequence, one group and a block of `hb` head
 so B and C (shared by a group's heads) are read once per head block; the cost
 estimates count those re-reads.
 
-Backward: each kernel is a `jax.custom_vjp` whose backward pass is the vjp of the
-plain-JAX form of the same per-chunk function (`_states_ref`, `_outputs_ref`),
-recomputing the (t, s) terms from the chunk inputs. That backward still moves the
-(t, s) stacks through HBM as the XLA form's does: an interim until a Pallas
-backward kernel recomputes them on chip.
+Backward of the two kernels: each is a `jax.custom_vjp` whose backward pass is the
+vjp of the plain-JAX form of the same per-chunk function (`_states_ref`,
+`_outputs_ref`), recomputing the (t, s) terms from the chunk inputs. That backward
+still moves the (t, s) stacks through HBM as the XLA form's does: an interim until
+a Pallas backward kernel recomputes them on chip.
 
 `interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
 tests). This module imports nothing from the package.
@@ -42,6 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu  # Mosaic's grid semantics and VMEM scratch
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -357,7 +373,6 @@ def _one_pass_kernel(*refs, hb, seq):
 
 
 def _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret):
-  from jax.experimental.pallas import tpu as pltpu  # Mosaic's parameters; also fine in interpret mode
   c, b, g, r, p, q = xc.shape
   n = Bc.shape[-1]
   hb = _head_block(r)
