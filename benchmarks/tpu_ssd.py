@@ -31,7 +31,7 @@ from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices
 
-SHAPE = dict(b=1, l=4096, h=80, p=64, g=1, n=128)  # one 2.7b layer's SSD
+SHAPE = {"b": 1, "l": 4096, "h": 80, "p": 64, "g": 1, "n": 128}  # one 2.7b layer's SSD
 CHUNK = 128
 
 

@@ -67,7 +67,7 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
 
   @jax.jit
   def run(x, dt, A, B, C, D, h0, seq):
-    kw = dict(D=D, initial_state=h0, seq_idx=seq)
+    kw = {"D": D, "initial_state": h0, "seq_idx": seq}
     return [ssd_pallas.ssd_fused(x, dt, A, B, C, q, **kw, interpret=True, one_pass=o) for o in (True, False)] + [
         ssd.ssd_chunked(x, dt, A, B, C, q, **kw, form="parallel")]
 

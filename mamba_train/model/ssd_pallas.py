@@ -57,7 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu  # Mosaic's grid semantics and VMEM scratch
+from jax.experimental.pallas import tpu as pltpu
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
