@@ -1,10 +1,10 @@
 """XLA's FLOPs and bytes of the SSD alone, forward and value_and_grad, compiled for
-one TPU chip through libtpu (no TPU needed): the XLA form, the fused Pallas form
-with the reference backward (the vjp of the plain-JAX per-chunk functions, as the
-kernels had before their Pallas backward), and the fused form with its Pallas
-backward kernels.
+one TPU chip through libtpu (no TPU needed): the XLA form, and the fused Pallas
+forms (two kernels, or one pass) with the reference backward (the vjp of the
+plain-JAX per-chunk functions, as the kernels had before their Pallas backward)
+or with the Pallas backward kernels. `benchmarks.tpu_ssd` counts the forwards.
 
-  env -u XLA_FLAGS python -m benchmarks.ssd_tpu            # 2.7b layer: b1 l4096 h80 p64 g1 n128, chunk 128
+  env -u XLA_FLAGS python -m benchmarks.tpu_ssd_grad       # 2.7b layer: b1 l4096 h80 p64 g1 n128, chunk 128
 
 libtpu parses XLA_FLAGS and aborts on CPU-only flags, hence the `env -u`. The SSD
 has no loop in any of these forms (the parallel XLA form, the Pallas grids), so
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 
 import jax
@@ -49,10 +50,15 @@ def reference_backward():
     sp._chunk_states, sp._chunk_outputs = saved
 
 
+two = functools.partial(ssd_pallas.ssd_fused, one_pass=False)
+one = functools.partial(ssd_pallas.ssd_fused, one_pass=True)
+# name -> (SSD fn, context that swaps the backward or None, whether to count the forward too)
 FORMS = {
-    "xla (ssd_chunked, parallel form)": (lambda *a, **k: ssd.ssd_chunked(*a, **k, form="parallel"), None),
-    "pallas, reference backward": (ssd_pallas.ssd_fused, reference_backward),
-    "pallas, Pallas backward": (ssd_pallas.ssd_fused, None),
+    "xla (ssd_chunked, parallel form)": (functools.partial(ssd.ssd_chunked, form="parallel"), None, True),
+    "pallas two kernels, reference backward": (two, reference_backward, False),
+    "pallas two kernels, Pallas backward": (two, None, True),
+    "pallas one pass, reference backward": (one, reference_backward, False),
+    "pallas one pass, Pallas backward": (one, None, True),
 }
 
 
@@ -75,15 +81,15 @@ def main(argv=None):
         f"({chip.name}: {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e12:.1f} TB/s)")
   print("| form | program | XLA FLOPs | XLA bytes | roofline ms | bound | compile s |")
   print("|---|---|---|---|---|---|---|")
-  for name, (fn, ctx) in FORMS.items():
+  for name, (fn, ctx, with_fwd) in FORMS.items():
     def run(x, dt, A, B, C, D, seq, fn=fn):
       y, s = fn(x, dt, A, B, C, q, D=D, seq_idx=seq)
       return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
     progs = {"forward": jax.jit(run),
              "value_and_grad": jax.jit(jax.value_and_grad(run, argnums=tuple(range(6))))}
     for prog, f in progs.items():
-      if prog == "forward" and ctx is not None:
-        continue  # the forward is the same kernels either way
+      if prog == "forward" and not with_fwd:
+        continue  # the same forward kernels as the row with the Pallas backward
       with ctx() if ctx else contextlib.nullcontext():
         t = time.perf_counter()
         compiled = f.lower(*xs, seq).compile()
