@@ -87,6 +87,85 @@ def _spec(shape, index_map):
   return pl.BlockSpec(shape, index_map)
 
 
+# Per-chunk math shared by the kernels (inside a kernel; q the chunk length).
+
+
+def _masks(q, seq, row_ref=None, col_ref=None):
+  """A chunk's masks: after[k, s] = k > s (float32, the 0/1 matrix of the sums to
+  the chunk end), upto[t, k] = k <= t (bool, the prefix sums), keep[t, s] = t >= s
+  within one document."""
+  after, _ = _tri(q, strict=True)
+  upto, _ = _tri(q, strict=False)
+  keep = upto
+  if seq:
+    keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
+  return after.astype(_F32), upto, keep
+
+
+def _prefix(a, upto):
+  """cs[h, t] = sum_{k <= t} a[h, k] for a block's (hb, q) rows: one matmul at HIGHEST."""
+  return jax.lax.dot(a, upto.T.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
+
+
+def _to_end(a, after):
+  """to_end[h, s] = sum_{k > s} a[h, k] for a block's (hb, q) rows: one matmul at HIGHEST."""
+  return jax.lax.dot(a, after, precision=_HIGHEST, preferred_element_type=_F32)
+
+
+def _decay(a_row, upto, after, keep):
+  """One head's L[t, s] = exp(sum_{s < k <= t} a_k) where keep, else 0: the segment
+  sums as a masked 0/1 matmul at HIGHEST (sums of the terms covered, never differences)."""
+  seg = jax.lax.dot(jnp.where(upto, a_row, 0.0), after, precision=_HIGHEST, preferred_element_type=_F32)
+  return jnp.where(keep, jnp.exp(seg), 0.0)
+
+
+def _outputs_head_bwd(dy, xf, dt_i, d_i, cb, lmat, state, cmat, decay_row, after, upto):
+  """One head's gradients of y = (x dt) M^T + (H C^T) * decay_in + x D, M = (C B^T) * L.
+
+  dy (p, t) and state (p, n) in the compute dtype; xf (p, s), dt_i, d_i, decay_row
+  (1, q) float32. Returns dx (p, s), the rows (1, q) of d dt, d a (the segment sums'
+  part), d D and d cs (the prefix sums', before their transpose), the entering
+  state's cotangent (p, n), this head's part of dC (t, n) and dL * L (t, s), the
+  cotangent of C B^T (summed over the group's heads by the caller)."""
+  cdt = dy.dtype
+  dyf = dy.astype(_F32)
+  xdt = (xf * dt_i).astype(cdt)
+  m = (cb * lmat).astype(cdt)
+  dd = jnp.sum(dyf * xf, axis=0, keepdims=True)  # D skip: y += x D
+  # Entering state: y += (H C^T) * decay_in.
+  sc = jax.lax.dot_general(state, cmat, _NT, preferred_element_type=_F32)  # (p, t)
+  dcs = jnp.sum(dyf * sc, axis=0, keepdims=True) * decay_row
+  dsc = (dyf * decay_row).astype(cdt)  # (p, t)
+  dh = jax.lax.dot(dsc, cmat, preferred_element_type=_F32)  # (p, n)
+  dc = jax.lax.dot_general(dsc, state, _TN, preferred_element_type=_F32)  # (t, n)
+  # Diagonal block: y += (x dt) M^T.
+  dm = jax.lax.dot_general(dy, xdt, _TN, preferred_element_type=_F32)  # (t, s)
+  dxdt = jax.lax.dot(dy, m, preferred_element_type=_F32)  # (p, s)
+  dl = dm * lmat  # zero where the mask cuts
+  # seg[t, s] = sum_{s < k <= t} a_k, so d a_k = sum_{t >= k} sum_{s < k} dseg[t, s]:
+  # a masked matmul at HIGHEST, then a masked column sum (sums of the terms covered).
+  per_k = jax.lax.dot_general(dl * cb, after, _NT, precision=_HIGHEST, preferred_element_type=_F32)
+  da = jnp.sum(jnp.where(upto, per_k, 0.0), axis=0, keepdims=True)
+  dx = dyf * d_i + dxdt * dt_i
+  ddt = jnp.sum(dxdt * xf, axis=0, keepdims=True)
+  return dx, ddt, da, dd, dcs, dh, dc, dl
+
+
+def _states_head_bwd(dout, bmat, xf, dt_i, w_i):
+  """One head's gradients of its chunk end state S = ((x dt) * w) B, given S's
+  cotangent dout (p, n) in the compute dtype; w_i (1, s) = exp(to_end), document
+  mask included. Returns dx (p, s), the rows (1, q) of d dt and d to_end (before
+  its transpose to d a), and this head's part of dB (s, n)."""
+  xdt = xf * dt_i
+  dxw = jax.lax.dot_general(dout, bmat, _NT, preferred_element_type=_F32)  # (p, s)
+  dx = dxw * dt_i * w_i
+  ddt = jnp.sum(dxw * xf, axis=0, keepdims=True) * w_i
+  # d to_end[s] (w carries the document mask, so masked positions get zero).
+  dte = jnp.sum(dxw * xdt, axis=0, keepdims=True) * w_i
+  db = jax.lax.dot_general((xdt * w_i).astype(dout.dtype), dout, _TN, preferred_element_type=_F32)
+  return dx, ddt, dte, db
+
+
 # ----------------------------------------------------------------------------
 # Chunk end states from the chunk's own inputs.
 
@@ -199,28 +278,18 @@ def _outputs_kernel(*refs, hb, seq):
     (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, row_ref, col_ref, in_ref, o_ref) = refs
   else:
     x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, o_ref = refs
+    row_ref = col_ref = None
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
-  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
-  upto_mask = keep  # upto[t, k] = a_k for k <= t
-  after = after.astype(_F32)
-  if seq:
-    keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
+  after, upto, keep = _masks(q, seq, row_ref, col_ref)
   cmat = c_ref[...]  # (q, n)
   cb = jax.lax.dot_general(cmat, b_ref[...], _NT, preferred_element_type=_F32)  # (t, s)
-  # cs[h, t] = sum_{k <= t} a[h, k], for every head of the block in one matmul.
-  cs = jax.lax.dot(a_ref[...].astype(_F32), upto_mask.T.astype(_F32), precision=_HIGHEST,
-                   preferred_element_type=_F32)
-  decay_in = jnp.exp(cs)  # (hb, t)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t), every head of the block in one matmul
   if seq:
     decay_in = decay_in * in_ref[...]  # (1, t): 1 where t is in the entering state's document
   for i in range(hb):
-    a_row = a_ref[pl.ds(i, 1), :].astype(_F32)  # (1, q)
-    upto = jnp.where(upto_mask, a_row, 0.0)  # (t, k)
-    # seg[t, s] = sum_{s < k <= t} a_k: sums of the terms covered, never differences.
-    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
-    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)  # (t, s)
+    m = (cb * _decay(a[i:i + 1, :], upto, after, keep)).astype(cdt)  # (t, s)
     xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes, no padding of p = 64
     xdt = (xf * dt_ref[pl.ds(i, 1), :].astype(_F32)).astype(cdt)
     y = jax.lax.dot_general(xdt, m, _NT, preferred_element_type=_F32)  # (p, t)
@@ -343,26 +412,20 @@ def _states_bwd_kernel(*refs, hb, seq):
   def _():
     db_ref[...] = jnp.zeros_like(db_ref)
 
-  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  after = after.astype(_F32)
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  w = jnp.exp(jax.lax.dot(a, after, precision=_HIGHEST, preferred_element_type=_F32))
+  after, _, _ = _masks(q, False)
+  w = jnp.exp(_to_end(a_ref[...].astype(_F32), after))  # (hb, q)
   if seq:
     w = w * end_ref[...]
   bmat = b_ref[...]  # (q, n)
   db = jnp.zeros(db_ref.shape, _F32)
   for i in range(hb):
-    xf = x_ref[i].astype(_F32)  # (p, s)
-    dt_i, w_i = dt_ref[pl.ds(i, 1), :].astype(_F32), w[i:i + 1, :]
-    xdt = xf * dt_i
     dout = ds_ref[i].astype(cdt)  # (p, n): this chunk's end state's cotangent
-    dxw = jax.lax.dot_general(dout, bmat, _NT, preferred_element_type=_F32)  # (p, s)
-    dx_ref[i] = (dxw * dt_i * w_i).astype(dx_ref.dtype)
-    ddt_ref[pl.ds(i, 1), :] = jnp.sum(dxw * xf, axis=0, keepdims=True) * w_i
-    # d to_end[s] (w carries the document mask, so masked positions get zero).
-    da_ref[pl.ds(i, 1), :] = jnp.sum(dxw * xdt, axis=0, keepdims=True) * w_i
-    xw = (xdt * w_i).astype(cdt)
-    db = db + jax.lax.dot_general(xw, dout, _TN, preferred_element_type=_F32)  # (s, n)
+    dx, ddt, dte, db_i = _states_head_bwd(dout, bmat, x_ref[i].astype(_F32),
+                                          dt_ref[pl.ds(i, 1), :].astype(_F32), w[i:i + 1, :])
+    dx_ref[i] = dx.astype(dx_ref.dtype)
+    ddt_ref[pl.ds(i, 1), :] = ddt
+    da_ref[pl.ds(i, 1), :] = dte
+    db = db + db_i
   # to_end[s] = sum_{k > s} a_k, so d a_k = sum_{s < k} d to_end[s]: a masked
   # matmul at HIGHEST, sums of the terms covered.
   da_ref[...] = jax.lax.dot_general(da_ref[...], after, _NT, precision=_HIGHEST,
@@ -421,6 +484,7 @@ def _outputs_bwd_kernel(*refs, hb, seq):
   else:
     (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref,
      dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dh_ref, dd_ref, dcs_ref) = refs
+    row_ref = col_ref = None
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
 
@@ -430,55 +494,28 @@ def _outputs_bwd_kernel(*refs, hb, seq):
     dc_ref[...] = jnp.zeros_like(dc_ref)
 
   # The forward kernel's terms, recomputed as it computes them.
-  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
-  upto_mask = keep
-  after = after.astype(_F32)
-  if seq:
-    keep = keep & (col_ref[...] == row_ref[...])
+  after, upto, keep = _masks(q, seq, row_ref, col_ref)
   cmat, bmat = c_ref[...], b_ref[...]  # (q, n)
   cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-  cs = jax.lax.dot(a_ref[...].astype(_F32), upto_mask.T.astype(_F32), precision=_HIGHEST,
-                   preferred_element_type=_F32)
-  decay_in = jnp.exp(cs)  # (hb, t)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
   if seq:
     decay_in = decay_in * in_ref[...]
   dcb = jnp.zeros((q, q), _F32)
   dc = jnp.zeros(dc_ref.shape, _F32)
   for i in range(hb):
-    a_row = a_ref[pl.ds(i, 1), :].astype(_F32)
-    upto = jnp.where(upto_mask, a_row, 0.0)
-    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
-    lmat = jnp.where(keep, jnp.exp(seg), 0.0)  # (t, s)
-    m = (cb * lmat).astype(cdt)
-    xf = x_ref[i].astype(_F32)  # (p, s)
-    dt_i = dt_ref[pl.ds(i, 1), :].astype(_F32)
-    xdt = (xf * dt_i).astype(cdt)
-    dy = dy_ref[i]  # (p, t), dtype of x
-    dyf = dy.astype(_F32)
-    # D skip: y += x D.
-    dd_ref[pl.ds(i, 1), :] = jnp.sum(dyf * xf, axis=0, keepdims=True)
-    # Entering state: y += (H C^T) * decay_in.
-    state = h_ref[i].astype(cdt)  # (p, n)
-    sc = jax.lax.dot_general(state, cmat, _NT, preferred_element_type=_F32)  # (p, t)
-    dcs_ref[pl.ds(i, 1), :] = jnp.sum(dyf * sc, axis=0, keepdims=True) * decay_in[i:i + 1, :]
-    dsc = (dyf * decay_in[i:i + 1, :]).astype(cdt)  # (p, t)
-    dh_ref[i] = jax.lax.dot(dsc, cmat, preferred_element_type=_F32)  # (p, n)
-    dc = dc + jax.lax.dot_general(dsc, state, _TN, preferred_element_type=_F32)  # (t, n)
-    # Diagonal block: y += (x dt) M^T with M = (C B^T) * L.
-    dm = jax.lax.dot_general(dy, xdt, _TN, preferred_element_type=_F32)  # (t, s)
-    dxdt = jax.lax.dot(dy, m, preferred_element_type=_F32)  # (p, s)
-    dl = dm * lmat  # zero where the mask cuts
+    row = pl.ds(i, 1)
+    lmat = _decay(a[i:i + 1, :], upto, after, keep)  # (t, s)
+    dx, ddt, da, dd, dcs, dh, dc_i, dl = _outputs_head_bwd(
+        dy_ref[i], x_ref[i].astype(_F32), dt_ref[row, :].astype(_F32), d_ref[row, :].astype(_F32),
+        cb, lmat, h_ref[i].astype(cdt), cmat, decay_in[i:i + 1, :], after, upto)
+    dx_ref[i] = dx.astype(dx_ref.dtype)
+    ddt_ref[row, :], da_ref[row, :], dd_ref[row, :], dcs_ref[row, :] = ddt, da, dd, dcs
+    dh_ref[i] = dh
+    dc = dc + dc_i
     dcb = dcb + dl
-    # seg[t, s] = sum_{s < k <= t} a_k, so d a_k = sum_{t >= k} sum_{s < k} dseg[t, s]:
-    # a masked matmul at HIGHEST, then a masked column sum (sums of the terms covered).
-    dseg = dl * cb
-    per_k = jax.lax.dot_general(dseg, after, _NT, precision=_HIGHEST, preferred_element_type=_F32)
-    da_ref[pl.ds(i, 1), :] = jnp.sum(jnp.where(upto_mask, per_k, 0.0), axis=0, keepdims=True)
-    dx_ref[i] = (dyf * d_ref[pl.ds(i, 1), :].astype(_F32) + dxdt * dt_i).astype(dx_ref.dtype)
-    ddt_ref[pl.ds(i, 1), :] = jnp.sum(dxdt * xf, axis=0, keepdims=True)
   # cs[t] = sum_{k <= t} a_k, so d a_k += sum_{t >= k} dcs[t]: one masked matmul per block.
-  da_ref[...] += jax.lax.dot(dcs_ref[...], upto_mask.astype(_F32), precision=_HIGHEST,
+  da_ref[...] += jax.lax.dot(dcs_ref[...], upto.astype(_F32), precision=_HIGHEST,
                              preferred_element_type=_F32)
   # C B^T is shared by the group's heads: its cotangent summed over them, then to C and B.
   dcb = dcb.astype(cdt)
@@ -547,12 +584,18 @@ def _outputs_bwd_call(xc, dtc, ac, Bc, Cc, prev, Dr, dy, row, col, keep_in, inte
 # One pass: outputs and the state passing in one kernel, the state carried on chip.
 
 
-def _one_pass_kernel(*refs, hb, seq):
+def _one_pass_kernel(*refs, hb, seq, save):
+  n_in = 11 if seq else 7
+  ins, outs = refs[:n_in], refs[n_in:]
   if seq:
-    (x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, row_ref, col_ref, in_ref, end_ref,
-     y_ref, final_ref, h_scr) = refs
+    x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, row_ref, col_ref, in_ref, end_ref = ins
   else:
-    x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, y_ref, final_ref, h_scr = refs
+    x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref = ins
+    row_ref = col_ref = None
+  if save:
+    y_ref, final_ref, st_ref, h_scr = outs
+  else:
+    y_ref, final_ref, h_scr = outs
   zi = pl.program_id(3)
 
   # The chunk axis is innermost and sequential: h_scr holds the state entering
@@ -561,25 +604,20 @@ def _one_pass_kernel(*refs, hb, seq):
   def _():
     h_scr[...] = init_ref[...]
 
+  if save:  # the entering states, the backward's residual (one float32 write)
+    st_ref[...] = h_scr[...]
+
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
-  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
-  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
-  upto_mask = keep  # upto[t, k] = a_k for k <= t
-  after = after.astype(_F32)
-  if seq:
-    keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
+  after, upto, keep = _masks(q, seq, row_ref, col_ref)
   bmat, cmat = b_ref[...], c_ref[...]  # (q, n)
   cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
   a = a_ref[...].astype(_F32)  # (hb, q)
   # Sums of the terms they cover, on the MXU, for every head of the block at once:
-  # cs[h, t] = sum_{k <= t} a[h, k] (its last column: the whole chunk's decay, which
-  # the carried state takes), to_end[h, s] = sum_{k > s} a[h, k].
-  cs = jax.lax.dot(a, upto_mask.T.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
-  to_end = jax.lax.dot(a, after, precision=_HIGHEST, preferred_element_type=_F32)
-  decay_in = jnp.exp(cs)  # (hb, t)
+  # cs (its last column: the whole chunk's decay, which the carried state takes) and to_end.
+  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
   through = decay_in[:, q - 1:q]  # (hb, 1): exp(the chunk's total decay)
-  w = jnp.exp(to_end)  # (hb, s)
+  w = jnp.exp(_to_end(a, after))  # (hb, s)
   if seq:
     keep_in = in_ref[...]  # (1, t): 1 where t is in the entering state's document
     decay_in = decay_in * keep_in
@@ -587,11 +625,7 @@ def _one_pass_kernel(*refs, hb, seq):
     through = through * keep_in[:, q - 1:q]
     w = w * end_ref[...]  # (1, s): 1 where s is in the chunk end's document
   for i in range(hb):
-    a_row = a[i:i + 1, :]  # (1, q)
-    upto = jnp.where(upto_mask, a_row, 0.0)  # (t, k)
-    # seg[t, s] = sum_{s < k <= t} a_k: sums of the terms covered, never differences.
-    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
-    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)  # (t, s)
+    m = (cb * _decay(a[i:i + 1, :], upto, after, keep)).astype(cdt)  # (t, s)
     xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes
     xdt = xf * dt_ref[pl.ds(i, 1), :].astype(_F32)
     y = jax.lax.dot_general(xdt.astype(cdt), m, _NT, preferred_element_type=_F32)  # (p, t)
@@ -608,7 +642,8 @@ def _one_pass_kernel(*refs, hb, seq):
     final_ref[...] = h_scr[...]
 
 
-def _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret):
+def _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret, save=False):
+  """(y, final state), and with `save` the states entering each chunk (b, g, r, c, p, n)."""
   c, b, g, r, p, q = xc.shape
   n = Bc.shape[-1]
   hb = _head_block(r)
@@ -647,16 +682,168 @@ def _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interp
       # x and y once, dt and a once, B and C once per head block, the initial and
       # final states once, D and the document masks per head block.
       bytes_accessed=int(2 * xc.size * isz + 2 * dtc.size * 4 + bc_bytes * nblk + 2 * init.size * 4
-                         + Dr.size * 4 * b + (4 * c * b * q * 4 * g * nblk if seq else 0)))
+                         + Dr.size * 4 * b + (4 * c * b * q * 4 * g * nblk if seq else 0)
+                         + (c * init.size * 4 if save else 0)))  # the entering states written
+  out_shape = [jax.ShapeDtypeStruct(xc.shape, xc.dtype), jax.ShapeDtypeStruct(init.shape, _F32)]
+  out_specs = [_spec((None, None, None, hb, p, q), heads6), _spec((None, None, hb, p, n), state)]
+  if save:
+    out_shape.append(jax.ShapeDtypeStruct((b, g, r, c, p, n), _F32))
+    out_specs.append(_spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, zi, 0, 0)))
   return pl.pallas_call(
-      functools.partial(_one_pass_kernel, hb=hb, seq=seq),
-      out_shape=(jax.ShapeDtypeStruct(xc.shape, xc.dtype), jax.ShapeDtypeStruct(init.shape, _F32)),
-      grid=grid, in_specs=in_specs,
-      out_specs=(_spec((None, None, None, hb, p, q), heads6), _spec((None, None, hb, p, n), state)),
+      functools.partial(_one_pass_kernel, hb=hb, seq=seq, save=save),
+      out_shape=tuple(out_shape), grid=grid, in_specs=in_specs, out_specs=tuple(out_specs),
       scratch_shapes=[pltpu.VMEM((hb, p, n), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=cost, interpret=interpret, name="ssd_one_pass")(*args)
+      cost_estimate=cost, interpret=interpret, name="ssd_one_pass_save" if save else "ssd_one_pass")(*args)
+
+
+# The one-pass backward: the chunks in reverse, the state's cotangent carried on chip.
+
+
+def _one_pass_bwd_kernel(*refs, hb, seq):
+  n_in = 13 if seq else 9
+  ins, outs = refs[:n_in], refs[n_in:]
+  if seq:
+    (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref, dfin_ref,
+     row_ref, col_ref, in_ref, end_ref) = ins
+  else:
+    x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref, dfin_ref = ins
+    row_ref = col_ref = None
+  (dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dinit_ref, dd_ref, dh_scr, dcs_scr, dte_scr) = outs
+  zi = pl.program_id(3)
+
+  # Grid step zi is chunk c - 1 - zi: dh_scr holds the cotangent of the state
+  # leaving this chunk, (hb, p, n) float32, starting from the final state's.
+  @pl.when(zi == 0)
+  def _():
+    dh_scr[...] = dfin_ref[...]
+
+  q = a_ref.shape[-1]
+  cdt = x_ref.dtype
+  # The forward kernel's terms, recomputed as it computes them.
+  after, upto, keep = _masks(q, seq, row_ref, col_ref)
+  cmat, bmat = c_ref[...], b_ref[...]  # (q, n)
+  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
+  w = jnp.exp(_to_end(a, after))  # (hb, s)
+  if seq:
+    decay_in = decay_in * in_ref[...]
+    w = w * end_ref[...]
+  # exp(the chunk's total decay), times 0 where the chunk ends outside the entering
+  # state's document: decay_in's last column, as the forward's `through`.
+  through = decay_in[:, q - 1:q]  # (hb, 1)
+  last = jax.lax.broadcasted_iota(jnp.int32, (1, q), 1) == q - 1
+  dcb = jnp.zeros((q, q), _F32)
+  dc = jnp.zeros(dc_ref.shape, _F32)
+  db = jnp.zeros(db_ref.shape, _F32)
+  for i in range(hb):
+    row = pl.ds(i, 1)
+    xf, dt_i = x_ref[i].astype(_F32), dt_ref[row, :].astype(_F32)
+    state, dout = h_ref[i], dh_scr[i]  # (p, n) float32: the entering state, the leaving one's cotangent
+    # The chunk's outputs (diagonal block, entering state, D skip) ...
+    dx, ddt, da, dd, dcs, dh_in, dc_i, dl = _outputs_head_bwd(
+        dy_ref[i], xf, dt_i, d_ref[row, :].astype(_F32), cb,
+        _decay(a[i:i + 1, :], upto, after, keep), state.astype(cdt), cmat, decay_in[i:i + 1, :],
+        after, upto)
+    # ... and the state leaving it, H_out = H_in * through + S (S the chunk's own end state).
+    dx_s, ddt_s, dte, db_i = _states_head_bwd(dout.astype(cdt), bmat, xf, dt_i, w[i:i + 1, :])
+    dx_ref[i] = (dx + dx_s).astype(dx_ref.dtype)
+    ddt_ref[row, :], da_ref[row, :], dd_ref[row, :], dte_scr[row, :] = ddt + ddt_s, da, dd, dte
+    # through = exp(cs[q - 1]): its cotangent joins cs's last column.
+    dthrough = jnp.sum(jnp.sum(dout * state, axis=1, keepdims=True), axis=0, keepdims=True)
+    dcs_scr[row, :] = dcs + jnp.where(last, dthrough * through[i:i + 1, :], 0.0)
+    dh_scr[i] = dout * through[i:i + 1, :] + dh_in  # the entering state's cotangent
+    dc = dc + dc_i
+    dcb = dcb + dl
+    db = db + db_i
+  # d a_k += sum_{t >= k} dcs[t] (cs = prefix sums) + sum_{s < k} d to_end[s]: masked
+  # matmuls at HIGHEST, sums of the terms covered.
+  da_ref[...] += (jax.lax.dot(dcs_scr[...], upto.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
+                  + jax.lax.dot_general(dte_scr[...], after, _NT, precision=_HIGHEST,
+                                        preferred_element_type=_F32))
+  # C B^T is shared by the group's heads: its cotangent summed over the block's, then to C and B.
+  dcb = dcb.astype(cdt)
+  dc_ref[...] = dc + jax.lax.dot(dcb, bmat, preferred_element_type=_F32)
+  db_ref[...] = db + jax.lax.dot_general(dcb, cmat, _TN, preferred_element_type=_F32)
+
+  @pl.when(zi == pl.num_programs(3) - 1)
+  def _():
+    dinit_ref[...] = dh_scr[...]
+
+
+def _one_pass_bwd_call(xc, dtc, ac, Bc, Cc, states, Dr, dy, dfinal, row, col, keep_in, end, interpret):
+  """Gradients of the one-pass forward, from the states entering each chunk
+  (b, g, r, c, p, n) float32 and the cotangents of y and the final state: x, dt, a,
+  the per-head-block partial B and C gradients (c, b, g, head blocks, q, n) float32
+  (summed outside), the initial state, and D as (c, b, g, r, q) rows to sum.
+
+  The grid is the forward's, (b, g, head blocks, chunks), the chunks innermost,
+  sequential and in reverse (index c - 1 - z), carrying the state's cotangent in
+  VMEM. The head blocks are not last, so B's and C's gradients (shared by a group's
+  heads) cannot be summed in a resident output block as the per-kernel backward
+  kernels do: each head block writes its own partial."""
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  nblk = r // hb
+  seq = row is not None
+  rev = lambda zi: c - 1 - zi
+  heads6 = lambda bi, gi, ri, zi: (rev(zi), bi, gi, ri, 0, 0)
+  head = lambda bi, gi, ri, zi: (rev(zi), bi, gi, ri, 0)
+  group = lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)
+  state = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), group), _spec((None, None, None, q, n), group),
+              _spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, rev(zi), 0, 0)),
+              _spec((None, hb, 1), lambda bi, gi, ri, zi: (gi, ri, 0)),
+              _spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, hb, p, n), state)]
+  args = [xc, dtc, ac, Bc, Cc, states, Dr[..., None], dy, dfinal]
+  if seq:
+    per_seq = lambda bi, gi, ri, zi: (rev(zi), bi, 0, 0)
+    in_specs += [_spec((None, None, 1, q), per_seq), _spec((None, None, q, 1), per_seq),
+                 _spec((None, None, 1, q), per_seq), _spec((None, None, 1, q), per_seq)]
+    args += [row, col, keep_in, end]
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  rows = c * b * h * q * 4  # one (.., q) float32 row per head and chunk
+  state_bytes = c * b * h * p * n * 4
+  part = (c, b, g, nblk, q, n)
+  cost = pl.CostEstimate(
+      # The outputs kernel's backward (per group and head block: C B^T, dC and dB from
+      # dCB, the prefix sums' transpose; per head: segment sums and their transpose,
+      # H C^T, dH, dC, dM, d(x dt)), the states kernel's backward (per head: d(xw) and
+      # dB, ~10 (p, q) elementwise ops; per head block: to_end and its transpose), the
+      # carry and its cotangent (~6 p x n per head).
+      flops=int(c * b * (g * nblk * (6 * q * q * n + 8 * hb * q * q)
+                         + h * (4 * q ** 3 + 10 * p * q * n + 4 * p * q * q + 16 * q * q + 24 * p * q
+                                + 6 * p * n))),
+      transcendentals=int(c * b * h * (q * q + 2 * q)),
+      bytes_accessed=int(3 * xc.size * isz  # x and dy read, dx written
+                         + 5 * rows  # dt, a read; ddt, da, dD rows written
+                         + (Bc.size + Cc.size) * jnp.dtype(Bc.dtype).itemsize * nblk  # re-read per head block
+                         + (Bc.size + Cc.size) * 4 * nblk  # dB, dC partials written per head block
+                         + state_bytes  # the entering states read
+                         + 2 * dfinal.size * 4  # the final state's cotangent read, the initial's written
+                         + Dr.size * 4 * b + (4 * c * b * q * 4 * g * nblk if seq else 0)))
+  f32 = lambda s: jax.ShapeDtypeStruct(s, _F32)
+  out_shape = [jax.ShapeDtypeStruct(xc.shape, xc.dtype), f32(dtc.shape), f32(ac.shape),
+               f32(part), f32(part), f32(dfinal.shape), f32(dtc.shape)]
+  partial_spec = _spec((None, None, None, None, q, n), lambda bi, gi, ri, zi: (rev(zi), bi, gi, ri, 0, 0))
+  out_specs = [_spec((None, None, None, hb, p, q), heads6), _spec((None, None, None, hb, q), head),
+               _spec((None, None, None, hb, q), head), partial_spec, partial_spec,
+               _spec((None, None, hb, p, n), state), _spec((None, None, None, hb, q), head)]
+  return pl.pallas_call(
+      functools.partial(_one_pass_bwd_kernel, hb=hb, seq=seq),
+      out_shape=out_shape, grid=(b, g, nblk, c), in_specs=in_specs, out_specs=out_specs,
+      # the carried cotangent; d cs and d to_end rows, for one matmul each per block
+      scratch_shapes=[pltpu.VMEM((hb, p, n), _F32), pltpu.VMEM((hb, q), _F32), pltpu.VMEM((hb, q), _F32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=cost, interpret=interpret, name="ssd_one_pass_bwd")(*args)
 
 
 # ----------------------------------------------------------------------------
@@ -726,23 +913,28 @@ def _two_kernels(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end,
   return y, states[:, :, :, -1]
 
 
-# The one-pass kernel's VJP: forward by the one-pass kernel, saving only its inputs;
-# backward as the vjp of the two-kernel form (the chunk states recomputed), so it
-# takes whatever backward those kernels have.
+# The one-pass kernel's VJP: the forward also writes the states entering each chunk
+# (one float32 write, (b, g, r, c, p, n); recomputing them would read x, dt, a and B
+# again and write them all the same); the backward is one kernel walking the chunks
+# in reverse. Per-chunk states never go through the plain-JAX state passing.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
 def _one_pass(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end, interpret):
   return _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret)
 
 
 def _one_pass_fwd(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end, interpret):
-  out = _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret)
-  return out, (xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end)
+  y, final, states = _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret,
+                                    save=True)
+  return (y, final), (xc, dtc, ac, Bc, Cc, states, Dr, row, col, keep_in, end)
 
 
 def _one_pass_bwd(interpret, res, ct):
-  diff, masks = res[:7], res[7:]
-  _, vjp = jax.vjp(lambda *a: _two_kernels(*a, *masks, interpret), *diff)
-  return (*vjp(ct), *(None,) * len(masks))
+  xc, dtc, ac, Bc, Cc, states, Dr, row, col, keep_in, end = res
+  dy, dfinal = ct
+  dx, ddt, da, dB, dC, dinit, dD = _one_pass_bwd_call(xc, dtc, ac, Bc, Cc, states, Dr, dy.astype(xc.dtype),
+                                                      dfinal.astype(_F32), row, col, keep_in, end, interpret)
+  return (dx, ddt, da, dB.sum(3).astype(Bc.dtype), dC.sum(3).astype(Cc.dtype), dinit,
+          dD.sum((0, 1, 4)), None, None, None, None, None)
 
 
 _one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
