@@ -2,9 +2,12 @@
 one TPU chip through libtpu (no TPU needed): the XLA form, and the fused Pallas
 forms (two kernels, or one pass) with the reference backward (the vjp of the
 plain-JAX per-chunk functions, as the kernels had before their Pallas backward)
-or with the Pallas backward kernels. `benchmarks.tpu_ssd` counts the forwards.
+or with the Pallas backward kernels; the one-pass forward also with the backward
+it had before its own kernel (the vjp of the two-kernel form). `benchmarks.tpu_ssd`
+counts the forwards.
 
   env -u XLA_FLAGS python -m benchmarks.tpu_ssd_grad       # 2.7b layer: b1 l4096 h80 p64 g1 n128, chunk 128
+  env -u XLA_FLAGS python -m benchmarks.tpu_ssd_grad --only "one pass"   # rows whose name has it
 
 libtpu parses XLA_FLAGS and aborts on CPU-only flags, hence the `env -u`. The SSD
 has no loop in any of these forms (the parallel XLA form, the Pallas grids), so
@@ -50,6 +53,36 @@ def reference_backward():
     sp._chunk_states, sp._chunk_outputs = saved
 
 
+@contextlib.contextmanager
+def two_kernel_vjp():
+  """The one-pass forward with the backward it had before its own kernel: the vjp of
+  the two-kernel form (the chunk states recomputed by their kernel, the plain-JAX
+  state passing, the per-kernel backward kernels)."""
+  sp = ssd_pallas
+  fwd_only = lambda *a: sp._one_pass_call(*a[:11], a[12])
+  op = jax.custom_vjp(fwd_only, nondiff_argnums=(12,))
+
+  def bwd(interpret, res, ct):
+    diff, masks = res[:7], res[7:]
+    _, vjp = jax.vjp(lambda *d: sp._two_kernels(*d, *masks, interpret), *diff)
+    return (*vjp(ct), *(None,) * len(masks))
+
+  op.defvjp(lambda *a: (fwd_only(*a), a[:12]), bwd)
+  saved, sp._one_pass = sp._one_pass, op
+  try:
+    yield
+  finally:
+    sp._one_pass = saved
+
+
+@contextlib.contextmanager
+def both(*contexts):
+  with contextlib.ExitStack() as stack:
+    for ctx in contexts:
+      stack.enter_context(ctx())
+    yield
+
+
 two = functools.partial(ssd_pallas.ssd_fused, one_pass=False)
 one = functools.partial(ssd_pallas.ssd_fused, one_pass=True)
 # name -> (SSD fn, context that swaps the backward or None, whether to count the forward too)
@@ -57,8 +90,10 @@ FORMS = {
     "xla (ssd_chunked, parallel form)": (functools.partial(ssd.ssd_chunked, form="parallel"), None, True),
     "pallas two kernels, reference backward": (two, reference_backward, False),
     "pallas two kernels, Pallas backward": (two, None, True),
-    "pallas one pass, reference backward": (one, reference_backward, False),
-    "pallas one pass, Pallas backward": (one, None, True),
+    "pallas one pass, two-kernel vjp, reference backward": (
+        one, functools.partial(both, two_kernel_vjp, reference_backward), False),
+    "pallas one pass, two-kernel vjp, Pallas backward": (one, two_kernel_vjp, False),
+    "pallas one pass, one-pass backward kernel": (one, None, True),
 }
 
 
@@ -68,6 +103,7 @@ def main(argv=None):
   ap.add_argument("--seq_len", type=int, default=4096)
   ap.add_argument("--heads", type=int, default=80)
   ap.add_argument("--docs", action="store_true", help="pass seq_idx (packed documents)")
+  ap.add_argument("--only", default="", help="run the forms whose name contains this")
   args = ap.parse_args(argv)
   gen, topo, devices = tpu_devices(args.topology)
   chip = metrics.CHIPS[gen]
@@ -82,6 +118,8 @@ def main(argv=None):
   print("| form | program | XLA FLOPs | XLA bytes | roofline ms | bound | compile s |")
   print("|---|---|---|---|---|---|---|")
   for name, (fn, ctx, with_fwd) in FORMS.items():
+    if args.only not in name:
+      continue
     def run(x, dt, A, B, C, D, seq, fn=fn):
       y, s = fn(x, dt, A, B, C, q, D=D, seq_idx=seq)
       return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)

@@ -4,6 +4,7 @@ on CPU in Pallas' interpreter, forward and gradients in float32, with documents
 them against the model run by XLA; and the kernels compiled for TPU v6e and v5p
 through libtpu (no TPU needed), so Mosaic's tiling rules are checked here."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -55,27 +56,40 @@ def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
 
 
 def test_one_pass_carries_the_state_across_chunks_and_documents():
-  """The one-pass forward (the state carried from chunk to chunk on chip) against
-  `ssd_chunked` and the two-kernel forward: 6 chunks (the last ragged), an initial
+  """The one-pass forward (the state carried from chunk to chunk on chip) and its
+  backward kernel (the chunks in reverse, the state's cotangent carried) against
+  `ssd_chunked`, and the two-kernel forward: 6 chunks (the last ragged), an initial
   state, documents that start mid-chunk, exactly at a chunk start, and span whole
-  chunks (row 0), and one document through every chunk (row 1)."""
-  l, q, g, h = 45, 8, 2, 4
-  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 4, g, 5, jnp.float32)
+  chunks (row 0), and one document through every chunk (row 1); 2 groups of 16
+  heads (two head blocks, so the partial B and C gradients are summed)."""
+  l, q, g, h = 45, 8, 2, 32
+  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 2, g, 3, jnp.float32)
   seq = np.zeros((2, l), np.int32)
   seq[0, 3:], seq[0, 16:], seq[0, 37:] = 1, 2, 3  # doc 2: chunk 2's start to mid chunk 4
   seq = jnp.asarray(seq)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(8))
+  wy, ws = jax.random.normal(k1, x.shape), jax.random.normal(k2, h0.shape)
+  ins = (x, dt, A, B, C, D, h0, wy, ws)
 
-  @jax.jit
-  def run(x, dt, A, B, C, D, h0, seq):
-    kw = {"D": D, "initial_state": h0, "seq_idx": seq}
-    return [ssd_pallas.ssd_fused(x, dt, A, B, C, q, **kw, interpret=True, one_pass=o) for o in (True, False)] + [
-        ssd.ssd_chunked(x, dt, A, B, C, q, **kw, form="parallel")]
+  def loss(fn, seq, x, dt, A, B, C, D, h0, wy, ws):
+    y, s = fn(x, dt, A, B, C, q, D=D, initial_state=h0, seq_idx=seq)
+    return jnp.sum(y * wy) + jnp.sum(s * ws), (y, s)
 
-  (y1, s1), (y2, s2), (y3, s3) = run(x, dt, A, B, C, D, h0, seq)
+  grad = lambda fn, seq, *a: jax.value_and_grad(functools.partial(loss, fn, seq), argnums=tuple(range(7)),
+                                                 has_aux=True)(*a)
+  one = jax.jit(functools.partial(grad, functools.partial(ssd_pallas.ssd_fused, interpret=True)))
+  two = functools.partial(ssd_pallas.ssd_fused, interpret=True, one_pass=False)
+  # The XLA form's value and gradients and the two-kernel forward, in one program.
+  ref = jax.jit(lambda seq, *a: (grad(functools.partial(ssd.ssd_chunked, form="parallel"), seq, *a),
+                                 loss(two, seq, *a)[1]))
+  (_, (y1, s1)), g1 = one(seq, *ins)
+  ((_, (y3, s3)), g3), (y2, s2) = ref(seq, *ins)
   assert rel(y1, y3) < 1e-5 and rel(s1, s3) < 1e-5
   assert rel(y2, y3) < 1e-5 and rel(s2, s3) < 1e-5
+  for name, a, b in zip("x dt A B C D h0".split(), g1, g3):
+    assert rel(a, b) < 1e-5, name
   # The carry really is cut: without documents the outputs differ after the first start.
-  y4, _ = run(x, dt, A, B, C, D, h0, jnp.zeros_like(seq))[0]
+  (_, (y4, _)), _ = one(jnp.zeros_like(seq), *ins)
   np.testing.assert_array_equal(np.asarray(y4)[1], np.asarray(y1)[1])
   assert not np.allclose(np.asarray(y4)[0, 3:], np.asarray(y1)[0, 3:])
 
@@ -163,10 +177,19 @@ for topo in sys.argv[1:]:
     return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward + backward
   hlo = step.lower(*args).compile().as_text()
-  # The one-pass forward; the backward recomputes the chunk states with their kernel
-  # and runs the two backward kernels (not the vjp of the plain-JAX references).
-  for kernel in ("ssd_one_pass", "ssd_chunk_states(?!_bwd)", "ssd_chunk_states_bwd", "ssd_chunk_outputs_bwd"):
-    assert re.search(kernel, hlo), kernel + " missing"
+  # The one-pass forward that saves the entering states and its reverse-chunk
+  # backward kernel; none of the two-kernel form's kernels (no plain-JAX state passing).
+  for kernel in ("ssd_one_pass_save", "ssd_one_pass_bwd"):
+    assert kernel in hlo, kernel + " missing"
+  assert not re.search("ssd_chunk_", hlo), "two-kernel form in the one-pass gradient"
+  # The two-kernel form's gradient: its backward kernels.
+  step2 = jax.jit(jax.value_and_grad(
+      lambda x, dt, A, B, C, D, h0, seq: jnp.sum(ssd_fused(x, dt, A, B, C, 128, D=D, initial_state=h0,
+                                                           seq_idx=seq, one_pass=False)[0].astype(jnp.float32)),
+      argnums=tuple(range(7))))
+  hlo = step2.lower(*args).compile().as_text()
+  for kernel in ("ssd_chunk_states_bwd", "ssd_chunk_outputs_bwd"):
+    assert kernel in hlo, kernel + " missing"
   # The forwards alone: the one-pass kernel (its sequential chunk axis, the state
   # carried in VMEM) without the two kernels, and the two-kernel form.
   for one_pass, want, absent in [(True, "ssd_one_pass", "ssd_chunk_states"),

@@ -119,6 +119,28 @@ def _decay(a_row, upto, after, keep):
   return jnp.where(keep, jnp.exp(seg), 0.0)
 
 
+def _chunk_terms(a_ref, b_ref, c_ref, row_ref=None, col_ref=None, in_ref=None, end_ref=None, *,
+                 ends=True):
+  """What a chunk's kernels share, for a block of hb heads: the masks (`_masks`),
+  C B^T (t, s) float32, a (hb, q) float32, decay_in (hb, t) = exp(cs) (0 where t is
+  outside the entering state's document), through (hb, 1) = its last column (the
+  chunk's whole decay, 0 where the chunk ends outside that document) and, with
+  `ends`, w (hb, s) = exp(to_end) (0 where s is outside the chunk end's document)."""
+  q = a_ref.shape[-1]
+  after, upto, keep = _masks(q, row_ref is not None, row_ref, col_ref)
+  cb = jax.lax.dot_general(c_ref[...], b_ref[...], _NT, preferred_element_type=_F32)  # (t, s)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  decay_in = jnp.exp(_prefix(a, upto))  # every head of the block in one matmul
+  if in_ref is not None:
+    decay_in = decay_in * in_ref[...]  # (1, t)
+  w = None
+  if ends:
+    w = jnp.exp(_to_end(a, after))
+    if end_ref is not None:
+      w = w * end_ref[...]  # (1, s)
+  return after, upto, keep, cb, a, decay_in, decay_in[:, q - 1:q], w
+
+
 def _outputs_head_bwd(dy, xf, dt_i, d_i, cb, lmat, state, cmat, decay_row, after, upto):
   """One head's gradients of y = (x dt) M^T + (H C^T) * decay_in + x D, M = (C B^T) * L.
 
@@ -278,16 +300,11 @@ def _outputs_kernel(*refs, hb, seq):
     (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, row_ref, col_ref, in_ref, o_ref) = refs
   else:
     x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, o_ref = refs
-    row_ref = col_ref = None
-  q = a_ref.shape[-1]
+    row_ref = col_ref = in_ref = None
   cdt = x_ref.dtype
-  after, upto, keep = _masks(q, seq, row_ref, col_ref)
+  after, upto, keep, cb, a, decay_in, _, _ = _chunk_terms(a_ref, b_ref, c_ref, row_ref, col_ref,
+                                                          in_ref if seq else None, ends=False)
   cmat = c_ref[...]  # (q, n)
-  cb = jax.lax.dot_general(cmat, b_ref[...], _NT, preferred_element_type=_F32)  # (t, s)
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t), every head of the block in one matmul
-  if seq:
-    decay_in = decay_in * in_ref[...]  # (1, t): 1 where t is in the entering state's document
   for i in range(hb):
     m = (cb * _decay(a[i:i + 1, :], upto, after, keep)).astype(cdt)  # (t, s)
     xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes, no padding of p = 64
@@ -484,7 +501,7 @@ def _outputs_bwd_kernel(*refs, hb, seq):
   else:
     (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref,
      dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dh_ref, dd_ref, dcs_ref) = refs
-    row_ref = col_ref = None
+    row_ref = col_ref = in_ref = None
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
 
@@ -494,13 +511,9 @@ def _outputs_bwd_kernel(*refs, hb, seq):
     dc_ref[...] = jnp.zeros_like(dc_ref)
 
   # The forward kernel's terms, recomputed as it computes them.
-  after, upto, keep = _masks(q, seq, row_ref, col_ref)
+  after, upto, keep, cb, a, decay_in, _, _ = _chunk_terms(a_ref, b_ref, c_ref, row_ref, col_ref, in_ref,
+                                                          ends=False)
   cmat, bmat = c_ref[...], b_ref[...]  # (q, n)
-  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
-  if seq:
-    decay_in = decay_in * in_ref[...]
   dcb = jnp.zeros((q, q), _F32)
   dc = jnp.zeros(dc_ref.shape, _F32)
   for i in range(hb):
@@ -591,7 +604,7 @@ def _one_pass_kernel(*refs, hb, seq, save):
     x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, row_ref, col_ref, in_ref, end_ref = ins
   else:
     x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref = ins
-    row_ref = col_ref = None
+    row_ref = col_ref = in_ref = end_ref = None
   if save:
     y_ref, final_ref, st_ref, h_scr = outs
   else:
@@ -607,23 +620,11 @@ def _one_pass_kernel(*refs, hb, seq, save):
   if save:  # the entering states, the backward's residual (one float32 write)
     st_ref[...] = h_scr[...]
 
-  q = a_ref.shape[-1]
   cdt = x_ref.dtype
-  after, upto, keep = _masks(q, seq, row_ref, col_ref)
+  # through: the entering state reaches the chunk end only if the chunk ends in its document.
+  after, upto, keep, cb, a, decay_in, through, w = _chunk_terms(a_ref, b_ref, c_ref, row_ref, col_ref,
+                                                                in_ref, end_ref)
   bmat, cmat = b_ref[...], c_ref[...]  # (q, n)
-  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  # Sums of the terms they cover, on the MXU, for every head of the block at once:
-  # cs (its last column: the whole chunk's decay, which the carried state takes) and to_end.
-  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
-  through = decay_in[:, q - 1:q]  # (hb, 1): exp(the chunk's total decay)
-  w = jnp.exp(_to_end(a, after))  # (hb, s)
-  if seq:
-    keep_in = in_ref[...]  # (1, t): 1 where t is in the entering state's document
-    decay_in = decay_in * keep_in
-    # The entering state reaches the chunk end only if the chunk ends in its document.
-    through = through * keep_in[:, q - 1:q]
-    w = w * end_ref[...]  # (1, s): 1 where s is in the chunk end's document
   for i in range(hb):
     m = (cb * _decay(a[i:i + 1, :], upto, after, keep)).astype(cdt)  # (t, s)
     xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes
@@ -709,7 +710,7 @@ def _one_pass_bwd_kernel(*refs, hb, seq):
      row_ref, col_ref, in_ref, end_ref) = ins
   else:
     x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref, dfin_ref = ins
-    row_ref = col_ref = None
+    row_ref = col_ref = in_ref = end_ref = None
   (dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dinit_ref, dd_ref, dh_scr, dcs_scr, dte_scr) = outs
   zi = pl.program_id(3)
 
@@ -722,18 +723,9 @@ def _one_pass_bwd_kernel(*refs, hb, seq):
   q = a_ref.shape[-1]
   cdt = x_ref.dtype
   # The forward kernel's terms, recomputed as it computes them.
-  after, upto, keep = _masks(q, seq, row_ref, col_ref)
+  after, upto, keep, cb, a, decay_in, through, w = _chunk_terms(a_ref, b_ref, c_ref, row_ref, col_ref,
+                                                                in_ref, end_ref)
   cmat, bmat = c_ref[...], b_ref[...]  # (q, n)
-  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-  a = a_ref[...].astype(_F32)  # (hb, q)
-  decay_in = jnp.exp(_prefix(a, upto))  # (hb, t)
-  w = jnp.exp(_to_end(a, after))  # (hb, s)
-  if seq:
-    decay_in = decay_in * in_ref[...]
-    w = w * end_ref[...]
-  # exp(the chunk's total decay), times 0 where the chunk ends outside the entering
-  # state's document: decay_in's last column, as the forward's `through`.
-  through = decay_in[:, q - 1:q]  # (hb, 1)
   last = jax.lax.broadcasted_iota(jnp.int32, (1, q), 1) == q - 1
   dcb = jnp.zeros((q, q), _F32)
   dc = jnp.zeros(dc_ref.shape, _F32)
