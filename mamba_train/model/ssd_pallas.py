@@ -28,10 +28,22 @@ The block decomposition as two kernels, with the state passing between them:
       factor) and the D skip, written once as y in the compute dtype; reads x, dt,
       a, B, C and the entering states once.
 
-is what the backward differentiates (`one_pass=False` also runs it forward): the
-one-pass kernel's VJP recomputes the chunk states with `_chunk_states` and the
-passing, and takes the vjp of that composition, so it uses whatever backward those
-two kernels have.
+is what `one_pass=False` runs, forward and backward.
+
+The one-pass form's backward (its `jax.custom_vjp`): under differentiation the
+forward kernel (`ssd_one_pass_save`) also writes each chunk's entering state,
+(b, g, r, c, p, n) float32, once (recomputing them would read x, dt, a and B
+again and write the same states); the backward is one kernel,
+`_one_pass_bwd_call`, on the forward's grid with the chunks innermost, sequential
+and in reverse, carrying the cotangent of the state leaving the chunk, (hb, p, n)
+float32, in VMEM from the final state's cotangent back to the initial state's. Per
+chunk it recomputes the (t, s) terms, takes the gradients of the chunk's outputs
+(given the saved entering state) and of the state leaving it (H_out = exp(total
+decay) H_in + the chunk's own end state, the document masks as in the forward),
+and passes the entering state's cotangent on. No per-chunk states go through
+plain JAX. B and C are shared by a group's heads but the head blocks are not the
+last grid axis, so each head block writes its own (q, n) float32 partial of their
+gradients, summed outside (small: nblk partials of B's size).
 
 x and y travel as (.., p, q) blocks: positions on the 128 lanes (a (q, p) block
 would pad p = 64 to 128 lanes and double their bytes).
@@ -49,7 +61,8 @@ gradients of B and C, shared by a group's heads, are summed over the head blocks
 in an output block that stays in VMEM along the last grid axis (sequential on
 TPU), so they are written once per chunk and group. The plain-JAX forms of the
 per-chunk functions (`_states_ref`, `_outputs_ref`) are what the tests hold the
-kernels and their gradients against.
+kernels and their gradients against. The kernels share their per-chunk math
+(`_chunk_terms`, `_decay`; in the backward `_outputs_head_bwd`, `_states_head_bwd`).
 
 `interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
 tests). This module imports nothing from the package.
@@ -937,8 +950,9 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
   """`ssd.ssd_chunked` with the per-chunk work in Pallas kernels (see the module doc).
 
   Same arguments and results; `interpret` runs the kernels in Pallas' interpreter;
-  `one_pass=False` runs the forward as the two kernels with the state passing
-  between them in plain JAX (what the backward differentiates either way).
+  `one_pass=False` runs the two kernels with the state passing between them in
+  plain JAX (forward, and backward through their own backward kernels) instead of
+  the one-pass kernel and its reverse-chunk backward kernel.
   """
   b, l, h, p = x.shape
   g, n = B.shape[-2:]
