@@ -18,6 +18,7 @@ the library's prefill, step and decode loop.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Sequence
 
 import jax
@@ -209,4 +210,131 @@ def bench_decode(args, results, size, contexts, batch):
           np.asarray(t)
         return t
       add("mamba2-jax (cached)", ctx, batch * (n_peer - 1) / median_time(loop, 2))
+  return add_rows(results, rows)
+
+
+# ----------------------------------------------------------------------------
+# The decode step compiled ahead of time for a TPU (libtpu; no TPU needed).
+
+
+def _hlo_computations(text: str) -> dict[str, list[str]]:
+  """{computation name: its instruction lines} of an HLO module's text."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m and not line.startswith(" "):
+      name = m.group(1)
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        comps["__entry__"] = comps[name]
+    elif line.startswith("}"):
+      name = None
+    elif name is not None and "=" in line:
+      comps[name].append(line)
+  return comps
+
+
+# Instructions that launch no work of their own.
+_FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+             "opt-barrier", "partition-id", "replica-id"}
+
+
+def executed_kernels(text: str) -> int:
+  """Kernels (fusions, custom calls, copies, any op not fused) the entry computation
+  of a compiled module runs, a while loop's body counted trip-count times (XLA's
+  known_trip_count; once when unknown)."""
+  comps = _hlo_computations(text)
+
+  def count(name: str) -> int:
+    n = 0
+    for line in comps.get(name, []):
+      m = re.search(r"=\s*(?:\([^=]*\)|\S+)\s+([\w\-]+)\(", line)
+      if not m:
+        continue
+      op = m.group(1)
+      if op == "while":
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        trips = re.search(r'known_trip_count[^0-9]*(\d+)', line)
+        n += (int(trips.group(1)) if trips else 1) * count(body)
+      elif op in ("call", "conditional"):
+        n += sum(count(c) for c in re.findall(r"(?:to_apply|branch_computations=\{[^}]*|calls)=%?([\w.\-]+)", line))
+      elif op not in _FREE_OPS:
+        n += 1
+    return n
+
+  return count("__entry__")
+
+
+def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1") -> dict:
+  """One greedy decode step of batch 1 (token in, next token and states out), as the
+  decode loop's body runs it, compiled for `topology`: XLA's bytes and FLOPs (every
+  layer counted when unrolled; a scanned layer body is counted once), the kernels
+  it runs per token, and the compile time. precast: the weights as `decode_loop`
+  hands them to the step (matmul weights and LM head already in the compute dtype)
+  rather than the float32 parameters cast inside the step."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from mamba_train.metrics import compiled_cost
+  from mamba_train.model.cache import Mamba2Cache
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.parallel.topology import tpu_devices
+  from mamba_train.train.state import with_shardings
+
+  _, _, devices = tpu_devices(topology)
+  rep = NamedSharding(make_mesh({"data": -1}, devices), P())
+  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan").resolve("tpu")
+  gd, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
+  on = lambda tree: with_shardings(tree, jax.tree.map(lambda _: rep, tree))
+
+  def weights(params):
+    m = nnx.merge(gd, params)
+    if precast:
+      return m.decode_layers(unrolled), m.head_for_logits()
+    return (m.unstacked_layers() if unrolled else {k: m.layer_params(k) for k in m._kinds()}), None
+
+  def one_step(params, layers, head, token, states):
+    m = nnx.merge(gd, params)
+    if unrolled:
+      h, new = m.step_unrolled(token, layers, m.unstack_states(states))
+      new = m.stack_states(new)
+    else:
+      h, new = m.step(token, states, layers)
+    return jnp.argmax(m.logits(h, head), -1).astype(jnp.int32), new
+
+  layers, head = jax.eval_shape(weights, params)
+  states = jax.eval_shape(lambda: Mamba2Cache.init(cfg, 1).states())
+  args = (on(params), on(layers), None if head is None else on(head),
+          jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), on(states))
+  with Timer() as t:
+    compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
+  cost = compiled_cost(compiled)
+  return {"xla_bytes": cost.get("bytes accessed"), "xla_flops": cost.get("flops"),
+          "kernels": executed_kernels(compiled.as_text()), "compile_cpu_s": t.cpu_seconds}
+
+
+def bench_decode_tpu(args, results, size):
+  """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
+  unrolled against scanned layers, weights cast per token against once per loop."""
+  from benchmarks.roofline import decode_bytes_per_step
+  from mamba_train.model.config import config_for
+  from mamba_train.model.runtime import Runtime
+  cfg = config_for(size)
+  rt = Runtime(compute_dtype=args.dtype)
+  f32_bytes = decode_bytes_per_step(cfg, 1)
+  rows = []
+  for unrolled in (True, False):
+    for precast in (False, True):
+      try:
+        r = compile_decode_step(cfg, rt, unrolled, precast)
+      except ImportError as e:
+        log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
+        return results
+      row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
+             "layers": "unrolled" if unrolled else "scan",
+             "weights": "cast once per loop" if precast else "cast every token",
+             "min_bytes_f32": f32_bytes, **r}
+      rows.append(row)
+      log(f"  decode step {size} {args.dtype} v6e, {row['layers']}, {row['weights']}: "
+          f"{r['xla_bytes']:.3e} bytes (f32 params once: {f32_bytes:.3e}), {r['kernels']} kernels a token, "
+          f"compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)
