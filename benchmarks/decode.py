@@ -239,39 +239,78 @@ _FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "
              "opt-barrier", "partition-id", "replica-id"}
 
 
-def executed_kernels(text: str) -> int:
-  """Kernels (fusions, custom calls, copies, any op not fused) the entry computation
-  of a compiled module runs, a while loop's body counted trip-count times (XLA's
-  known_trip_count; once when unknown)."""
+def _opcode(line: str) -> str | None:
+  """The opcode of an HLO instruction line ('%x = type opcode(...)...')."""
+  rest = line.split(" = ", 1)[1] if " = " in line else ""
+  if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        rest = rest[i + 1:]
+        break
+  else:
+    rest = rest.split(" ", 1)[1] if " " in rest else ""
+  m = re.match(r"\s*([\w\-]+)\(", rest)
+  return m.group(1) if m else None
+
+
+def _trip_count(while_line: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's known_trip_count, else the bound its condition
+  compares the counter with (a scan's `i < n`), else 1."""
+  m = re.search(r"known_trip_count[^0-9]*(\d+)", while_line)
+  if m:
+    return int(m.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+  lines = comps.get(cond.group(1), []) if cond else []
+  consts = [int(c) for line in lines for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
+  return max(consts) if len(consts) == 1 and any("direction=LT" in x for x in lines) else 1
+
+
+def executed_kernels(text: str) -> dict[str, int]:
+  """What the entry computation of a compiled module runs, a while loop's body
+  counted trip-count times (`_trip_count`): fusions
+  (custom calls included), DMAs (async copy starts) and other ops that launch work
+  of their own (unfused ops, plain copies); the '-done' halves of async pairs and
+  ops that launch nothing are left out."""
   comps = _hlo_computations(text)
 
-  def count(name: str) -> int:
-    n = 0
+  def count(name: str) -> dict[str, int]:
+    n = {"fusions": 0, "dmas": 0, "other": 0}
     for line in comps.get(name, []):
-      m = re.search(r"=\s*(?:\([^=]*\)|\S+)\s+([\w\-]+)\(", line)
-      if not m:
+      op = _opcode(line)
+      if op is None:
         continue
-      op = m.group(1)
       if op == "while":
         body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-        trips = re.search(r'known_trip_count[^0-9]*(\d+)', line)
-        n += (int(trips.group(1)) if trips else 1) * count(body)
+        inner, trips = count(body), _trip_count(line, comps)
+        for k in n:
+          n[k] += trips * inner[k]
       elif op in ("call", "conditional"):
-        n += sum(count(c) for c in re.findall(r"(?:to_apply|branch_computations=\{[^}]*|calls)=%?([\w.\-]+)", line))
-      elif op not in _FREE_OPS:
-        n += 1
+        for c in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
+          for k, v in count(c).items():
+            n[k] += v
+      elif op in ("fusion", "custom-call"):
+        n["fusions"] += 1
+      elif op == "copy-start":
+        n["dmas"] += 1
+      elif op not in _FREE_OPS and not op.endswith("-done"):
+        n["other"] += 1
     return n
 
   return count("__entry__")
 
 
-def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1") -> dict:
+def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1",
+                        hlo: bool = False) -> dict:
   """One greedy decode step of batch 1 (token in, next token and states out), as the
-  decode loop's body runs it, compiled for `topology`: XLA's bytes and FLOPs (every
-  layer counted when unrolled; a scanned layer body is counted once), the kernels
+  decode loop's body runs it, compiled for `topology`: XLA's bytes with every layer
+  counted (xla_bytes; a scanned body scaled by the layer count, as the compile
+  benchmark does; xla_bytes_raw as compiled) and FLOPs as compiled, the kernels
   it runs per token, and the compile time. precast: the weights as `decode_loop`
   hands them to the step (matmul weights and LM head already in the compute dtype)
-  rather than the float32 parameters cast inside the step."""
+  rather than the float32 parameters cast inside the step. hlo: also return the
+  compiled module's text."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost
@@ -293,23 +332,37 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
     return (m.unstacked_layers() if unrolled else {k: m.layer_params(k) for k in m._kinds()}), None
 
   def one_step(params, layers, head, token, states):
+    # The states as the loop carries them: per layer when unrolled, else stacked.
     m = nnx.merge(gd, params)
     if unrolled:
-      h, new = m.step_unrolled(token, layers, m.unstack_states(states))
-      new = m.stack_states(new)
+      h, new = m.step_unrolled(token, layers, states)
     else:
       h, new = m.step(token, states, layers)
     return jnp.argmax(m.logits(h, head), -1).astype(jnp.int32), new
 
   layers, head = jax.eval_shape(weights, params)
   states = jax.eval_shape(lambda: Mamba2Cache.init(cfg, 1).states())
+  if unrolled:
+    states = jax.eval_shape(lambda p, s: nnx.merge(gd, p).unstack_states(s), params, states)
   args = (on(params), on(layers), None if head is None else on(head),
           jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), on(states))
   with Timer() as t:
     compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
   cost = compiled_cost(compiled)
-  return {"xla_bytes": cost.get("bytes accessed"), "xla_flops": cost.get("flops"),
-          "kernels": executed_kernels(compiled.as_text()), "compile_cpu_s": t.cpu_seconds}
+  out = {"xla_bytes_raw": cost.get("bytes accessed")}
+  if unrolled:
+    out["xla_bytes"] = cost.get("bytes accessed")
+  else:
+    # XLA counts the scanned layer body once: add it n_layer - 1 more times, the
+    # body being the step's count less that of the embedding, head and argmax alone.
+    def outside(params, head, token):
+      m = nnx.merge(gd, params)
+      return jnp.argmax(m.logits(m.embed(token), head), -1).astype(jnp.int32)
+    c0 = compiled_cost(jax.jit(outside).lower(*args[:1], *args[2:4]).compile())
+    out["xla_bytes"] = cost["bytes accessed"] + (cfg.n_layer - 1) * (cost["bytes accessed"] - c0["bytes accessed"])
+  return {**out, "xla_flops_raw": cost.get("flops"),
+          **executed_kernels(compiled.as_text()), "compile_cpu_s": t.cpu_seconds,
+          **({"hlo": compiled.as_text()} if hlo else {})}
 
 
 def bench_decode_tpu(args, results, size):
@@ -335,6 +388,7 @@ def bench_decode_tpu(args, results, size):
              "min_bytes_f32": f32_bytes, **r}
       rows.append(row)
       log(f"  decode step {size} {args.dtype} v6e, {row['layers']}, {row['weights']}: "
-          f"{r['xla_bytes']:.3e} bytes (f32 params once: {f32_bytes:.3e}), {r['kernels']} kernels a token, "
+          f"{r['xla_bytes']:.3e} bytes (f32 params once: {f32_bytes:.3e}), {r['fusions']} fusions, "
+          f"{r['dmas']} DMAs, {r['other']} other ops a token, "
           f"compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)
