@@ -239,18 +239,22 @@ _FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "
              "opt-barrier", "partition-id", "replica-id"}
 
 
+def _type_prefix(rhs: str) -> str:
+  """The result type at the start of an instruction's right-hand side."""
+  if not rhs.startswith("("):
+    return rhs.split(" ", 1)[0]
+  depth = 0
+  for i, ch in enumerate(rhs):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rhs[:i + 1]
+  return rhs
+
+
 def _opcode(line: str) -> str | None:
   """The opcode of an HLO instruction line ('%x = type opcode(...)...')."""
-  rest = line.split(" = ", 1)[1] if " = " in line else ""
-  if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
-    depth = 0
-    for i, ch in enumerate(rest):
-      depth += {"(": 1, ")": -1}.get(ch, 0)
-      if depth == 0:
-        rest = rest[i + 1:]
-        break
-  else:
-    rest = rest.split(" ", 1)[1] if " " in rest else ""
+  rhs = line.split(" = ", 1)[1] if " = " in line else ""
+  rest = rhs[len(_type_prefix(rhs)):]
   m = re.match(r"\s*([\w\-]+)\(", rest)
   return m.group(1) if m else None
 
@@ -265,6 +269,104 @@ def _trip_count(while_line: str, comps: dict[str, list[str]]) -> int:
   lines = comps.get(cond.group(1), []) if cond else []
   consts = [int(c) for line in lines for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
   return max(consts) if len(consts) == 1 and any("direction=LT" in x for x in lines) else 1
+
+
+_ITEMSIZE = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f16": 2}
+_ARRAY = re.compile(r"\b(f32|bf16|s32|u32|pred|s8|u8|f16)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _hbm_bytes_of_type(t: str) -> int:
+  """Bytes of the arrays in an HLO type string that live in HBM (no memory-space
+  annotation S(n) with n > 0 in their layout: on TPU S(1) is VMEM)."""
+  total = 0
+  for dtype, dims, layout in _ARRAY.findall(t):
+    if layout and re.search(r"S\([1-9]\)", layout):
+      continue
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _ITEMSIZE[dtype]
+  return total
+
+
+def _sliced_params(fused: list[str]) -> dict[int, int]:
+  """{parameter number: bytes read} for the parameters of a fused computation that
+  it only reads through a dynamic-slice or gather (their results' bytes)."""
+  params = {}
+  for line in fused:
+    m = re.search(r"parameter\((\d+)\)", line)
+    if m:
+      params[line.split(" = ", 1)[0].strip().lstrip("%")] = int(m.group(1))
+  out = {}
+  for line in fused:
+    op = _opcode(line)
+    if op in ("dynamic-slice", "gather"):
+      src = line.split(f" {op}(", 1)[1].split(",")[0].strip().lstrip("%")
+      if src in params:
+        rhs = line.split(" = ", 1)[1]
+        b = sum(_ITEMSIZE[t] * _prod(dims) for t, dims, _ in _ARRAY.findall(_type_prefix(rhs)))
+        out[params[src]] = out.get(params[src], 0) + b
+  return out
+
+
+def _prod(dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n
+
+
+def hbm_bytes(text: str) -> int:
+  """An estimate of the HBM bytes a compiled TPU module moves: for each op it
+  launches (as `executed_kernels` counts them, loops by trip count), its operands
+  and result that lie in HBM. Unlike XLA's 'bytes accessed' it does not count the
+  reads of operands the compiler prefetched into VMEM a second time, nor a gather's
+  whole table; it counts a dynamic-update-slice's whole buffer (an over-count)."""
+  comps = _hlo_computations(text)
+  sig = {}
+  for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$", text, re.M):
+    sig[m.group(1)] = {k: v for k, v in re.findall(r"([\w.\-]+): ((?:\(.*?\))|\S+?)(?:,\s|$)", m.group(2))}
+
+  def count(name: str) -> int:
+    types = dict(sig.get(name, {}))
+    for line in comps.get(name, []):
+      lhs, rhs = line.split(" = ", 1)
+      types[lhs.strip().replace("ROOT ", "").lstrip("%")] = _type_prefix(rhs)
+    total = 0
+    for line in comps.get(name, []):
+      op = _opcode(line)
+      if op is None or op in _FREE_OPS or op.endswith("-done"):
+        continue
+      if op == "while":
+        total += _trip_count(line, comps) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
+        continue
+      lhs = line.split(" = ", 1)[0].strip().replace("ROOT ", "").lstrip("%")
+      args = line.split(f" {op}(", 1)[1]
+      depth, end = 1, 0
+      for i, ch in enumerate(args):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+          end = i
+          break
+      operands = [a.strip().lstrip("%") for a in re.sub(r"/\*[^*]*\*/", "", args[:end]).split(",") if a.strip()]
+      out_type = types.get(lhs, "")
+      if op.endswith("-start"):  # an async copy or slice: the bytes it moves, once
+        # Its result: (destination, source, ...) for a copy, ((source), destination,
+        # ...) for a slice.
+        arrays = [a.group(0).split("{")[0] for a in _ARRAY.finditer(out_type)]
+        dest = arrays[1] if out_type.startswith("((") and len(arrays) > 1 else (arrays or [""])[0]
+        total += _hbm_bytes_of_type(dest)
+        continue
+      out = _hbm_bytes_of_type(out_type)
+      ins = [_hbm_bytes_of_type(types.get(o, "")) for o in operands]
+      called = re.search(r"calls=%?([\w.\-]+)", line)
+      for k, b in _sliced_params(comps.get(called.group(1), []) if called else []).items():
+        if k < len(ins) and ins[k]:
+          ins[k] = min(ins[k], b)  # a fused slice or gather reads only its result's size
+      total += out + sum(ins)
+    return total
+
+  return count("__entry__")
 
 
 def executed_kernels(text: str) -> dict[str, int]:
@@ -349,7 +451,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   with Timer() as t:
     compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
   cost = compiled_cost(compiled)
-  out = {"xla_bytes_raw": cost.get("bytes accessed")}
+  out = {"xla_bytes_raw": cost.get("bytes accessed"), "hbm_bytes_est": hbm_bytes(compiled.as_text())}
   if unrolled:
     out["xla_bytes"] = cost.get("bytes accessed")
   else:
@@ -388,7 +490,8 @@ def bench_decode_tpu(args, results, size):
              "min_bytes_f32": f32_bytes, **r}
       rows.append(row)
       log(f"  decode step {size} {args.dtype} v6e, {row['layers']}, {row['weights']}: "
-          f"{r['xla_bytes']:.3e} bytes (f32 params once: {f32_bytes:.3e}), {r['fusions']} fusions, "
+          f"XLA {r['xla_bytes']:.3e} bytes, HBM est. {r['hbm_bytes_est']:.3e} (f32 params once: {f32_bytes:.3e}), "
+          f"{r['fusions']} fusions, "
           f"{r['dmas']} DMAs, {r['other']} other ops a token, "
           f"compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)
