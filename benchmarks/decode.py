@@ -451,7 +451,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   with Timer() as t:
     compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
   cost = compiled_cost(compiled)
-  out = {"xla_bytes_raw": cost.get("bytes accessed"), "hbm_bytes_est": hbm_bytes(compiled.as_text())}
+  out = {"xla_bytes_raw": cost.get("bytes accessed"), "hbm_bytes_est": float(hbm_bytes(compiled.as_text()))}
   if unrolled:
     out["xla_bytes"] = cost.get("bytes accessed")
   else:
