@@ -515,8 +515,9 @@ class Mamba2LM(nnx.Module):
     Decoding is memory-bound: each step reads every weight once. Inside a layer
     scan XLA:CPU first copies the layer's slice of each stacked weight, then
     multiplies, so a step moves the weights twice or more. The decode loop
-    unstacks the weights once, before it starts, and runs this; compile time grows
-    with depth instead (figures: docs/bench/design_notes.md).
+    unstacks the weights once, before it starts (`decode_layers`), and runs this;
+    compile time grows with depth instead (figures: docs/bench/design_notes.md,
+    docs/bench/decode_tpu.md).
     """
     fns = self._layer_fns(decode=True)
     h, new = self.embed(input_ids), []
