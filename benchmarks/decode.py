@@ -324,7 +324,7 @@ def hbm_bytes(text: str) -> int:
   whole table; it counts a dynamic-update-slice's whole buffer (an over-count)."""
   comps = _hlo_computations(text)
   sig = {}
-  for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$", text, re.M):
+  for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$", text, re.MULTILINE):
     sig[m.group(1)] = {k: v for k, v in re.findall(r"([\w.\-]+): ((?:\(.*?\))|\S+?)(?:,\s|$)", m.group(2))}
 
   def count(name: str) -> int:
@@ -413,7 +413,8 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   hands them to the step (matmul weights and LM head already in the compute dtype)
   rather than the float32 parameters cast inside the step. hlo: also return the
   compiled module's text."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost
   from mamba_train.model.cache import Mamba2Cache

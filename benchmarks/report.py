@@ -91,8 +91,8 @@ def markdown(results) -> str:
                  "and over the batch-1 matvec read rate)",
        [("config", ""), ("impl", ""), ("batch", ""), ("seq_len", ""), ("tokens_per_s", ""),
         ("bw_util", "pct"), ("matvec_util", "pct"), ("ours_over_this", "x")]),
-      ("decode_tpu", "Batch-1 decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
-                     "fusions, DMAs and other ops a token (a scanned body counted per layer)",
+      ("decode_tpu", ("Batch-1 decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
+                      "fusions, DMAs and other ops a token (a scanned body counted per layer)"),
        [("config", ""), ("dtype", ""), ("layers", ""), ("weights", ""), ("xla_bytes", ""),
         ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""), ("compile_cpu_s", "")]),
       ("compile", "Compile time (wall and this process's CPU seconds)",

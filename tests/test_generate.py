@@ -126,14 +126,19 @@ def _decode_four_ways(graphdef, params, prompt, rest_ids):
   model = nnx.merge(graphdef, params)
   _, cache = prefill(model, prompt)
   head = model.head_for_logits()
+
+  def step_logits(out, head=None):
+    h, states = out
+    return model.logits(h, head), states
+
   ways = {
-      "step": (cache.states(), lambda tok, st: (lambda h, st: (model.logits(h), st))(*model.step(tok, st))),
-      "unrolled, cast once": (model.unstack_states(cache.states()), lambda tok, st: (
-          lambda h, st: (model.logits(h, head), st))(*model.step_unrolled(tok, model.decode_layers(True), st))),
-      "scan, cast once": (cache.states(), lambda tok, st: (
-          lambda h, st: (model.logits(h, head), st))(*model.step(tok, st, model.decode_layers(False)))),
-      "unrolled, cast every step": (model.unstack_states(cache.states()), lambda tok, st: (
-          lambda h, st: (model.logits(h), st))(*model.step_unrolled(tok, model.unstacked_layers(), st))),
+      "step": (cache.states(), lambda tok, st: step_logits(model.step(tok, st))),
+      "unrolled, cast once": (model.unstack_states(cache.states()), lambda tok, st: step_logits(
+          model.step_unrolled(tok, model.decode_layers(True), st), head)),
+      "scan, cast once": (cache.states(), lambda tok, st: step_logits(
+          model.step(tok, st, model.decode_layers(False)), head)),
+      "unrolled, cast every step": (model.unstack_states(cache.states()), lambda tok, st: step_logits(
+          model.step_unrolled(tok, model.unstacked_layers(), st))),
   }
   out = {}
   for name, (states, fn) in ways.items():
