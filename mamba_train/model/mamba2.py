@@ -147,7 +147,10 @@ def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
   """
   k = w.shape[0]
   l = x.shape[1]
-  xp = jnp.concatenate([front.astype(F32), x.astype(F32)], axis=1)  # (b, k-1+l, *c)
+  # Joined in x's dtype and widened per tap, inside the conv's fusion: a float32
+  # join is a whole (b, l, *c) float32 copy that XLA writes to HBM. The front is
+  # a conv state of earlier inputs of the same projection, so x's dtype holds it.
+  xp = jnp.concatenate([front.astype(x.dtype), x], axis=1)  # (b, k-1+l, *c)
   extra = x.ndim - 2
   if seq_idx is not None:
     if front_idx is None:
@@ -155,12 +158,12 @@ def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
     ids = jnp.concatenate([front_idx, seq_idx], axis=1)
   out = jnp.broadcast_to(bias.astype(F32), x.shape)
   for j in range(k):  # tap j reads position t - (k-1-j)
-    tap = xp[:, j:j + l] * w[j]
+    tap = xp[:, j:j + l].astype(F32) * w[j]
     if seq_idx is not None and j < k - 1:
       ok = (ids[:, j:j + l] == seq_idx).reshape(ids.shape[0], l, *([1] * extra))
       tap = jnp.where(ok, tap, 0.0)
     out = out + tap
-  return out, xp[:, l:]  # new front: the last k-1 inputs
+  return out, xp[:, l:].astype(F32)  # new front: the last k-1 inputs
 
 
 def _dt_and_A(p, dt_raw, cfg):
@@ -172,11 +175,16 @@ def _dt_and_A(p, dt_raw, cfg):
 
 
 def _project_in(p, u, cd):
+  """z, x, B|C and dt from the block input u. z, x and B|C are stored in the
+  compute dtype (float32 accumulation, one rounding), dt in float32: z and x are
+  two matmuls, so no (l, 2, i) result is written and split by a copy."""
   uc = u.astype(cd)
-  zx = jnp.einsum("...d,dki->...ki", uc, p["in_proj_zx"].astype(cd), preferred_element_type=F32)
-  bc = jnp.einsum("...d,dkn->...kn", uc, p["in_proj_bc"].astype(cd), preferred_element_type=F32)
-  dt = jnp.einsum("...d,dh->...h", uc, p["in_proj_dt"].astype(cd), preferred_element_type=F32)
-  return zx[..., 0, :], zx[..., 1, :], bc, dt
+  proj = lambda spec, w, dtype: jnp.einsum(spec, uc, w.astype(cd), preferred_element_type=F32).astype(dtype)
+  z = proj("...d,di->...i", p["in_proj_zx"][:, 0], cd)
+  x = proj("...d,di->...i", p["in_proj_zx"][:, 1], cd)
+  bc = proj("...d,dkn->...kn", p["in_proj_bc"], cd)
+  dt = proj("...d,dh->...h", p["in_proj_dt"], F32)
+  return z, x, bc, dt
 
 
 def _project_out(p, y, z, cfg, cd):
