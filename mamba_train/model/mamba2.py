@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from mamba_train.model import attention as attn_lib
 from mamba_train.model import pattern as pattern_lib
@@ -241,7 +242,13 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
     # kernels do not take a slice's entering state from the other devices yet.
     y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
-  out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
+  y = y.reshape(b, l, h * hp)
+  if form in ("pallas", "interpret") and split is None:
+    # The kernel writes y positions-minor; turned channels-minor here, in y's
+    # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
+    # widens y to float32 and transposes and retiles that (3 float32 copies).
+    y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
+  out = _project_out(p, y, z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
