@@ -30,6 +30,7 @@ import re  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from mamba_train import metrics  # noqa: E402
@@ -91,7 +92,12 @@ def compile_layer(args):
   ids = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=rep)
   progs = {}
   if not args.no_forward:
-    progs["forward"] = (jax.jit(lambda p, i: nnx.merge(graphdef, p)(i)), (_on(rep, params), ids))
+    # The logits row-major, as a host reads them: TPU's default layout for an
+    # f32 (b, l, 50277) result is positions-minor, and meeting it copies the
+    # logits once more (--default_out_layout keeps it).
+    out = None if args.default_out_layout else Format(Layout(major_to_minor=(0, 1, 2)), rep)
+    progs["forward"] = (jax.jit(lambda p, i: nnx.merge(graphdef, p)(i), out_shardings=out),
+                        (_on(rep, params), ids))
   if args.train:
     model = nnx.merge(graphdef, params)
     pdict = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), model.params())
@@ -127,6 +133,8 @@ def main(argv=None):
   ap.add_argument("--topology", default="v6e:1x1")
   ap.add_argument("--train", action="store_true", help="also compile value_and_grad of the training loss")
   ap.add_argument("--no_forward", action="store_true")
+  ap.add_argument("--default_out_layout", action="store_true",
+                  help="leave the forward's logits in TPU's default layout (a copy)")
   ap.add_argument("--top", type=int, default=20)
   ap.add_argument("--dump", default="", help="write the optimised HLO text here")
   compile_layer(ap.parse_args(argv))

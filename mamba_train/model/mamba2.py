@@ -59,6 +59,11 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 }
 
 
+# The weights every layer kind uses only as a matmul operand in the compute dtype.
+MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj", "q_proj", "k_proj",
+                            "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
+
+
 # Each layer kind: its name in `Mamba2LM.params()` (the Mamba-2 stack keeps the
 # name it had before hybrids, so pure models and their checkpoints are unchanged)
 # and the keys of its decoding state.
@@ -381,6 +386,15 @@ class Mamba2LM(nnx.Module):
     stack = getattr(self, KIND_PARAMS[kind])
     return {name: stack[name].get_value() for name in kind_axes(self.config, kind)}
 
+  def _compute_params(self, kind: str) -> dict[str, Array]:
+    """`layer_params(kind)` with the matmul weights in the compute dtype: cast once
+    for the whole stack, before the layer loop, not inside every layer (where each
+    use, and a remat's recompute, reads the float32 weight and writes a copy),
+    and a sharded stack is gathered per layer in the compute dtype. Gradients are
+    the same: a cast's cotangent is rounded to the cast dtype either way."""
+    cd = jnp.dtype(self.runtime.compute_dtype)
+    return {n: a.astype(cd) if n in MATMUL_WEIGHTS else a for n, a in self.layer_params(kind).items()}
+
   def _kinds(self) -> list[str]:
     return [k for k in KIND_PARAMS if self.config.count(k)]
 
@@ -459,7 +473,7 @@ class Mamba2LM(nnx.Module):
       init[MAMBA] = (states if states is not None else
                      jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
-                             {k: self.layer_params(k) for k in self._kinds()}, init, h,
+                             {k: self._compute_params(k) for k in self._kinds()}, init, h,
                              unroll=self.runtime.unroll_layers)
     return h, self._flat(new)
 
