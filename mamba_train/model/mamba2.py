@@ -208,6 +208,11 @@ def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
   }
 
 
+# (b, c, q, i) stored (c, b, i, q): the layout the SSD kernels read x in and write
+# y in, positions on the lanes (with i = h p, the same bytes as their (c, b, h, p, q)).
+_CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
+
+
 def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None):
   """The Mamba-2 mixer over a sequence, run as `rt` (a resolved runtime) says.
 
@@ -239,16 +244,24 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
   form, chunk = rt.ssd_plan(cfg.chunk_size)
-  ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
+  x = x.astype(cd)
+  fused = form in ("pallas", "interpret") and split is None
+  if fused and l % chunk == 0:
+    # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
+    # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
+    x = with_layout_constraint(x.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h, hp)
+  ssd_args = (x, dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
   ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
-  if form in ("pallas", "interpret") and split is None:
+  if fused:
     y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
   else:
     # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
     # kernels do not take a slice's entering state from the other devices yet.
     y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
   y = y.reshape(b, l, h * hp)
-  if form in ("pallas", "interpret") and split is None:
+  if fused and l % chunk == 0:
+    y = with_layout_constraint(y.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h * hp)
+  if fused:
     # The kernel writes y positions-minor; turned channels-minor here, in y's
     # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
     # widens y to float32 and transposes and retiles that (3 float32 copies).
