@@ -54,6 +54,32 @@ def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
     assert not np.array_equal(np.asarray(y3)[~last], np.asarray(y4)[~last])
 
 
+def test_one_pass_carries_the_state_across_chunks_and_documents():
+  """The one-pass forward (the state carried from chunk to chunk on chip) against
+  `ssd_chunked` and the two-kernel forward: 6 chunks (the last ragged), an initial
+  state, documents that start mid-chunk, exactly at a chunk start, and span whole
+  chunks (row 0), and one document through every chunk (row 1)."""
+  l, q, g, h = 45, 8, 2, 4
+  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 4, g, 5, jnp.float32)
+  seq = np.zeros((2, l), np.int32)
+  seq[0, 3:], seq[0, 16:], seq[0, 37:] = 1, 2, 3  # doc 2: chunk 2's start to mid chunk 4
+  seq = jnp.asarray(seq)
+
+  @jax.jit
+  def run(x, dt, A, B, C, D, h0, seq):
+    kw = {"D": D, "initial_state": h0, "seq_idx": seq}
+    return [ssd_pallas.ssd_fused(x, dt, A, B, C, q, **kw, interpret=True, one_pass=o) for o in (True, False)] + [
+        ssd.ssd_chunked(x, dt, A, B, C, q, **kw, form="parallel")]
+
+  (y1, s1), (y2, s2), (y3, s3) = run(x, dt, A, B, C, D, h0, seq)
+  assert rel(y1, y3) < 1e-5 and rel(s1, s3) < 1e-5
+  assert rel(y2, y3) < 1e-5 and rel(s2, s3) < 1e-5
+  # The carry really is cut: without documents the outputs differ after the first start.
+  y4, _ = run(x, dt, A, B, C, D, h0, jnp.zeros_like(seq))[0]
+  np.testing.assert_array_equal(np.asarray(y4)[1], np.asarray(y1)[1])
+  assert not np.allclose(np.asarray(y4)[0, 3:], np.asarray(y1)[0, 3:])
+
+
 def test_model_with_fused_ssd_matches_xla_model():
   """Tiny model, logits and parameter gradients: ssd_impl 'interpret' (the kernels)
   against 'xla' in the parallel form at the same chunk."""
@@ -92,9 +118,18 @@ for topo in sys.argv[1:]:
   def loss(x, dt, A, B, C, D, h0, seq):
     y, s = ssd_fused(x, dt, A, B, C, 128, D=D, initial_state=h0, seq_idx=seq)
     return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
-  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward kernels + backward
+  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward + backward
   hlo = step.lower(*args).compile().as_text()
-  assert "ssd_chunk_outputs" in hlo and "ssd_chunk_states" in hlo, "kernels missing"
+  # The one-pass forward; the backward recomputes the chunk states with their kernel.
+  assert "ssd_one_pass" in hlo and "ssd_chunk_states" in hlo, "kernels missing"
+  # The forwards alone: the one-pass kernel (its sequential chunk axis, the state
+  # carried in VMEM) without the two kernels, and the two-kernel form.
+  for one_pass, want, absent in [(True, "ssd_one_pass", "ssd_chunk_states"),
+                                 (False, "ssd_chunk_outputs", "ssd_one_pass")]:
+    fwd = jax.jit(lambda *a: ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7],
+                                       one_pass=one_pass))
+    hlo = fwd.lower(*args).compile().as_text()
+    assert want in hlo and absent not in hlo, (one_pass, "kernel missing")
   print("compiled", topo)
 """
 

@@ -1,4 +1,4 @@
-"""The chunked SSD with each chunk's (t, s) terms kept on chip: two Pallas kernels.
+"""The chunked SSD with each chunk's (t, s) terms kept on chip: Pallas kernels.
 
 Same function, arguments and numerical rules as `ssd.ssd_chunked` (the reference,
 and what CPUs run): float32 decays, segment sums as sums of the terms they cover,
@@ -6,8 +6,18 @@ matmuls in the dtype of x with float32 accumulation. Letters as in `ssd.py`.
 
 The XLA form writes every chunk's (t, s) decay and score matrices to HBM and reads
 them back. Here they live in VMEM only (the kernels follow Mosaic TPU's tiling
-rules; they were never compiled for a GPU), in the two kernels of the block
-decomposition:
+rules; they were never compiled for a GPU).
+
+The forward (`ssd_fused`) is one kernel, `_one_pass_call`: its grid walks each head
+block's chunks in order (the chunk axis innermost and sequential) and carries the
+block's state, (hb, p, n) float32, in a VMEM scratch buffer from chunk to chunk. Per
+chunk it computes the diagonal block, the entering state's output and the D skip,
+writes y, then moves the state across the chunk (H <- exp(chunk's total decay) H +
+the chunk's own end state, with the document resets of `ssd_chunked`'s scan form).
+It reads x, dt, a, B, C and the initial state once and writes y and the final
+state once: no per-chunk states in HBM.
+
+The block decomposition as two kernels, with the state passing between them:
 
   `_chunk_states`: the initial state (slot 0) and each chunk's end state from its
       own inputs (the right low-rank factor), (b, g, r, c+1, p, n) float32; reads
@@ -18,6 +28,11 @@ decomposition:
       factor) and the D skip, written once as y in the compute dtype; reads x, dt,
       a, B, C and the entering states once.
 
+is what the backward differentiates (`one_pass=False` also runs it forward): the
+one-pass kernel's VJP recomputes the chunk states with `_chunk_states` and the
+passing, and takes the vjp of that composition, so it uses whatever backward those
+two kernels have.
+
 x and y travel as (.., p, q) blocks: positions on the 128 lanes (a (q, p) block
 would pad p = 64 to 128 lanes and double their bytes).
 
@@ -25,11 +40,11 @@ Each grid step takes one chunk, one sequence, one group and a block of `hb` head
 so B and C (shared by a group's heads) are read once per head block; the cost
 estimates count those re-reads.
 
-Backward: each kernel is a `jax.custom_vjp` whose backward pass is the vjp of the
-plain-JAX form of the same per-chunk function (`_states_ref`, `_outputs_ref`),
-recomputing the (t, s) terms from the chunk inputs. That backward still moves the
-(t, s) stacks through HBM as the XLA form's does: an interim until a Pallas
-backward kernel recomputes them on chip.
+Backward of the two kernels: each is a `jax.custom_vjp` whose backward pass is the
+vjp of the plain-JAX form of the same per-chunk function (`_states_ref`,
+`_outputs_ref`), recomputing the (t, s) terms from the chunk inputs. That backward
+still moves the (t, s) stacks through HBM as the XLA form's does: an interim until
+a Pallas backward kernel recomputes them on chip.
 
 `interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
 tests). This module imports nothing from the package.
@@ -42,6 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -292,7 +308,123 @@ _chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
 
 
 # ----------------------------------------------------------------------------
-# The scan.
+# One pass: outputs and the state passing in one kernel, the state carried on chip.
+
+
+def _one_pass_kernel(*refs, hb, seq):
+  if seq:
+    (x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, row_ref, col_ref, in_ref, end_ref,
+     y_ref, final_ref, h_scr) = refs
+  else:
+    x_ref, dt_ref, a_ref, b_ref, c_ref, init_ref, d_ref, y_ref, final_ref, h_scr = refs
+  zi = pl.program_id(3)
+
+  # The chunk axis is innermost and sequential: h_scr holds the state entering
+  # this chunk for the block's heads, (hb, p, n) float32, from chunk to chunk.
+  @pl.when(zi == 0)
+  def _():
+    h_scr[...] = init_ref[...]
+
+  q = a_ref.shape[-1]
+  cdt = x_ref.dtype
+  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
+  upto_mask = keep  # upto[t, k] = a_k for k <= t
+  after = after.astype(_F32)
+  if seq:
+    keep = keep & (col_ref[...] == row_ref[...])  # (t, 1) == (1, s): one document
+  bmat, cmat = b_ref[...], c_ref[...]  # (q, n)
+  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  # Sums of the terms they cover, on the MXU, for every head of the block at once:
+  # cs[h, t] = sum_{k <= t} a[h, k] (its last column: the whole chunk's decay, which
+  # the carried state takes), to_end[h, s] = sum_{k > s} a[h, k].
+  cs = jax.lax.dot(a, upto_mask.T.astype(_F32), precision=_HIGHEST, preferred_element_type=_F32)
+  to_end = jax.lax.dot(a, after, precision=_HIGHEST, preferred_element_type=_F32)
+  decay_in = jnp.exp(cs)  # (hb, t)
+  through = decay_in[:, q - 1:q]  # (hb, 1): exp(the chunk's total decay)
+  w = jnp.exp(to_end)  # (hb, s)
+  if seq:
+    keep_in = in_ref[...]  # (1, t): 1 where t is in the entering state's document
+    decay_in = decay_in * keep_in
+    # The entering state reaches the chunk end only if the chunk ends in its document.
+    through = through * keep_in[:, q - 1:q]
+    w = w * end_ref[...]  # (1, s): 1 where s is in the chunk end's document
+  for i in range(hb):
+    a_row = a[i:i + 1, :]  # (1, q)
+    upto = jnp.where(upto_mask, a_row, 0.0)  # (t, k)
+    # seg[t, s] = sum_{s < k <= t} a_k: sums of the terms covered, never differences.
+    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
+    m = (cb * jnp.where(keep, jnp.exp(seg), 0.0)).astype(cdt)  # (t, s)
+    xf = x_ref[i].astype(_F32)  # (p, s): positions on lanes
+    xdt = xf * dt_ref[pl.ds(i, 1), :].astype(_F32)
+    y = jax.lax.dot_general(xdt.astype(cdt), m, _NT, preferred_element_type=_F32)  # (p, t)
+    state = h_scr[i]  # (p, n) float32: the state entering the chunk
+    y = y + jax.lax.dot_general(state.astype(cdt), cmat, _NT, preferred_element_type=_F32) * decay_in[i:i + 1, :]
+    y = y + xf * d_ref[pl.ds(i, 1), :].astype(_F32)
+    y_ref[i] = y.astype(y_ref.dtype)
+    # The chunk's own end state from its inputs, then the state leaving the chunk.
+    own = jax.lax.dot((xdt * w[i:i + 1, :]).astype(cdt), bmat, preferred_element_type=_F32)  # (p, n)
+    h_scr[i] = state * through[i:i + 1, :] + own
+
+  @pl.when(zi == pl.num_programs(3) - 1)
+  def _():
+    final_ref[...] = h_scr[...]
+
+
+def _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret):
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  seq = row is not None
+  nblk = r // hb
+  # Chunks innermost and sequential ("arbitrary"): each head block walks its chunks
+  # in order carrying the state; the other axes are independent ("parallel", so
+  # a chip with two cores splits them).
+  grid = (b, g, nblk, c)
+  head = lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0)
+  group = lambda bi, gi, ri, zi: (zi, bi, gi, 0, 0)
+  heads6 = lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0, 0)
+  state = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), group), _spec((None, None, None, q, n), group),
+              _spec((None, None, hb, p, n), state),
+              _spec((None, hb, 1), lambda bi, gi, ri, zi: (gi, ri, 0))]
+  args = [xc, dtc, ac, Bc, Cc, init, Dr[..., None]]
+  if seq:
+    per_seq = lambda bi, gi, ri, zi: (zi, bi, 0, 0)
+    in_specs += [_spec((None, None, 1, q), per_seq), _spec((None, None, q, 1), per_seq),
+                 _spec((None, None, 1, q), per_seq), _spec((None, None, 1, q), per_seq)]
+    args += [row, col, keep_in, end]
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  bc_bytes = (Bc.size + Cc.size) * jnp.dtype(Bc.dtype).itemsize
+  cost = pl.CostEstimate(
+      # per group and head block: C B^T; per head: segment sums (t x k x s), two
+      # prefix-sum matmuls, the diagonal block, the entering state's output, the
+      # chunk's own end state, the carry and ~14 elementwise (t, s) ops.
+      flops=int(c * b * (g * nblk * 2 * q * q * n
+                         + h * (2 * q ** 3 + 4 * q * q + 2 * q * q * p + 4 * q * n * p + 2 * p * n
+                                + 14 * q * q + 10 * q * p))),
+      transcendentals=int(c * b * h * (q * q + 2 * q)),
+      # x and y once, dt and a once, B and C once per head block, the initial and
+      # final states once, D and the document masks per head block.
+      bytes_accessed=int(2 * xc.size * isz + 2 * dtc.size * 4 + bc_bytes * nblk + 2 * init.size * 4
+                         + Dr.size * 4 * b + (4 * c * b * q * 4 * g * nblk if seq else 0)))
+  return pl.pallas_call(
+      functools.partial(_one_pass_kernel, hb=hb, seq=seq),
+      out_shape=(jax.ShapeDtypeStruct(xc.shape, xc.dtype), jax.ShapeDtypeStruct(init.shape, _F32)),
+      grid=grid, in_specs=in_specs,
+      out_specs=(_spec((None, None, None, hb, p, q), heads6), _spec((None, None, hb, p, n), state)),
+      scratch_shapes=[pltpu.VMEM((hb, p, n), _F32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=cost, interpret=interpret, name="ssd_one_pass")(*args)
+
+
+# ----------------------------------------------------------------------------
+# The scan: layouts, the two-kernel form, and the one-pass form with its VJP.
 
 
 def _pad_to_chunks(x, pad, value=0):
@@ -303,17 +435,12 @@ def _pad_to_chunks(x, pad, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
-              interpret: bool = False):
-  """`ssd.ssd_chunked` with the per-chunk work in Pallas kernels (see the module doc).
-
-  Same arguments and results; `interpret` runs the kernels in Pallas' interpreter.
-  """
+def _chunked(x, dt, A, B, C, q, D, initial_state, seq_idx):
+  """The kernels' layouts: (xc, dtc, ac, Bc, Cc, init, Dr) and the document masks
+  (row, col, keep_in, end, doc_end), all None without seq_idx."""
   b, l, h, p = x.shape
   g, n = B.shape[-2:]
-  if h % g:
-    raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
-  r, q, cdt = h // g, chunk_size, x.dtype
+  r, cdt = h // g, x.dtype
   pad = (-l) % q
   nc = (l + pad) // q
   # Chunk-major, head-major layouts, as `ssd_chunked`: XLA fuses these transposes
@@ -327,18 +454,22 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
   Dr = (jnp.zeros((h,), _F32) if D is None else D.astype(_F32)).reshape(g, r)
   init = (jnp.zeros((b, g, r, p, n), _F32) if initial_state is None
           else initial_state.astype(_F32).reshape(b, g, r, p, n))
-
-  row = col = keep_in = end = None
+  masks = (None,) * 5
   if seq_idx is not None:
     sq = _pad_to_chunks(seq_idx.astype(jnp.int32), pad, 0)
     if pad:  # padding joins the last document (it carries no input)
       sq = sq.at[:, l:].set(seq_idx[:, -1:].astype(jnp.int32))
     sq = sq.reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
     doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # (c, b)
-    row, col = sq[:, :, None, :], sq[:, :, :, None]
     keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
     end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
+    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0).T  # (b, c+1)
+    masks = (sq[:, :, None, :], sq[:, :, :, None], keep_in, end, doc_end)
+  return (xc, dtc, ac, Bc, Cc, init, Dr), masks
 
+
+def _two_kernels(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end, interpret):
+  """Chunk states kernel, plain-JAX state passing, outputs kernel: (yc, final)."""
   states = _chunk_states(xc, dtc, ac, Bc, init, end, interpret)  # (b, g, r, c+1, p, n)
   # State passing between chunks in plain JAX, as `ssd_chunked`'s parallel form:
   # H_z = sum_{z' <= z} exp(A_{z'+1..z}) S_{z'}, slot 0 the initial state and slot
@@ -347,17 +478,56 @@ def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, se
   # and the next kernel reads the matmul's as they lie.
   totals = jnp.moveaxis(ac.sum(-1), 0, -1)  # (b, g, r, c): each chunk's whole decay
   totals = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals], axis=-1)
-  z = nc + 1
+  z = totals.shape[-1]
   upto = totals[..., None, :] * jnp.tril(jnp.ones((z, z), _F32))
   seg = jnp.einsum("...tk,ks->...ts", upto, jnp.tril(jnp.ones((z, z), _F32), -1), precision=_HIGHEST)
   keep = jnp.tril(jnp.ones((z, z), bool))
-  if seq_idx is not None:
-    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0).T  # (b, c+1)
+  if doc_end is not None:
     keep = keep & (doc_end[:, :, None] == doc_end[:, None, :])[:, None, None]
   chunk_decay = jnp.where(keep, jnp.exp(seg), 0.0)  # (b, g, r, z, z')
   states = jnp.einsum("bgrzy,bgrypn->bgrzpn", chunk_decay, states, precision=_HIGHEST)
-  prev, final = states, states[:, :, :, -1]
-  y = _chunk_outputs(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpret)
+  y = _chunk_outputs(xc, dtc, ac, Bc, Cc, states, Dr, row, col, keep_in, interpret)
+  return y, states[:, :, :, -1]
+
+
+# The one-pass kernel's VJP: forward by the one-pass kernel, saving only its inputs;
+# backward as the vjp of the two-kernel form (the chunk states recomputed), so it
+# takes whatever backward those kernels have.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _one_pass(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end, interpret):
+  return _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret)
+
+
+def _one_pass_fwd(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end, interpret):
+  out = _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret)
+  return out, (xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, doc_end)
+
+
+def _one_pass_bwd(interpret, res, ct):
+  diff, masks = res[:7], res[7:]
+  _, vjp = jax.vjp(lambda *a: _two_kernels(*a, *masks, interpret), *diff)
+  return (*vjp(ct), *(None,) * len(masks))
+
+
+_one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
+
+
+def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
+              interpret: bool = False, one_pass: bool = True):
+  """`ssd.ssd_chunked` with the per-chunk work in Pallas kernels (see the module doc).
+
+  Same arguments and results; `interpret` runs the kernels in Pallas' interpreter;
+  `one_pass=False` runs the forward as the two kernels with the state passing
+  between them in plain JAX (what the backward differentiates either way).
+  """
+  b, l, h, p = x.shape
+  g, n = B.shape[-2:]
+  if h % g:
+    raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+  q = chunk_size
+  nc = (l + (-l) % q) // q
+  ins, masks = _chunked(x, dt, A, B, C, q, D, initial_state, seq_idx)
+  fn = _one_pass if one_pass else _two_kernels
+  y, final = fn(*ins, *masks, interpret)
   y = y.transpose(1, 0, 5, 2, 3, 4).reshape(b, nc * q, h, p)[:, :l]
   return y, final.reshape(b, h, p, n)
-
