@@ -13,34 +13,33 @@ own total (`cost_analysis`) is printed beside them. Figures: docs/bench/tpu_ssd.
 
 from __future__ import annotations
 
+import glob
 import os
-
-import glob  # noqa: E402
-import tempfile  # noqa: E402
+import tempfile
 
 # The CPU defaults do not apply to the TPU compiler; XLA writes the optimised HLO
 # here (`compiled.as_text()` fails on the TPU executable's async ops).
 _DUMP = tempfile.mkdtemp(prefix="layer_bytes_")
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={_DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_"
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
+import argparse
+import math
+import re
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.experimental.layout import Format, Layout  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_train import metrics  # noqa: E402
-from mamba_train.model.config import config_for  # noqa: E402
-from mamba_train.model.mamba2 import Mamba2LM  # noqa: E402
-from mamba_train.model.runtime import Runtime  # noqa: E402
-from mamba_train.parallel.mesh import make_mesh  # noqa: E402
-from mamba_train.parallel.topology import tpu_devices  # noqa: E402
-from mamba_train.train.state import with_shardings  # noqa: E402
-from mamba_train.train.step import loss_sums  # noqa: E402
+from mamba_train import metrics
+from mamba_train.model.config import config_for
+from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.runtime import Runtime
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.parallel.topology import tpu_devices
+from mamba_train.train.state import with_shardings
+from mamba_train.train.step import loss_sums
 
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "s8": 1, "u8": 1, "pred": 1, "s64": 8, "u64": 8}
@@ -113,7 +112,8 @@ def compile_layer(args):
           f"ssd {args.ssd_impl}, {args.topology}: XLA {cost.get('flops', 0):.3e} FLOPs, "
           f"{cost.get('bytes accessed', 0):.3e} bytes (compile {t.seconds:.0f}s)", flush=True)
     files = sorted(glob.glob(os.path.join(_DUMP, "*after_optimizations.txt")), key=os.path.getmtime)
-    hlo = open(files[-1]).read()
+    with open(files[-1]) as f:
+      hlo = f.read()
     if args.dump:
       os.makedirs(args.dump, exist_ok=True)
       with open(os.path.join(args.dump, name.split()[0] + ".hlo.txt"), "w") as f:
