@@ -5,6 +5,7 @@
   python -m benchmarks train --config 130m --batch 1 --seq_len 512 --compare
   python -m benchmarks forward --config 130m --seq_len 2048 --compare
   python -m benchmarks decode --config tiny --compare
+  python -m benchmarks decode_tpu --config 130m,1.3b --dtype bfloat16   # decode step for TPU v6e (libtpu)
   python -m benchmarks compile          # compile time against depth; 2.7b for TPU v6e with libtpu
   python -m benchmarks memory --config 130m
   python -m benchmarks loader
@@ -46,7 +47,7 @@ from benchmarks import compile as compile_bench, decode, loader, model, report, 
 from benchmarks.common import CORES, log  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
 
-BENCHES = ["ssd", "forward", "train", "decode", "compile", "memory", "loader", "all", "report"]
+BENCHES = ["ssd", "forward", "train", "decode", "decode_tpu", "compile", "memory", "loader", "all", "report"]
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -68,6 +69,8 @@ def parse(argv=None) -> argparse.Namespace:
   ap.add_argument("--skip_tpu", action="store_true", help="compile: skip the TPU AOT figure")
   ap.add_argument("--remat", default=None, choices=["none", "full", "save_matmuls"],
                   help="what the backward pass recomputes (default: the runtime's, none)")
+  ap.add_argument("--decode_layers", default="auto", choices=["auto", "unrolled", "scan"],
+                  help="decode: how the decode loop runs the layers (the runtime's decode_layers)")
   ap.add_argument("--ssd_form", default="auto", help="auto (the backend's default), scan or parallel; "
                   "ssd also takes 'scan,parallel' to time both")
   ap.add_argument("--roofline_n", type=int, default=None, help="matmul size of the roofline "
@@ -132,6 +135,8 @@ def main(argv=None) -> dict:
         model.bench_train(args, results, size, lengths(d["train"][0]), args.batch or d["train"][1])
       if what in ("decode", "all"):
         decode.bench_decode(args, results, size, lengths(d["ctx"]), args.batch or 1)
+      if what == "decode_tpu":
+        decode.bench_decode_tpu(args, results, size)
       if what in ("memory", "all"):
         compile_bench.bench_memory(args, results, size, lengths([512, 1024, 2048, 4096]), args.batch or 1)
       if what in ("compile", "all"):

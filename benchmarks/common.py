@@ -90,6 +90,8 @@ def unresolved_runtime(args) -> Runtime:
   kw = {"compute_dtype": args.dtype}
   if args.remat:
     kw["remat"] = args.remat
+  if getattr(args, "decode_layers", "auto") != "auto":
+    kw["decode_layers"] = args.decode_layers
   if args.ssd_form in ("scan", "parallel"):
     kw["ssd_form"] = args.ssd_form
     kw["ssd_impl"] = "xla"  # a form names the XLA SSD's way of combining chunks

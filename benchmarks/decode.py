@@ -18,6 +18,7 @@ the library's prefill, step and decode loop.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Sequence
 
 import jax
@@ -209,4 +210,289 @@ def bench_decode(args, results, size, contexts, batch):
           np.asarray(t)
         return t
       add("mamba2-jax (cached)", ctx, batch * (n_peer - 1) / median_time(loop, 2))
+  return add_rows(results, rows)
+
+
+# ----------------------------------------------------------------------------
+# The decode step compiled ahead of time for a TPU (libtpu; no TPU needed).
+
+
+def _hlo_computations(text: str) -> dict[str, list[str]]:
+  """{computation name: its instruction lines} of an HLO module's text."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m and not line.startswith(" "):
+      name = m.group(1)
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        comps["__entry__"] = comps[name]
+    elif line.startswith("}"):
+      name = None
+    elif name is not None and "=" in line:
+      comps[name].append(line)
+  return comps
+
+
+# Instructions that launch no work of their own.
+_FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+             "opt-barrier", "partition-id", "replica-id"}
+
+
+def _type_prefix(rhs: str) -> str:
+  """The result type at the start of an instruction's right-hand side."""
+  if not rhs.startswith("("):
+    return rhs.split(" ", 1)[0]
+  depth = 0
+  for i, ch in enumerate(rhs):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rhs[:i + 1]
+  return rhs
+
+
+def _opcode(line: str) -> str | None:
+  """The opcode of an HLO instruction line ('%x = type opcode(...)...')."""
+  rhs = line.split(" = ", 1)[1] if " = " in line else ""
+  rest = rhs[len(_type_prefix(rhs)):]
+  m = re.match(r"\s*([\w\-]+)\(", rest)
+  return m.group(1) if m else None
+
+
+def _trip_count(while_line: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's known_trip_count, else the bound its condition
+  compares the counter with (a scan's `i < n`), else 1."""
+  m = re.search(r"known_trip_count[^0-9]*(\d+)", while_line)
+  if m:
+    return int(m.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+  lines = comps.get(cond.group(1), []) if cond else []
+  consts = [int(c) for line in lines for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
+  return max(consts) if len(consts) == 1 and any("direction=LT" in x for x in lines) else 1
+
+
+_ITEMSIZE = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f16": 2}
+_ARRAY = re.compile(r"\b(f32|bf16|s32|u32|pred|s8|u8|f16)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _hbm_bytes_of_type(t: str) -> int:
+  """Bytes of the arrays in an HLO type string that live in HBM (no memory-space
+  annotation S(n) with n > 0 in their layout: on TPU S(1) is VMEM)."""
+  total = 0
+  for dtype, dims, layout in _ARRAY.findall(t):
+    if layout and re.search(r"S\([1-9]\)", layout):
+      continue
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _ITEMSIZE[dtype]
+  return total
+
+
+def _sliced_params(fused: list[str]) -> dict[int, int]:
+  """{parameter number: bytes read} for the parameters of a fused computation that
+  it only reads through a dynamic-slice or gather (their results' bytes)."""
+  params = {}
+  for line in fused:
+    m = re.search(r"parameter\((\d+)\)", line)
+    if m:
+      params[line.split(" = ", 1)[0].strip().lstrip("%")] = int(m.group(1))
+  out = {}
+  for line in fused:
+    op = _opcode(line)
+    if op in ("dynamic-slice", "gather"):
+      src = line.split(f" {op}(", 1)[1].split(",")[0].strip().lstrip("%")
+      if src in params:
+        rhs = line.split(" = ", 1)[1]
+        b = sum(_ITEMSIZE[t] * _prod(dims) for t, dims, _ in _ARRAY.findall(_type_prefix(rhs)))
+        out[params[src]] = out.get(params[src], 0) + b
+  return out
+
+
+def _prod(dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n
+
+
+def hbm_bytes(text: str) -> int:
+  """An estimate of the HBM bytes a compiled TPU module moves: for each op it
+  launches (as `executed_kernels` counts them, loops by trip count), its operands
+  and result that lie in HBM. Unlike XLA's 'bytes accessed' it does not count the
+  reads of operands the compiler prefetched into VMEM a second time, nor a gather's
+  whole table; it counts a dynamic-update-slice's whole buffer (an over-count)."""
+  comps = _hlo_computations(text)
+  sig = {}
+  for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$", text, re.MULTILINE):
+    sig[m.group(1)] = {k: v for k, v in re.findall(r"([\w.\-]+): ((?:\(.*?\))|\S+?)(?:,\s|$)", m.group(2))}
+
+  def count(name: str) -> int:
+    types = dict(sig.get(name, {}))
+    for line in comps.get(name, []):
+      lhs, rhs = line.split(" = ", 1)
+      types[lhs.strip().replace("ROOT ", "").lstrip("%")] = _type_prefix(rhs)
+    total = 0
+    for line in comps.get(name, []):
+      op = _opcode(line)
+      if op is None or op in _FREE_OPS or op.endswith("-done"):
+        continue
+      if op == "while":
+        total += _trip_count(line, comps) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
+        continue
+      lhs = line.split(" = ", 1)[0].strip().replace("ROOT ", "").lstrip("%")
+      args = line.split(f" {op}(", 1)[1]
+      depth, end = 1, 0
+      for i, ch in enumerate(args):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+          end = i
+          break
+      operands = [a.strip().lstrip("%") for a in re.sub(r"/\*[^*]*\*/", "", args[:end]).split(",") if a.strip()]
+      out_type = types.get(lhs, "")
+      if op.endswith("-start"):  # an async copy or slice: the bytes it moves, once
+        # Its result: (destination, source, ...) for a copy, ((source), destination,
+        # ...) for a slice.
+        arrays = [a.group(0).split("{")[0] for a in _ARRAY.finditer(out_type)]
+        dest = arrays[1] if out_type.startswith("((") and len(arrays) > 1 else (arrays or [""])[0]
+        total += _hbm_bytes_of_type(dest)
+        continue
+      out = _hbm_bytes_of_type(out_type)
+      ins = [_hbm_bytes_of_type(types.get(o, "")) for o in operands]
+      called = re.search(r"calls=%?([\w.\-]+)", line)
+      for k, b in _sliced_params(comps.get(called.group(1), []) if called else []).items():
+        if k < len(ins) and ins[k]:
+          ins[k] = min(ins[k], b)  # a fused slice or gather reads only its result's size
+      total += out + sum(ins)
+    return total
+
+  return count("__entry__")
+
+
+def executed_kernels(text: str) -> dict[str, int]:
+  """What the entry computation of a compiled module runs, a while loop's body
+  counted trip-count times (`_trip_count`): fusions
+  (custom calls included), DMAs (async copy starts) and other ops that launch work
+  of their own (unfused ops, plain copies); the '-done' halves of async pairs and
+  ops that launch nothing are left out."""
+  comps = _hlo_computations(text)
+
+  def count(name: str) -> dict[str, int]:
+    n = {"fusions": 0, "dmas": 0, "other": 0}
+    for line in comps.get(name, []):
+      op = _opcode(line)
+      if op is None:
+        continue
+      if op == "while":
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        inner, trips = count(body), _trip_count(line, comps)
+        for k in n:
+          n[k] += trips * inner[k]
+      elif op in ("call", "conditional"):
+        for c in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
+          for k, v in count(c).items():
+            n[k] += v
+      elif op in ("fusion", "custom-call"):
+        n["fusions"] += 1
+      elif op == "copy-start":
+        n["dmas"] += 1
+      elif op not in _FREE_OPS and not op.endswith("-done"):
+        n["other"] += 1
+    return n
+
+  return count("__entry__")
+
+
+def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1",
+                        hlo: bool = False) -> dict:
+  """One greedy decode step of batch 1 (token in, next token and states out), as the
+  decode loop's body runs it, compiled for `topology`: XLA's bytes with every layer
+  counted (xla_bytes; a scanned body scaled by the layer count, as the compile
+  benchmark does; xla_bytes_raw as compiled) and FLOPs as compiled, the kernels
+  it runs per token, and the compile time. precast: the weights as `decode_loop`
+  hands them to the step (matmul weights and LM head already in the compute dtype)
+  rather than the float32 parameters cast inside the step. hlo: also return the
+  compiled module's text."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from mamba_train.metrics import compiled_cost
+  from mamba_train.model.cache import Mamba2Cache
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.parallel.topology import tpu_devices
+  from mamba_train.train.state import with_shardings
+
+  _, _, devices = tpu_devices(topology)
+  rep = NamedSharding(make_mesh({"data": -1}, devices), P())
+  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan").resolve("tpu")
+  gd, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
+  on = lambda tree: with_shardings(tree, jax.tree.map(lambda _: rep, tree))
+
+  def weights(params):
+    m = nnx.merge(gd, params)
+    if precast:
+      return m.decode_layers(unrolled), m.head_for_logits()
+    return (m.unstacked_layers() if unrolled else {k: m.layer_params(k) for k in m._kinds()}), None
+
+  def one_step(params, layers, head, token, states):
+    # The states as the loop carries them: per layer when unrolled, else stacked.
+    m = nnx.merge(gd, params)
+    if unrolled:
+      h, new = m.step_unrolled(token, layers, states)
+    else:
+      h, new = m.step(token, states, layers)
+    return jnp.argmax(m.logits(h, head), -1).astype(jnp.int32), new
+
+  layers, head = jax.eval_shape(weights, params)
+  states = jax.eval_shape(lambda: Mamba2Cache.init(cfg, 1).states())
+  if unrolled:
+    states = jax.eval_shape(lambda p, s: nnx.merge(gd, p).unstack_states(s), params, states)
+  args = (on(params), on(layers), None if head is None else on(head),
+          jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), on(states))
+  with Timer() as t:
+    compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
+  cost = compiled_cost(compiled)
+  out = {"xla_bytes_raw": cost.get("bytes accessed"), "hbm_bytes_est": float(hbm_bytes(compiled.as_text()))}
+  if unrolled:
+    out["xla_bytes"] = cost.get("bytes accessed")
+  else:
+    # XLA counts the scanned layer body once: add it n_layer - 1 more times, the
+    # body being the step's count less that of the embedding, head and argmax alone.
+    def outside(params, head, token):
+      m = nnx.merge(gd, params)
+      return jnp.argmax(m.logits(m.embed(token), head), -1).astype(jnp.int32)
+    c0 = compiled_cost(jax.jit(outside).lower(*args[:1], *args[2:4]).compile())
+    out["xla_bytes"] = cost["bytes accessed"] + (cfg.n_layer - 1) * (cost["bytes accessed"] - c0["bytes accessed"])
+  return {**out, "xla_flops_raw": cost.get("flops"),
+          **executed_kernels(compiled.as_text()), "compile_cpu_s": t.cpu_seconds,
+          **({"hlo": compiled.as_text()} if hlo else {})}
+
+
+def bench_decode_tpu(args, results, size):
+  """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
+  unrolled against scanned layers, weights cast per token against once per loop."""
+  from benchmarks.roofline import decode_bytes_per_step
+  from mamba_train.model.config import config_for
+  from mamba_train.model.runtime import Runtime
+  cfg = config_for(size)
+  rt = Runtime(compute_dtype=args.dtype)
+  f32_bytes = decode_bytes_per_step(cfg, 1)
+  rows = []
+  for unrolled in (True, False):
+    for precast in (False, True):
+      try:
+        r = compile_decode_step(cfg, rt, unrolled, precast)
+      except ImportError as e:
+        log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
+        return results
+      row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
+             "layers": "unrolled" if unrolled else "scan",
+             "weights": "cast once per loop" if precast else "cast every token",
+             "min_bytes_f32": f32_bytes, **r}
+      rows.append(row)
+      log(f"  decode step {size} {args.dtype} v6e, {row['layers']}, {row['weights']}: "
+          f"XLA {r['xla_bytes']:.3e} bytes, HBM est. {r['hbm_bytes_est']:.3e} (f32 params once: {f32_bytes:.3e}), "
+          f"{r['fusions']} fusions, "
+          f"{r['dmas']} DMAs, {r['other']} other ops a token, "
+          f"compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)

@@ -91,9 +91,14 @@ def markdown(results) -> str:
                  "and over the batch-1 matvec read rate)",
        [("config", ""), ("impl", ""), ("batch", ""), ("seq_len", ""), ("tokens_per_s", ""),
         ("bw_util", "pct"), ("matvec_util", "pct"), ("ours_over_this", "x")]),
+      ("decode_tpu", ("Batch-1 decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
+                      "fusions, DMAs and other ops a token (a scanned body counted per layer)"),
+       [("config", ""), ("dtype", ""), ("layers", ""), ("weights", ""), ("xla_bytes", ""),
+        ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""), ("compile_cpu_s", "")]),
       ("compile", "Compile time (wall and this process's CPU seconds)",
        [("impl", ""), ("program", ""), ("config", ""), ("n_layer", ""), ("batch", ""), ("seq_len", ""),
-        ("target", ""), ("compile_s", ""), ("compile_cpu_s", ""), ("xla_flops", ""), ("xla_bytes", "")]),
+        ("target", ""), ("lower_cpu_s", ""), ("compile_s", ""), ("compile_cpu_s", ""), ("count_cpu_s", ""),
+        ("xla_flops", ""), ("xla_bytes", "")]),
       ("memory", "Peak memory (XLA memory analysis: arguments + outputs + scratch - donated)",
        [("program", ""), ("config", ""), ("batch", ""), ("seq_len", ""), ("dtype", ""), ("peak_bytes", "mib"),
         ("temp_bytes", "mib"), ("compile_s", "")]),
@@ -105,8 +110,12 @@ def markdown(results) -> str:
       continue
     names = {"tokens_per_s": "tokens/s", "gflops": "GFLOP/s", "frac_matmul_peak": "of matmul peak",
              "mfu": "MFU", "compile_s": "compile s", "compile_cpu_s": "compile cpu s",
+             "lower_cpu_s": "lower cpu s", "count_cpu_s": "counting compiles cpu s",
              "peak_bytes": "peak MiB", "temp_bytes": "scratch MiB", "ours_over_this": "ours / this",
-             "bw_util": "of copy bandwidth", "matvec_util": "of matvec read rate", "xla_flops": "XLA FLOPs", "xla_bytes": "XLA bytes"}
+             "bw_util": "of copy bandwidth", "matvec_util": "of matvec read rate", "xla_flops": "XLA FLOPs", "xla_bytes": "XLA bytes",
+             "min_bytes_f32": "f32 params + state once",
+             "hbm_bytes_est": "HBM bytes (est.)", "fusions": "fusions a token",
+             "dmas": "DMAs a token", "other": "other ops a token"}
     out += [f"## {title}", "", "| " + " | ".join(names.get(c, c) for c, _ in cols) + " |",
             "|" + "---|" * len(cols)]
     for r in rs:

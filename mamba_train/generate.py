@@ -209,14 +209,22 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
     i, _, _, _, _, done, _ = carry
     return (i < max_new_tokens) & ~jnp.all(done)
 
-  # Weights and states per layer, unstacked once out here: see Mamba2LM.step_unrolled.
-  layers = model.unstacked_layers()
-  states = model.unstack_states(cache.states())
+  # The weights every step reads, made once out here: matmul weights and the LM
+  # head in the compute dtype; per layer (unstacked) when the layers run unrolled,
+  # see Mamba2LM.step_unrolled and the runtime's decode_layers.
+  unrolled = model.runtime.decode_layers != "scan"
+  layers, head = model.decode_layers(unrolled), model.head_for_logits()
+  if unrolled:
+    states = model.unstack_states(cache.states())
+    step_fn = lambda tok, states: model.step_unrolled(tok, layers, states)
+  else:
+    states = cache.states()
+    step_fn = lambda tok, states: model.step(tok, states, layers)
 
   def body(carry):
     i, tok, states, window, out, done, length = carry
-    h, states = model.step_unrolled(tok, layers, states)
-    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), model.logits(h)))
+    h, states = step_fn(tok, states)
+    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), model.logits(h, head)))
     out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
     window, now = ended(window, nxt)
     length = jnp.where(now & ~done, i + 1, length)

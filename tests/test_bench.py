@@ -25,3 +25,24 @@ def test_bench_smoke(tmp_path):
   assert "## Train step" in md and "| ours |" in md.replace("| tiny | ours |", "| ours |")
   assert (out / "train_tiny.png").stat().st_size > 0
   assert res["roofline"]["matvec_bytes_per_s"] > 0
+
+
+def test_compiled_module_counts():
+  """`benchmarks.decode`'s counts over a compiled module's text: an elementwise op
+  moves its input and output once; a loop's body counts once per trip."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.decode import executed_kernels, hbm_bytes
+  x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+  text = jax.jit(lambda a: jnp.sin(a) * 2.0).lower(x).compile().as_text()
+  assert hbm_bytes(text) == 2 * 4000
+  assert executed_kernels(text)["fusions"] + executed_kernels(text)["other"] >= 1
+
+  def looped(n):
+    f = lambda a: jax.lax.fori_loop(0, n, lambda i, c: jnp.sin(c) * c + i, a)
+    k = executed_kernels(jax.jit(f).lower(x).compile().as_text())
+    return k["fusions"] + k["other"]
+
+  c3, c5, c9 = looped(3), looped(5), looped(9)
+  assert c5 > c3 and c9 - c5 == 2 * (c5 - c3)

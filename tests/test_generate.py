@@ -25,7 +25,8 @@ import mamba_train
 from mamba_train.generate import generate, generate_with_stats, prefill, step
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.mamba2 import MATMUL_WEIGHTS, Mamba2LM
+from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 
 # Chunk 8 so prompts of 5 and 21 tokens fall shorter and longer than a chunk,
@@ -114,6 +115,57 @@ def test_cache_size_independent_of_prompt_length():
     spec = sharding.logical_to_spec(CACHE_AXES[name])
     assert len(spec) == a.ndim
     assert spec[1] == sharding.logical_to_spec(("batch",))[0]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _decode_four_ways(graphdef, params, prompt, rest_ids):
+  """Logits (way, b, t, v) of stepping rest_ids (b, t) after prefill of prompt: the
+  model's `step` (scanned layers, float32 weights cast inside every step), and the
+  decode loop's forms over weights cast once (`decode_layers`, `head_for_logits`):
+  unrolled and scanned; and unrolled with the weights cast inside every step."""
+  model = nnx.merge(graphdef, params)
+  _, cache = prefill(model, prompt)
+  head = model.head_for_logits()
+
+  def step_logits(out, head=None):
+    h, states = out
+    return model.logits(h, head), states
+
+  ways = {
+      "step": (cache.states(), lambda tok, st: step_logits(model.step(tok, st))),
+      "unrolled, cast once": (model.unstack_states(cache.states()), lambda tok, st: step_logits(
+          model.step_unrolled(tok, model.decode_layers(True), st), head)),
+      "scan, cast once": (cache.states(), lambda tok, st: step_logits(
+          model.step(tok, st, model.decode_layers(False)), head)),
+      "unrolled, cast every step": (model.unstack_states(cache.states()), lambda tok, st: step_logits(
+          model.step_unrolled(tok, model.unstacked_layers(), st))),
+  }
+  out = {}
+  for name, (states, fn) in ways.items():
+    _, out[name] = jax.lax.scan(lambda st, tok, fn=fn: fn(tok, st)[::-1], states, rest_ids.T)
+  return {k: jnp.moveaxis(v, 0, 1) for k, v in out.items()}
+
+
+def test_decode_weights_cast_once_equal_cast_every_step():
+  """bfloat16 matmuls: the decode loop's weights converted once before the loop
+  (matmul weights and LM head; norms, conv, dt, A, D stay float32) give exactly
+  the logits of converting them inside every step, unrolled or scanned, and the
+  greedy tokens of `generate` do not depend on `decode_layers`."""
+  base = small_model()
+  model = Mamba2LM.from_params(CFG, base.params(), runtime=Runtime(compute_dtype="bfloat16"))
+  weights = model.decode_layers(True)[0]
+  assert {n for n, a in weights.items() if a.dtype == jnp.bfloat16} == set(weights) & MATMUL_WEIGHTS
+  assert model.decode_layers(False)["M"]["in_proj_zx"].dtype == jnp.bfloat16
+  ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
+  graphdef, params = nnx.split(model)
+  got = {k: np.asarray(v) for k, v in _decode_four_ways(graphdef, params, ids[:, :9], ids[:, 9:]).items()}
+  np.testing.assert_array_equal(got["unrolled, cast once"], got["unrolled, cast every step"])
+  np.testing.assert_array_equal(got["scan, cast once"], got["step"])
+  scale = np.abs(got["step"]).max()
+  assert np.abs(got["unrolled, cast once"] - got["step"]).max() / scale < 1e-5
+  toks = [generate(Mamba2LM.from_params(CFG, base.params(), runtime=Runtime(
+      compute_dtype="bfloat16", decode_layers=how)), ids[:, :9], 6) for how in ("unrolled", "scan")]
+  np.testing.assert_array_equal(toks[0], toks[1])
 
 
 # ----------------------------------------------------------------------------

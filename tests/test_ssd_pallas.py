@@ -104,8 +104,51 @@ def test_model_with_fused_ssd_matches_xla_model():
     assert rel(a, b) < 1e-5, path
 
 
+def _chunk_inputs(docs):
+  """Chunk-layout inputs of the two kernels: 2 chunks of 8, 3 groups of 16 heads (two
+  head blocks of 8, so the in-kernel sums of B and C gradients over head blocks run)."""
+  c, b, g, r, p, q, n = 2, 1, 3, 16, 4, 8, 5
+  ks = jax.random.split(jax.random.PRNGKey(3), 10)
+  xc = jax.random.normal(ks[0], (c, b, g, r, p, q))
+  dtc = jax.nn.softplus(jax.random.normal(ks[1], (c, b, g, r, q)) - 1.0)
+  ac = dtc * -jnp.exp(jax.random.uniform(ks[2], (g, r, 1), minval=-1.0, maxval=1.5))
+  Bc, Cc = jax.random.normal(ks[3], (c, b, g, q, n)), jax.random.normal(ks[4], (c, b, g, q, n))
+  init, prev = jax.random.normal(ks[5], (b, g, r, p, n)), jax.random.normal(ks[6], (b, g, r, c + 1, p, n))
+  Dr = jax.random.normal(ks[7], (g, r))
+  ds, dy = jax.random.normal(ks[8], (b, g, r, c + 1, p, n)), jax.random.normal(ks[9], xc.shape)
+  masks = (None,) * 4
+  if docs:  # a document ends mid-chunk 0, another starts at chunk 1's first position
+    sq = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 2, 2, 3, 3, 3, 3]])[:, None, :]  # (c, b, s)
+    doc_in = jnp.array([[0], [1]])
+    keep_in = (sq == doc_in[..., None]).astype(jnp.float32)[:, :, None, :]
+    end = (sq == sq[:, :, -1:]).astype(jnp.float32)[:, :, None, :]
+    masks = (sq[:, :, None, :], sq[:, :, :, None], keep_in, end)
+  return (xc, dtc, ac, Bc, Cc, init, prev, Dr), (ds, dy), masks
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_backward_kernels_match_vjp_of_reference(docs):
+  """Each backward kernel (through its custom_vjp) against the vjp of its plain-JAX form."""
+  (xc, dtc, ac, Bc, Cc, init, prev, Dr), (ds, dy), (row, col, keep_in, end) = _chunk_inputs(docs)
+
+  @jax.jit
+  def grads(ds, dy):
+    s_in, o_in = (xc, dtc, ac, Bc, init), (xc, dtc, ac, Bc, Cc, prev, Dr)
+    s1 = jax.vjp(lambda *a: ssd_pallas._chunk_states(*a, end, True), *s_in)[1](ds)
+    s2 = jax.vjp(lambda *a: ssd_pallas._states_ref(*a, end), *s_in)[1](ds)
+    o1 = jax.vjp(lambda *a: ssd_pallas._chunk_outputs(*a, row, col, keep_in, True), *o_in)[1](dy)
+    o2 = jax.vjp(lambda *a: ssd_pallas._outputs_ref(*a, row, col, keep_in), *o_in)[1](dy)
+    return s1, s2, o1, o2
+
+  s1, s2, o1, o2 = grads(ds, dy)
+  for name, a, b in zip("x dt a B init".split(), s1, s2):
+    assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5, ("states", name)
+  for name, a, b in zip("x dt a B C prev D".split(), o1, o2):
+    assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5, ("outputs", name)
+
+
 _AOT = """
-import sys, jax, jax.numpy as jnp, numpy as np
+import re, sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.model.ssd_pallas import ssd_fused
@@ -120,8 +163,10 @@ for topo in sys.argv[1:]:
     return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward + backward
   hlo = step.lower(*args).compile().as_text()
-  # The one-pass forward; the backward recomputes the chunk states with their kernel.
-  assert "ssd_one_pass" in hlo and "ssd_chunk_states" in hlo, "kernels missing"
+  # The one-pass forward; the backward recomputes the chunk states with their kernel
+  # and runs the two backward kernels (not the vjp of the plain-JAX references).
+  for kernel in ("ssd_one_pass", "ssd_chunk_states(?!_bwd)", "ssd_chunk_states_bwd", "ssd_chunk_outputs_bwd"):
+    assert re.search(kernel, hlo), kernel + " missing"
   # The forwards alone: the one-pass kernel (its sequential chunk axis, the state
   # carried in VMEM) without the two kernels, and the two-kernel form.
   for one_pass, want, absent in [(True, "ssd_one_pass", "ssd_chunk_states"),

@@ -59,7 +59,8 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 }
 
 
-# The weights every layer kind uses only as a matmul operand in the compute dtype.
+# The parameters each layer multiplies by in the compute dtype (its projections);
+# every other parameter enters float32 math.
 MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj", "q_proj", "k_proj",
                             "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
 
@@ -460,13 +461,18 @@ class Mamba2LM(nnx.Module):
     """The norm before the LM head: (..., d) float32."""
     return rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
 
-  def logits(self, h):
-    """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows dropped)."""
-    cfg = self.config
-    cd = jnp.dtype(self.runtime.compute_dtype)
+  def head_for_logits(self):
+    """The LM head as `logits` multiplies by it: (vocab_size, d) in the compute dtype."""
     # The padding rows are dropped from the weight, inside its cast to the compute
     # dtype, not from the logits: slicing (b, l, padded vocab) logits copies them.
-    w = self.head_weight()[: cfg.vocab_size].astype(cd)
+    return self.head_weight()[: self.config.vocab_size].astype(self.runtime.compute_dtype)
+
+  def logits(self, h, head=None):
+    """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows
+    dropped). head: `head_for_logits()` computed once by a caller that reuses it
+    (a decode loop), else made here."""
+    cd = jnp.dtype(self.runtime.compute_dtype)
+    w = self.head_for_logits() if head is None else head
     return jnp.einsum("...d,vd->...v", self.final_norm(h).astype(cd), w, preferred_element_type=F32)
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
@@ -490,16 +496,32 @@ class Mamba2LM(nnx.Module):
                              unroll=self.runtime.unroll_layers)
     return h, self._flat(new)
 
-  def step(self, input_ids, states):
+  def step(self, input_ids, states, layers=None):
     """One token per sequence through every block, for decoding: input_ids (b,),
     states stacked over layers as a `Mamba2Cache` holds them. Returns the residual
     stream (b, d) before the final norm and the new states. Never goes through
     the chunked scan, so a Mamba-2 layer's step costs the same at any context
-    length; an attention layer's grows with its buffer's capacity."""
+    length; an attention layer's grows with its buffer's capacity. layers: the
+    stacked layer parameters per kind to use instead of the model's
+    (`decode_layers(unrolled=False)`)."""
+    if layers is None:
+      layers = {k: self.layer_params(k) for k in self._kinds()}
     h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
-                             {k: self.layer_params(k) for k in self._kinds()},
-                             self._by_kind(states), self.embed(input_ids))
+                             layers, self._by_kind(states), self.embed(input_ids))
     return h, self._flat(new)
+
+  def decode_layers(self, unrolled: bool):
+    """The layer parameters a decode loop reads every token, made once before the
+    loop: the matmul weights (`MATMUL_WEIGHTS`) already in the compute dtype, so
+    no step converts them again (the converted values are the ones each step
+    would make, so the tokens are the same); norms, conv, dt, A and D stay
+    float32. Per layer in pattern order for `step_unrolled` (unrolled), else
+    stacked per kind for `step`."""
+    cd = jnp.dtype(self.runtime.compute_dtype)
+    cast = lambda p: {n: (a.astype(cd) if n in MATMUL_WEIGHTS else a) for n, a in p.items()}
+    if unrolled:
+      return [cast(p) for p in self.unstacked_layers()]
+    return {k: cast(self.layer_params(k)) for k in self._kinds()}
 
   def unstacked_layers(self) -> list[dict[str, Array]]:
     """Each layer's parameters as separate arrays (copies), in pattern order, for
@@ -530,8 +552,9 @@ class Mamba2LM(nnx.Module):
     Decoding is memory-bound: each step reads every weight once. Inside a layer
     scan XLA:CPU first copies the layer's slice of each stacked weight, then
     multiplies, so a step moves the weights twice or more. The decode loop
-    unstacks the weights once, before it starts, and runs this; compile time grows
-    with depth instead (figures: docs/bench/design_notes.md).
+    unstacks the weights once, before it starts (`decode_layers`), and runs this;
+    compile time grows with depth instead (figures: docs/bench/design_notes.md,
+    docs/bench/decode_tpu.md).
     """
     fns = self._layer_fns(decode=True)
     h, new = self.embed(input_ids), []

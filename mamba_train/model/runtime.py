@@ -35,6 +35,19 @@ def default_attention(backend: str, compute_dtype: str) -> str:
     return "splash"
   return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
 SSD_IMPLS = ("auto", "xla", "pallas", "interpret")
+# How a decode loop runs the layers each token: 'unrolled' (one copy of the step
+# per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
+# weights), or 'auto' (`default_decode_layers` of the backend).
+DECODE_LAYERS = ("auto", "unrolled", "scan")
+
+
+def default_decode_layers(backend: str) -> str:
+  """Unrolled everywhere for now: XLA:CPU copies each stacked weight's slice inside
+  a layer scan before it multiplies (docs/bench/design_notes.md), and for TPU
+  v6e the unrolled step moves no more bytes than the scan
+  (docs/bench/decode_tpu.md)."""
+  del backend
+  return "unrolled"
 
 
 def default_form(backend: str) -> str:
@@ -83,6 +96,8 @@ class Runtime(FrozenFields):
   # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled
   # compile is how `scripts/aot_compile.py` counts every layer.
   unroll_layers: bool = False
+  # How the decode loop of `generate` runs the layers (DECODE_LAYERS).
+  decode_layers: str = "auto"
 
   def __post_init__(self):
     problems = []
@@ -99,6 +114,8 @@ class Runtime(FrozenFields):
                       "attention takes no float32); use 'dot_product' or 'xla' in float32")
     if self.ssd_impl not in SSD_IMPLS:
       problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
+    if self.decode_layers not in DECODE_LAYERS:
+      problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     if not isinstance(self.unroll_layers, bool):
       problems.append(f"unroll_layers must be true or false, got {self.unroll_layers!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
@@ -110,7 +127,7 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return self.ssd_form != "auto" and self.ssd_impl != "auto" and self.attention != "auto"
+    return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers)
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -124,7 +141,9 @@ class Runtime(FrozenFields):
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
-                   else self.attention))
+                   else self.attention),
+        decode_layers=(default_decode_layers(backend) if self.decode_layers == "auto"
+                       else self.decode_layers))
 
   def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
     """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is

@@ -40,11 +40,16 @@ Each grid step takes one chunk, one sequence, one group and a block of `hb` head
 so B and C (shared by a group's heads) are read once per head block; the cost
 estimates count those re-reads.
 
-Backward of the two kernels: each is a `jax.custom_vjp` whose backward pass is the
-vjp of the plain-JAX form of the same per-chunk function (`_states_ref`,
-`_outputs_ref`), recomputing the (t, s) terms from the chunk inputs. That backward
-still moves the (t, s) stacks through HBM as the XLA form's does: an interim until
-a Pallas backward kernel recomputes them on chip.
+Backward of the two kernels: each is a `jax.custom_vjp` whose backward pass is a Pallas
+kernel of its own (`ssd_chunk_states_bwd`, `ssd_chunk_outputs_bwd`) that
+recomputes the chunk's (t, s) terms in VMEM from the same inputs and writes only
+input-sized gradients, under the same numerical rules (the gradient of a segment
+sum is again a masked 0/1 matmul at HIGHEST: a sum of the terms it covers). The
+gradients of B and C, shared by a group's heads, are summed over the head blocks
+in an output block that stays in VMEM along the last grid axis (sequential on
+TPU), so they are written once per chunk and group. The plain-JAX forms of the
+per-chunk functions (`_states_ref`, `_outputs_ref`) are what the tests hold the
+kernels and their gradients against.
 
 `interpret=True` runs the kernels with Pallas' interpreter (any backend; the CPU
 tests). This module imports nothing from the package.
@@ -62,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NT = (((1,), (1,)), ((), ()))  # dot_general: a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # dot_general: a.T @ b
 
 
 def _head_block(r: int) -> int:
@@ -176,9 +182,9 @@ def _chunk_states_fwd(xc, dtc, ac, Bc, init, end, interpret):
 
 
 def _chunk_states_bwd(interpret, res, ct):
-  *diff, end = res
-  _, vjp = jax.vjp(lambda *a: _states_ref(*a, end), *diff)
-  return (*vjp(ct), None)
+  xc, dtc, ac, Bc, _, end = res
+  dx, ddt, da, dB = _states_bwd_call(xc, dtc, ac, Bc, ct, end, interpret)
+  return dx, ddt, da, dB.astype(Bc.dtype), ct[:, :, :, 0], None
 
 
 _chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
@@ -299,12 +305,242 @@ def _chunk_outputs_fwd(xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in, interpr
 
 
 def _chunk_outputs_bwd(interpret, res, ct):
-  *diff, row, col, keep_in = res
-  _, vjp = jax.vjp(lambda *a: _outputs_ref(*a, row, col, keep_in), *diff)
-  return (*vjp(ct), None, None, None)
+  xc, dtc, ac, Bc, Cc, prev, Dr, row, col, keep_in = res
+  dx, ddt, da, dB, dC, dprev, dD = _outputs_bwd_call(xc, dtc, ac, Bc, Cc, prev, Dr, ct, row, col,
+                                                     keep_in, interpret)
+  # The last slot (the final state) enters no chunk's outputs.
+  dprev = jnp.concatenate([dprev, jnp.zeros_like(dprev[:, :, :, :1])], axis=3)
+  return (dx, ddt, da, dB.astype(Bc.dtype), dC.astype(Cc.dtype), dprev,
+          dD.sum((0, 1, 4)), None, None, None)
 
 
 _chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Backward kernels: each recomputes its forward kernel's (t, s) terms in VMEM from
+# the chunk inputs and writes only input-sized gradients. Grids (c, b, g, head
+# blocks) with the head blocks last and sequential ("arbitrary" on TPU): the B and C
+# gradients of a group are summed over its heads in an output block that stays in
+# VMEM across the head blocks (one float32 write per chunk and group, not one per
+# head block). Gradients of dt, a and D come out as (hb, q) rows (D's summed over
+# positions outside), a's as the gradient of the per-position a = dt * A.
+
+
+def _bwd_params():
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def _states_bwd_kernel(*refs, hb, seq):
+  if seq:
+    x_ref, dt_ref, a_ref, b_ref, ds_ref, end_ref, dx_ref, ddt_ref, da_ref, db_ref = refs
+  else:
+    x_ref, dt_ref, a_ref, b_ref, ds_ref, dx_ref, ddt_ref, da_ref, db_ref = refs
+  q = a_ref.shape[-1]
+  cdt = x_ref.dtype
+
+  @pl.when(pl.program_id(3) == 0)
+  def _():
+    db_ref[...] = jnp.zeros_like(db_ref)
+
+  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+  after = after.astype(_F32)
+  a = a_ref[...].astype(_F32)  # (hb, q)
+  w = jnp.exp(jax.lax.dot(a, after, precision=_HIGHEST, preferred_element_type=_F32))
+  if seq:
+    w = w * end_ref[...]
+  bmat = b_ref[...]  # (q, n)
+  db = jnp.zeros(db_ref.shape, _F32)
+  for i in range(hb):
+    xf = x_ref[i].astype(_F32)  # (p, s)
+    dt_i, w_i = dt_ref[pl.ds(i, 1), :].astype(_F32), w[i:i + 1, :]
+    xdt = xf * dt_i
+    dout = ds_ref[i].astype(cdt)  # (p, n): this chunk's end state's cotangent
+    dxw = jax.lax.dot_general(dout, bmat, _NT, preferred_element_type=_F32)  # (p, s)
+    dx_ref[i] = (dxw * dt_i * w_i).astype(dx_ref.dtype)
+    ddt_ref[pl.ds(i, 1), :] = jnp.sum(dxw * xf, axis=0, keepdims=True) * w_i
+    # d to_end[s] (w carries the document mask, so masked positions get zero).
+    da_ref[pl.ds(i, 1), :] = jnp.sum(dxw * xdt, axis=0, keepdims=True) * w_i
+    xw = (xdt * w_i).astype(cdt)
+    db = db + jax.lax.dot_general(xw, dout, _TN, preferred_element_type=_F32)  # (s, n)
+  # to_end[s] = sum_{k > s} a_k, so d a_k = sum_{s < k} d to_end[s]: a masked
+  # matmul at HIGHEST, sums of the terms covered.
+  da_ref[...] = jax.lax.dot_general(da_ref[...], after, _NT, precision=_HIGHEST,
+                                    preferred_element_type=_F32)
+  db_ref[...] += db
+
+
+def _states_bwd_call(xc, dtc, ac, Bc, dstates, end, interpret):
+  """Gradients of `_chunk_states` for x, dt, a and B (B's in float32); the initial
+  state's is slot 0 of `dstates` (taken outside)."""
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  nblk = r // hb
+  seq = end is not None
+  heads6 = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)
+  head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
+  group = lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), group),
+              # chunk ci's end state is slot ci + 1 of the states' cotangent
+              _spec((None, None, hb, None, p, n), lambda ci, bi, gi, ri: (bi, gi, ri, ci + 1, 0, 0))]
+  args = [xc, dtc, ac, Bc, dstates]
+  if seq:
+    in_specs.append(_spec((None, None, 1, q), lambda ci, bi, gi, ri: (ci, bi, 0, 0)))
+    args.append(end)
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  rows = c * b * h * q * 4  # one (.., q) float32 row per head and chunk
+  cost = pl.CostEstimate(
+      # per head: d(xw) = dS B^T and dB += xw^T dS, ~10 (p, q) elementwise ops;
+      # per head block: the decay's sums forward and their transpose (two hb x q x q).
+      flops=int(c * b * (h * (4 * p * q * n + 10 * p * q) + g * nblk * 4 * hb * q * q)),
+      transcendentals=int(c * b * h * q),
+      bytes_accessed=int(2 * xc.size * isz + 4 * rows  # x read, dx written; dt, a read; ddt, da written
+                         + Bc.size * jnp.dtype(Bc.dtype).itemsize * nblk  # B re-read per head block
+                         + c * b * h * p * n * 4  # the end states' cotangents (slot 0 is not read)
+                         + Bc.size * 4  # dB written once per chunk and group
+                         + (end.size * 4 * g * nblk if seq else 0)))
+  out_shape = [jax.ShapeDtypeStruct(xc.shape, xc.dtype), jax.ShapeDtypeStruct(dtc.shape, _F32),
+               jax.ShapeDtypeStruct(ac.shape, _F32), jax.ShapeDtypeStruct(Bc.shape, _F32)]
+  out_specs = [_spec((None, None, None, hb, p, q), heads6), _spec((None, None, None, hb, q), head),
+               _spec((None, None, None, hb, q), head), _spec((None, None, None, q, n), group)]
+  return pl.pallas_call(
+      functools.partial(_states_bwd_kernel, hb=hb, seq=seq),
+      out_shape=out_shape, grid=(c, b, g, nblk), in_specs=in_specs, out_specs=out_specs,
+      compiler_params=_bwd_params(), cost_estimate=cost, interpret=interpret,
+      name="ssd_chunk_states_bwd")(*args)
+
+
+def _outputs_bwd_kernel(*refs, hb, seq):
+  if seq:
+    (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref, row_ref, col_ref, in_ref,
+     dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dh_ref, dd_ref, dcs_ref) = refs
+  else:
+    (x_ref, dt_ref, a_ref, b_ref, c_ref, h_ref, d_ref, dy_ref,
+     dx_ref, ddt_ref, da_ref, db_ref, dc_ref, dh_ref, dd_ref, dcs_ref) = refs
+  q = a_ref.shape[-1]
+  cdt = x_ref.dtype
+
+  @pl.when(pl.program_id(3) == 0)
+  def _():
+    db_ref[...] = jnp.zeros_like(db_ref)
+    dc_ref[...] = jnp.zeros_like(dc_ref)
+
+  # The forward kernel's terms, recomputed as it computes them.
+  after, _ = _tri(q, strict=True)  # after[k, s] = k > s
+  keep, _ = _tri(q, strict=False)  # keep[t, s] = t >= s
+  upto_mask = keep
+  after = after.astype(_F32)
+  if seq:
+    keep = keep & (col_ref[...] == row_ref[...])
+  cmat, bmat = c_ref[...], b_ref[...]  # (q, n)
+  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
+  cs = jax.lax.dot(a_ref[...].astype(_F32), upto_mask.T.astype(_F32), precision=_HIGHEST,
+                   preferred_element_type=_F32)
+  decay_in = jnp.exp(cs)  # (hb, t)
+  if seq:
+    decay_in = decay_in * in_ref[...]
+  dcb = jnp.zeros((q, q), _F32)
+  dc = jnp.zeros(dc_ref.shape, _F32)
+  for i in range(hb):
+    a_row = a_ref[pl.ds(i, 1), :].astype(_F32)
+    upto = jnp.where(upto_mask, a_row, 0.0)
+    seg = jax.lax.dot(upto, after, precision=_HIGHEST, preferred_element_type=_F32)
+    lmat = jnp.where(keep, jnp.exp(seg), 0.0)  # (t, s)
+    m = (cb * lmat).astype(cdt)
+    xf = x_ref[i].astype(_F32)  # (p, s)
+    dt_i = dt_ref[pl.ds(i, 1), :].astype(_F32)
+    xdt = (xf * dt_i).astype(cdt)
+    dy = dy_ref[i]  # (p, t), dtype of x
+    dyf = dy.astype(_F32)
+    # D skip: y += x D.
+    dd_ref[pl.ds(i, 1), :] = jnp.sum(dyf * xf, axis=0, keepdims=True)
+    # Entering state: y += (H C^T) * decay_in.
+    state = h_ref[i].astype(cdt)  # (p, n)
+    sc = jax.lax.dot_general(state, cmat, _NT, preferred_element_type=_F32)  # (p, t)
+    dcs_ref[pl.ds(i, 1), :] = jnp.sum(dyf * sc, axis=0, keepdims=True) * decay_in[i:i + 1, :]
+    dsc = (dyf * decay_in[i:i + 1, :]).astype(cdt)  # (p, t)
+    dh_ref[i] = jax.lax.dot(dsc, cmat, preferred_element_type=_F32)  # (p, n)
+    dc = dc + jax.lax.dot_general(dsc, state, _TN, preferred_element_type=_F32)  # (t, n)
+    # Diagonal block: y += (x dt) M^T with M = (C B^T) * L.
+    dm = jax.lax.dot_general(dy, xdt, _TN, preferred_element_type=_F32)  # (t, s)
+    dxdt = jax.lax.dot(dy, m, preferred_element_type=_F32)  # (p, s)
+    dl = dm * lmat  # zero where the mask cuts
+    dcb = dcb + dl
+    # seg[t, s] = sum_{s < k <= t} a_k, so d a_k = sum_{t >= k} sum_{s < k} dseg[t, s]:
+    # a masked matmul at HIGHEST, then a masked column sum (sums of the terms covered).
+    dseg = dl * cb
+    per_k = jax.lax.dot_general(dseg, after, _NT, precision=_HIGHEST, preferred_element_type=_F32)
+    da_ref[pl.ds(i, 1), :] = jnp.sum(jnp.where(upto_mask, per_k, 0.0), axis=0, keepdims=True)
+    dx_ref[i] = (dyf * d_ref[pl.ds(i, 1), :].astype(_F32) + dxdt * dt_i).astype(dx_ref.dtype)
+    ddt_ref[pl.ds(i, 1), :] = jnp.sum(dxdt * xf, axis=0, keepdims=True)
+  # cs[t] = sum_{k <= t} a_k, so d a_k += sum_{t >= k} dcs[t]: one masked matmul per block.
+  da_ref[...] += jax.lax.dot(dcs_ref[...], upto_mask.astype(_F32), precision=_HIGHEST,
+                             preferred_element_type=_F32)
+  # C B^T is shared by the group's heads: its cotangent summed over them, then to C and B.
+  dcb = dcb.astype(cdt)
+  dc_ref[...] += dc + jax.lax.dot(dcb, bmat, preferred_element_type=_F32)
+  db_ref[...] += jax.lax.dot_general(dcb, cmat, _TN, preferred_element_type=_F32)
+
+
+def _outputs_bwd_call(xc, dtc, ac, Bc, Cc, prev, Dr, dy, row, col, keep_in, interpret):
+  """Gradients of `_chunk_outputs` for x, dt, a, B, C (B's and C's in float32), the
+  entering states (b, g, r, c, p, n) and D as (c, b, g, r, q) rows to sum."""
+  c, b, g, r, p, q = xc.shape
+  n = Bc.shape[-1]
+  hb = _head_block(r)
+  nblk = r // hb
+  seq = row is not None
+  heads6 = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0, 0)
+  head = lambda ci, bi, gi, ri: (ci, bi, gi, ri, 0)
+  group = lambda ci, bi, gi, ri: (ci, bi, gi, 0, 0)
+  states = lambda ci, bi, gi, ri: (bi, gi, ri, ci, 0, 0)
+  in_specs = [_spec((None, None, None, hb, p, q), heads6),
+              _spec((None, None, None, hb, q), head), _spec((None, None, None, hb, q), head),
+              _spec((None, None, None, q, n), group), _spec((None, None, None, q, n), group),
+              _spec((None, None, hb, None, p, n), states),
+              _spec((None, hb, 1), lambda ci, bi, gi, ri: (gi, ri, 0)),
+              _spec((None, None, None, hb, p, q), heads6)]
+  args = [xc, dtc, ac, Bc, Cc, prev, Dr[..., None], dy]
+  if seq:
+    per_seq = lambda ci, bi, gi, ri: (ci, bi, 0, 0)
+    in_specs += [_spec((None, None, 1, q), per_seq), _spec((None, None, q, 1), per_seq),
+                 _spec((None, None, 1, q), per_seq)]
+    args += [row, col, keep_in]
+  h = g * r
+  isz = jnp.dtype(xc.dtype).itemsize
+  rows = c * b * h * q * 4
+  state_bytes = c * b * h * p * n * 4
+  cost = pl.CostEstimate(
+      # per group and head block: C B^T, dC += dCB B, dB += dCB^T C (three q x q x n),
+      # the prefix sums and their transpose (two hb x q x q); per head: the segment sums
+      # and their transpose (two q^3), H C^T, dH, dC (three p x q x n), dM and d(x dt)
+      # (two p x q x q), ~16 (t, s) and ~14 (p, q) elementwise ops.
+      flops=int(c * b * (g * nblk * (6 * q * q * n + 4 * hb * q * q)
+                         + h * (4 * q ** 3 + 6 * p * q * n + 4 * p * q * q + 16 * q * q + 14 * p * q))),
+      transcendentals=int(c * b * h * (q * q + q)),
+      bytes_accessed=int(3 * xc.size * isz  # x and dy read, dx written
+                         + 5 * rows  # dt, a read; ddt, da, dD rows written
+                         + (Bc.size + Cc.size) * jnp.dtype(Bc.dtype).itemsize * nblk  # re-read per head block
+                         + (Bc.size + Cc.size) * 4  # dB, dC written once per chunk and group
+                         + 2 * state_bytes  # entering states read, their cotangents written
+                         + Dr.size * 4 * c * b + (3 * c * b * q * 4 * g * nblk if seq else 0)))
+  f32 = lambda s: jax.ShapeDtypeStruct(s, _F32)
+  out_shape = [jax.ShapeDtypeStruct(xc.shape, xc.dtype), f32(dtc.shape), f32(ac.shape),
+               f32(Bc.shape), f32(Cc.shape), f32((b, g, r, c, p, n)), f32(dtc.shape)]
+  out_specs = [_spec((None, None, None, hb, p, q), heads6), _spec((None, None, None, hb, q), head),
+               _spec((None, None, None, hb, q), head), _spec((None, None, None, q, n), group),
+               _spec((None, None, None, q, n), group), _spec((None, None, hb, None, p, n), states),
+               _spec((None, None, None, hb, q), head)]
+  return pl.pallas_call(
+      functools.partial(_outputs_bwd_kernel, hb=hb, seq=seq),
+      out_shape=out_shape, grid=(c, b, g, nblk), in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((hb, q), _F32)],  # d cs rows, for one matmul per block
+      compiler_params=_bwd_params(), cost_estimate=cost, interpret=interpret,
+      name="ssd_chunk_outputs_bwd")(*args)
 
 
 # ----------------------------------------------------------------------------
