@@ -188,6 +188,10 @@ def _project_in(p, u, cd):
   stored in the compute dtype (float32 accumulation, one rounding), dt float32."""
   uc = u.astype(cd)
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
+  if u.ndim == 2:  # one position (decoding): joining the weights would copy them every token
+    proj = lambda spec, w: jnp.einsum(spec, uc, w.astype(cd), preferred_element_type=F32)
+    zxr = proj("...d,dki->...ki", zx).astype(cd)
+    return zxr[..., 0, :], zxr[..., 1, :], proj("...d,dkn->...kn", bcw).astype(cd), proj("...d,dh->...h", dtw)
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
   w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn), dtw], 1).astype(cd)
   r = jnp.einsum("...d,de->...e", uc, w, preferred_element_type=F32)
