@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from mamba_train.model import attention as attn_lib
 from mamba_train.model import pattern as pattern_lib
@@ -153,7 +154,10 @@ def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
   """
   k = w.shape[0]
   l = x.shape[1]
-  xp = jnp.concatenate([front.astype(F32), x.astype(F32)], axis=1)  # (b, k-1+l, *c)
+  # Joined in x's dtype and widened per tap, inside the conv's fusion: a float32
+  # join is a whole (b, l, *c) float32 copy that XLA writes to HBM. The front is
+  # a conv state of earlier inputs of the same projection, so x's dtype holds it.
+  xp = jnp.concatenate([front.astype(x.dtype), x], axis=1)  # (b, k-1+l, *c)
   extra = x.ndim - 2
   if seq_idx is not None:
     if front_idx is None:
@@ -161,12 +165,12 @@ def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
     ids = jnp.concatenate([front_idx, seq_idx], axis=1)
   out = jnp.broadcast_to(bias.astype(F32), x.shape)
   for j in range(k):  # tap j reads position t - (k-1-j)
-    tap = xp[:, j:j + l] * w[j]
+    tap = xp[:, j:j + l].astype(F32) * w[j]
     if seq_idx is not None and j < k - 1:
       ok = (ids[:, j:j + l] == seq_idx).reshape(ids.shape[0], l, *([1] * extra))
       tap = jnp.where(ok, tap, 0.0)
     out = out + tap
-  return out, xp[:, l:]  # new front: the last k-1 inputs
+  return out, xp[:, l:].astype(F32)  # new front: the last k-1 inputs
 
 
 def _dt_and_A(p, dt_raw, cfg):
@@ -178,11 +182,22 @@ def _dt_and_A(p, dt_raw, cfg):
 
 
 def _project_in(p, u, cd):
+  """z, x, B|C and dt from the block input u: one matmul on the three weights
+  joined inside their cast to the compute dtype (one weight read, and libtpu
+  compiles one dot instead of four), sliced in its output fusion; z, x and B|C
+  stored in the compute dtype (float32 accumulation, one rounding), dt float32."""
   uc = u.astype(cd)
-  zx = jnp.einsum("...d,dki->...ki", uc, p["in_proj_zx"].astype(cd), preferred_element_type=F32)
-  bc = jnp.einsum("...d,dkn->...kn", uc, p["in_proj_bc"].astype(cd), preferred_element_type=F32)
-  dt = jnp.einsum("...d,dh->...h", uc, p["in_proj_dt"].astype(cd), preferred_element_type=F32)
-  return zx[..., 0, :], zx[..., 1, :], bc, dt
+  zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
+  if u.ndim == 2:  # one position (decoding): joining the weights would copy them every token
+    proj = lambda spec, w: jnp.einsum(spec, uc, w.astype(cd), preferred_element_type=F32)
+    zxr = proj("...d,dki->...ki", zx).astype(cd)
+    return zxr[..., 0, :], zxr[..., 1, :], proj("...d,dkn->...kn", bcw).astype(cd), proj("...d,dh->...h", dtw)
+  d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
+  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn), dtw], 1).astype(cd)
+  r = jnp.einsum("...d,de->...e", uc, w, preferred_element_type=F32)
+  z, x = r[..., :i].astype(cd), r[..., i:2 * i].astype(cd)
+  bc = r[..., 2 * i:2 * i + 2 * gn].astype(cd).reshape(*r.shape[:-1], 2, gn)
+  return z, x, bc, r[..., 2 * i + 2 * gn:]
 
 
 def _project_out(p, y, z, cfg, cd):
@@ -198,6 +213,11 @@ def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
       "conv_bc": jnp.zeros((batch, k - 1, 2, gn), F32),
       "ssm": jnp.zeros((batch, cfg.nheads, cfg.headdim, cfg.d_state), F32),
   }
+
+
+# (b, c, q, i) stored (c, b, i, q): the layout the SSD kernels read x in and write
+# y in, positions on the lanes (with i = h p, the same bytes as their (c, b, h, p, q)).
+_CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
 
 
 def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None):
@@ -231,15 +251,29 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
   form, chunk = rt.ssd_plan(cfg.chunk_size)
-  ssd_args = (x.astype(cd), dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
+  x = x.astype(cd)
+  fused = form in ("pallas", "interpret") and split is None
+  if fused and l % chunk == 0:
+    # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
+    # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
+    x = with_layout_constraint(x.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h, hp)
+  ssd_args = (x, dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
   ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
-  if form in ("pallas", "interpret") and split is None:
+  if fused:
     y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
   else:
     # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
     # kernels do not take a slice's entering state from the other devices yet.
     y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
-  out = _project_out(p, y.reshape(b, l, h * hp), z, cfg, cd)
+  y = y.reshape(b, l, h * hp)
+  if fused and l % chunk == 0:
+    y = with_layout_constraint(y.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h * hp)
+  if fused:
+    # The kernel writes y positions-minor; turned channels-minor here, in y's
+    # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
+    # widens y to float32 and transposes and retiles that (3 float32 copies).
+    y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
+  out = _project_out(p, y, z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
@@ -372,6 +406,15 @@ class Mamba2LM(nnx.Module):
     stack = getattr(self, KIND_PARAMS[kind])
     return {name: stack[name].get_value() for name in kind_axes(self.config, kind)}
 
+  def _compute_params(self, kind: str) -> dict[str, Array]:
+    """`layer_params(kind)` with the matmul weights in the compute dtype: cast once
+    for the whole stack, before the layer loop, not inside every layer (where each
+    use, and a remat's recompute, reads the float32 weight and writes a copy),
+    and a sharded stack is gathered per layer in the compute dtype. Gradients are
+    the same: a cast's cotangent is rounded to the cast dtype either way."""
+    cd = jnp.dtype(self.runtime.compute_dtype)
+    return {n: a.astype(cd) if n in MATMUL_WEIGHTS else a for n, a in self.layer_params(kind).items()}
+
   def _kinds(self) -> list[str]:
     return [k for k in KIND_PARAMS if self.config.count(k)]
 
@@ -455,7 +498,7 @@ class Mamba2LM(nnx.Module):
       init[MAMBA] = (states if states is not None else
                      jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
-                             {k: self.layer_params(k) for k in self._kinds()}, init, h,
+                             {k: self._compute_params(k) for k in self._kinds()}, init, h,
                              unroll=self.runtime.unroll_layers)
     return h, self._flat(new)
 
