@@ -412,8 +412,11 @@ class Mamba2LM(nnx.Module):
     use, and a remat's recompute, reads the float32 weight and writes a copy),
     and a sharded stack is gathered per layer in the compute dtype. Gradients are
     the same: a cast's cotangent is rounded to the cast dtype either way."""
+    return self._matmuls_in_compute_dtype(self.layer_params(kind))
+
+  def _matmuls_in_compute_dtype(self, params: dict[str, Array]) -> dict[str, Array]:
     cd = jnp.dtype(self.runtime.compute_dtype)
-    return {n: a.astype(cd) if n in MATMUL_WEIGHTS else a for n, a in self.layer_params(kind).items()}
+    return {n: a.astype(cd) if n in MATMUL_WEIGHTS else a for n, a in params.items()}
 
   def _kinds(self) -> list[str]:
     return [k for k in KIND_PARAMS if self.config.count(k)]
@@ -523,11 +526,9 @@ class Mamba2LM(nnx.Module):
     would make, so the tokens are the same); norms, conv, dt, A and D stay
     float32. Per layer in pattern order for `step_unrolled` (unrolled), else
     stacked per kind for `step`."""
-    cd = jnp.dtype(self.runtime.compute_dtype)
-    cast = lambda p: {n: (a.astype(cd) if n in MATMUL_WEIGHTS else a) for n, a in p.items()}
     if unrolled:
-      return [cast(p) for p in self.unstacked_layers()]
-    return {k: cast(self.layer_params(k)) for k in self._kinds()}
+      return [self._matmuls_in_compute_dtype(p) for p in self.unstacked_layers()]
+    return {k: self._compute_params(k) for k in self._kinds()}
 
   def unstacked_layers(self) -> list[dict[str, Array]]:
     """Each layer's parameters as separate arrays (copies), in pattern order, for
