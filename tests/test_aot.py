@@ -96,9 +96,17 @@ def test_every_layer_cost_counts_each_layer():
   its layers unrolled (which XLA counts in full). On CPU: the arithmetic is the
   same for any backend."""
   import jax
+  from absl import flags
   spec = importlib.util.spec_from_file_location("aot_compile", SCRIPT)
   aot = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(aot)
+  before = set(flags.FLAGS)
+  try:
+    spec.loader.exec_module(aot)
+  finally:
+    # The script defines absl flags (--config, ...) in the process-wide registry; a
+    # later test in this worker that imports train.py defines --config again.
+    for name in set(flags.FLAGS) - before:
+      delattr(flags.FLAGS, name)
   from configs import base
   from mamba_train.parallel.mesh import make_mesh
   c = base.get_config()

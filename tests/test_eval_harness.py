@@ -127,7 +127,7 @@ def _finish(entry, timeout=600):
 @pytest.fixture(scope="module")
 def theirs(setup):
   """lm-eval's own hf backend on the exported weights, every task."""
-  import lm_eval
+  import lm_eval.evaluator  # the submodule: lm_eval imports it lazily
   from mamba_train import eval_harness
   _, hf, tasks, _ = setup
   with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # runs pip
