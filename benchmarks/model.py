@@ -16,7 +16,7 @@ from flax import nnx
 
 from benchmarks import peers, roofline
 from benchmarks.common import (add_rows, compile_fn, log, median_time, model_cfg, one_device_mesh,
-                               random_batch, run_config, runtime)
+                               random_batch, run_plan, runtime)
 from mamba_train import metrics
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel.sharding import batch_sharding
@@ -77,10 +77,11 @@ def bench_train(args, results, size, lengths, batch):
   rows = []
   mesh = one_device_mesh()
   for l in lengths:
-    built = build(run_config(args, size, batch, l), mesh)
-    cfg = built.model_cfg
-    chunk = built.runtime.ssd_plan(cfg.chunk_size)[1]
-    fl = metrics.train_flops_per_token(cfg, built.runtime, l)
+    plan = run_plan(args, size, batch, l)
+    built = build(plan, mesh)
+    cfg = plan.model
+    chunk = plan.runtime.ssd_plan(cfg.chunk_size)[1]
+    fl = metrics.train_flops_per_token(cfg, plan.runtime, l)
     data = jax.device_put(random_batch(cfg, batch, l), batch_sharding(mesh))
 
     def add(impl, sec, info=None):

@@ -33,8 +33,8 @@ def load(name) -> ml_collections.ConfigDict:
 def test_config_loads_and_validates(name):
   c = load(name)
   assert all(k in c for k in CONTRACT)
-  resolved = validate(c, num_devices=8, reference=base.get_config())
-  m = resolved["mesh"]
+  plan = validate(c, num_devices=8, reference=base.get_config())
+  m = plan.mesh_shape
   assert m["data"] * m["fsdp"] * m["sequence"] * m["tensor"] == 8
   assert c.wandb.mode == "offline"
 
@@ -42,11 +42,11 @@ def test_config_loads_and_validates(name):
 @pytest.mark.parametrize("size", ["130m", "370m", "780m", "1.3b", "2.7b"])
 def test_size_recipes(size):
   c = load(size)
-  resolved = validate(c, num_devices=1, reference=base.get_config())
-  m = resolved["model"]
+  plan = validate(c, num_devices=1, reference=base.get_config())
+  m = plan.model
   assert {k: getattr(m, k) for k in SIZES[size]} == SIZES[size]
   assert (m.d_state, m.headdim, m.expand, m.chunk_size, m.padded_vocab_size) == (128, 64, 2, 256, 50288)
-  assert resolved["runtime"].compute_dtype == "bfloat16"
+  assert plan.runtime.compute_dtype == "bfloat16"
   o = c.optim
   assert (o.b1, o.b2, o.weight_decay, o.clip_norm, o.schedule, o.final_lr_frac) == (
       0.9, 0.95, 0.1, 1.0, "cosine", 0.1)
@@ -109,10 +109,10 @@ def test_seq_len_must_split_over_sequence_axis():
   c.seq_len = 8  # slices of 2 positions: shorter than the conv halo (d_conv - 1 = 3)
   assert "slices of at least d_conv - 1 = 3 positions" in _errors(c, num_devices=8)
   c.seq_len = 2048
-  assert validate(c, num_devices=8, reference=base.get_config())["mesh"]["sequence"] == 4
+  assert validate(c, num_devices=8, reference=base.get_config()).mesh_shape["sequence"] == 4
   c.mesh.update(data=2, sequence=2, dcn_sequence=2)  # across two processes: 2 x 2 per host
   assert validate(c, num_devices=8, process_count=2,
-                  reference=base.get_config())["mesh"]["sequence"] == 4
+                  reference=base.get_config()).mesh_shape["sequence"] == 4
 
 
 def test_bad_choices_error():

@@ -59,7 +59,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-# train.py's harness hook in a two-process job (one CPU device each, the parameters
+# The trainer's harness hook in a two-process job (one CPU device each, the parameters
 # split over both by fsdp): every process runs it, process 0 writes.
 _HOOK_WORKER = textwrap.dedent("""
     import os, sys
@@ -67,20 +67,20 @@ _HOOK_WORKER = textwrap.dedent("""
     from mamba_train.parallel import distributed
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=120)
     import jax
-    import train
     from configs import tiny
     from mamba_train import metrics as metrics_lib
     from mamba_train.parallel.mesh import make_mesh
-    from mamba_train.train import hooks, run_config, step as steps
+    from mamba_train.train import hooks, loop, run_config, step as steps
     c = tiny.get_config()
     c.model.update({small!r})
     c.mesh.update(dcn_fsdp=2, data=1, fsdp=1)
     c.harness.update(tasks={tasks!r}, every=1, include_path={include!r}, batch_size="auto",
                      max_batch_size=8)
-    model_cfg = run_config.validate(c, num_devices=jax.device_count(), process_count=2)["model"]
-    state = steps.build(c, make_mesh(c.mesh), params=train.load_init_params({hf!r}, model_cfg)).state
+    plan = run_config.validate(c, num_devices=jax.device_count(), process_count=2)
+    state = steps.build(plan, make_mesh(c.mesh, shape=plan.mesh_shape),
+                        params=loop.load_init_params({hf!r}, plan.model)).state
     assert not state.params["embedding"].is_fully_addressable  # split over the processes
-    run = train.make_harness(c, model_cfg, os.path.join({hf!r}, "tokenizer.json"))
+    run = loop.make_harness(plan, os.path.join({hf!r}, "tokenizer.json"))
     writer = metrics_lib.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},
                                        is_main=jax.process_index() == 0)
     run(7, state.params, writer, hooks.Throughput())
@@ -297,16 +297,17 @@ def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
 
 
 def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
-  """train.py's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
-  import train
+  """The trainer's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
   from configs import tiny
   from mamba_train import metrics as metrics_lib
-  from mamba_train.train import hooks, run_config
+  from mamba_train.train import hooks, loop, run_config
   model, hf, tasks, _ = setup
   c = tiny.get_config()
   c.model.update(SMALL)
   c.harness.update(tasks="tiny_mc,tiny_ppl", every=1, include_path=tasks, batch_size="8")
-  run = train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+  plan = run_config.validate(c, num_devices=1)
+  assert plan.model == model.config
+  run = loop.make_harness(plan, os.path.join(hf, "tokenizer.json"))
   writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
   run(5, model.params(), writer, hooks.Throughput())
   writer.close()
@@ -316,7 +317,7 @@ def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
                        rtol=1e-4)
   c.harness.update(batch_size="many")  # refused before any task is indexed
   with pytest.raises(run_config.ConfigError, match="as lm-eval reads it"):
-    train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+    loop.make_harness(run_config.validate(c, num_devices=1), os.path.join(hf, "tokenizer.json"))
 
 
 def test_training_hook_in_a_two_process_job(background, theirs):

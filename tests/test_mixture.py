@@ -151,13 +151,17 @@ def test_bad_mixture_specs_refused_by_validate(sources, spec, message):
 
 
 def test_missing_source_and_other_tokenizer_refused_before_compile(sources, tmp_path):
-  import train
   from configs import tiny
+  from mamba_train.train import inputs
+
+  def make_loaders(c):
+    plan = run_config.validate(c, num_devices=1)
+    return inputs.make_loaders(plan, inputs.data_sources(plan))
+
   c = tiny.get_config()
-  model_cfg = run_config.model_config(c)
   c.data.mixture = f"{sources['a']}:1,{tmp_path}/nope:1"
   with pytest.raises(run_config.ConfigError, match="nope.*does not exist"):
-    train.make_loaders(c, model_cfg)
+    make_loaders(c)
   # Same bytes, but a tokenizer with an extra token: other ids, so refused by name.
   from mamba_train.data import tokenizer as tokenizer_lib
   tok = tokenizer_lib.byte_tokenizer()
@@ -167,7 +171,7 @@ def test_missing_source_and_other_tokenizer_refused_before_compile(sources, tmp_
   c.model.vocab_size = 258
   c.data.mixture = f"{sources['a']}:1,{other}:1"
   with pytest.raises(run_config.ConfigError, match="other.*tokenized with"):
-    train.make_loaders(c, run_config.model_config(c))
+    make_loaders(c)
 
 
 def test_mixture_run_logs_share_and_eval_per_source(tmp_path):

@@ -144,7 +144,7 @@ def test_two_process_checkpoint_resumes_in_one_process(runs):
 
 
 # A worker that joins a two-process job and saves the batches train.py would feed it:
-# its own rows (from train.make_loaders) and the global batch assembled from both.
+# its own rows (from the trainer's inputs.make_loaders) and the global batch assembled from both.
 _DATA_WORKER = textwrap.dedent("""
     import sys
     import numpy as np
@@ -153,15 +153,15 @@ _DATA_WORKER = textwrap.dedent("""
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=60)
     import jax
     from jax.experimental import multihost_utils
-    import train
     from configs import tiny
     from mamba_train.parallel.mesh import make_mesh
-    from mamba_train.train import run_config, step as trainer
+    from mamba_train.train import inputs, run_config, step as trainer
     c = tiny.get_config()
     c.data.source, c.data.dir, c.seq_len, c.batch_size, c.seed = "corpus", {data_dir!r}, 16, 4, 7
     c.mesh.update(dcn_data=2, data=1, fsdp=2)
-    mesh = make_mesh(c.mesh)
-    loader, _ = train.make_loaders(c, run_config.model_config(c))
+    plan = run_config.validate(c, num_devices=jax.device_count(), process_count=2)
+    mesh = make_mesh(c.mesh, shape=plan.mesh_shape)
+    loader, _ = inputs.make_loaders(plan, inputs.data_sources(plan))
     local, glob = [], []
     for _ in range(3):
       batch = next(loader)
