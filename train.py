@@ -29,15 +29,16 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import checkpoint, data, storage  # noqa: E402
-from mamba_train import workdir as workdir_lib  # noqa: E402
+from mamba_train import data, errors  # noqa: E402
 from mamba_train import metrics as metrics_lib  # noqa: E402
-from mamba_train.interop.load import load_model, saved_configs  # noqa: E402
+from mamba_train.interop.load import load_model  # noqa: E402
 from mamba_train.model.config import NOT_IN_WEIGHTS  # noqa: E402
 from mamba_train.parallel import distributed  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
 from mamba_train.train import hooks, run_config, step as steps  # noqa: E402
 from mamba_train.train.state import with_shardings  # noqa: E402
+from mamba_train.workdir import checkpoint, record, storage  # noqa: E402
+from mamba_train.workdir.lock import lock_workdir  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A misspelt --config.key or a bad value: ml_collections raises it as one of these, with
@@ -232,10 +233,9 @@ LOST_PEER = re.compile(r"[Gg]loo|Connection (refused|reset|closed)|task died|hea
 MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
 
 # Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
-USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
-               workdir_lib.WorkdirLockedError, data.DataError, storage.StorageError)
+USER_ERRORS = errors.UserError
 # A run that started and cannot go on: one line saying why, exit 1.
-RUN_FAILURES = (hooks.NonFiniteLossError, checkpoint.CheckpointWriteError)
+RUN_FAILURES = errors.RunFailure
 
 
 def train(config, workdir):
@@ -255,28 +255,6 @@ def train(config, workdir):
     run(config, workdir, resolved, stamp)
   finally:
     lock.release()
-
-
-def lock_workdir(workdir) -> workdir_lib.WorkdirLock:
-  """Process 0 takes the workdir's lock for the job; every process learns whether it got it."""
-  lock = workdir_lib.WorkdirLock(workdir)
-  error = ""
-  if jax.process_index() == 0:
-    try:
-      lock.acquire()
-    except workdir_lib.WorkdirLockedError as e:
-      error = str(e)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    try:
-      if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
-        error = error or f"process 0 could not lock {workdir} (its log says why)"
-    except BaseException:
-      lock.release()
-      raise
-  if error:
-    raise workdir_lib.WorkdirLockedError(error)
-  return lock
 
 
 def run(config, workdir, resolved, stamp):
@@ -322,7 +300,7 @@ def run(config, workdir, resolved, stamp):
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))  # disk space
-  preemption = checkpoint.PreemptionWatcher()
+  preemption = hooks.PreemptionWatcher()
 
   # ===== step function =====
   first_host_batch = next(train_loader)
@@ -332,8 +310,8 @@ def run(config, workdir, resolved, stamp):
   logging.info("train step compiled in %.1f s", compile_time.seconds)
 
   # ===== hooks and loop =====
-  writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
-                                                         or f"{config.name}-{stamp}"},
+  writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
+                                                    or f"{config.name}-{stamp}"},
                                      run_config=config.to_dict(), is_main=is_main,
                                      resumed_from=restored_step)
   throughput = hooks.Throughput()
@@ -453,7 +431,7 @@ def check_resumable(ckpt, config, *, force: bool) -> None:
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
   ours = run_config.model_config(config).to_dict()
-  theirs = saved_configs(saved)[0].to_dict()
+  theirs = checkpoint.saved_configs(saved)[0].to_dict()
   differ = {k: (theirs[k], ours[k]) for k in ours if k not in NOT_IN_WEIGHTS and ours[k] != theirs[k]}
   if differ and not force:
     raise run_config.ConfigError(

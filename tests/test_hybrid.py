@@ -14,7 +14,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
-from mamba_train.generate import prefill, step
+from mamba_train.generation import prefill, step
 from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import attention as attn_lib

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
+from mamba_train.errors import UserError
 from mamba_train.data import tokenizer as tokenizer_lib
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def prepare_dataset(
   return out
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Input data that cannot be used; the message names the file and what to do."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from mamba_train.errors import UserError
 from mamba_train.data import mixture
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
@@ -20,7 +21,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("synthetic", "corpus")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   pass
 
 
