@@ -20,14 +20,17 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
-from mamba_train.errors import UserError
 from mamba_train.data import tokenizer as tokenizer_lib
+from mamba_train.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: importing datasets takes seconds (see _datasets)
+  import datasets
 
 log = logging.getLogger(__name__)
 
