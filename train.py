@@ -23,10 +23,10 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import checkpoint, data, storage  # noqa: E402
-from mamba_train import workdir as workdir_lib  # noqa: E402
+from mamba_train import errors  # noqa: E402
 from mamba_train.parallel import distributed  # noqa: E402
-from mamba_train.train import hooks, loop, run_config  # noqa: E402
+from mamba_train.train import loop, run_config  # noqa: E402
+from mamba_train.workdir import checkpoint  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A misspelt --config.key or a bad value: ml_collections raises it as one of these, with
@@ -86,12 +86,12 @@ def main(argv):
                                process_count=jax.process_count(), platform=jax.devices()[0].platform,
                                reference=base.get_config(), data_root=os.path.join(_HERE, "data"))
     loop.train(plan, _WORKDIR.value, force_resume=_FORCE_RESUME.value)
-  except USER_ERRORS as e:  # the fix is in the message: no traceback unless asked
+  except errors.UserError as e:  # the fix is in the message: no traceback unless asked
     if _DEBUG.value:
       raise
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  except RUN_FAILURES as e:
+  except errors.RunFailure as e:  # a run that started and cannot go on
     if _DEBUG.value:
       raise
     print(f"error: {e}", file=sys.stderr)
@@ -121,12 +121,6 @@ def _leave(code: int) -> None:
 
 # What a collective raises when a peer process died (gloo on CPU; the coordination service).
 LOST_PEER = re.compile(r"[Gg]loo|Connection (refused|reset|closed)|task died|heartbeat|UNAVAILABLE")
-
-# Mistakes in what was asked for (config, data, paths): one line with the fix, exit 2.
-USER_ERRORS = (run_config.ConfigError, checkpoint.ShapeMismatchError,
-               workdir_lib.WorkdirLockedError, data.DataError, storage.StorageError)
-# A run that started and cannot go on: one line saying why, exit 1.
-RUN_FAILURES = (hooks.NonFiniteLossError, checkpoint.CheckpointWriteError)
 
 
 def parse_flags(argv):

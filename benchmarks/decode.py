@@ -2,7 +2,7 @@
 the device's bandwidth it uses.
 
   * device loop: the whole loop of --new_tokens steps as one while_loop program
-    (`mamba_train.generate.decode_loop`, what `generate` runs after its
+    (`mamba_train.generation.decode_loop`, what `generate` runs after its
     prefill), from a prefilled cache;
   * host loop: a Python loop calling a jitted one-token `step`, reading each
     token back to the host as a real loop must (to check for EOS);
@@ -28,7 +28,7 @@ from flax import nnx
 
 from benchmarks import peers, roofline
 from benchmarks.common import add_rows, compile_fn, log, median_time, model_cfg, runtime
-from mamba_train.generate import decode_loop, prefill, step
+from mamba_train.generation import decode_loop, prefill, step
 from mamba_train.metrics import Timer
 from mamba_train.model.mamba2 import Mamba2LM
 

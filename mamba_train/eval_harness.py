@@ -55,7 +55,7 @@ if _XET_BEFORE is None:
   os.environ.pop("HF_XET_HIGH_PERFORMANCE", None)
 
 from mamba_train.data.tokenizer import TokenizerInfo, token_bytes
-from mamba_train.generate import generate, token_byte_table
+from mamba_train.generation import generate, token_byte_table
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel import sharding
 

@@ -47,7 +47,7 @@ def main(argv):
   del argv
   import mamba_train  # pylint: disable=import-outside-toplevel
   from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
-  from mamba_train import storage  # pylint: disable=import-outside-toplevel
+  from mamba_train.workdir import storage  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   manager = eval_harness.task_manager(_INCLUDE.value, _TASKS.value)
   try:

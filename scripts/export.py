@@ -33,7 +33,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds 
 def find_tokenizer(ckpt) -> Path | None:
   """tokenizer.json in `ckpt` or up to three directories above (a workdir holds one);
   one on a bucket is copied to a local temporary file."""
-  from mamba_train import storage
+  from mamba_train.workdir import storage
   ckpt = storage.path(ckpt)
   for d in [ckpt, *ckpt.parents][:4]:
     if (d / "tokenizer.json").exists():

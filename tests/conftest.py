@@ -18,8 +18,7 @@ import tempfile
 
 import pytest
 
-FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-            "--xla_cpu_use_fusion_emitters=false")
+from helpers import FAST_XLA
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mamba_train_xla_cache_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

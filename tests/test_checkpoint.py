@@ -13,41 +13,19 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["--config.model.n_layer=2", "--config.model.d_model=64", "--config.model.headdim=16",
-         "--config.model.d_state=16", "--config.model.chunk_size=16"]
-BASE = ["--config", str(ROOT / "configs" / "tiny.py"), "--config.data.source=synthetic",
-        "--config.seq_len=32", "--config.batch_size=8", "--config.log_every=1",
-        "--config.eval_every=0", "--config.checkpoint_every=2", "--config.checkpoint_keep=3",
-        "--config.wandb.mode=disabled", "--config.steps=6", *MODEL,
-        # A constant learning rate after one warmup step, whatever the run's length: the
-        # first n losses of every run are then the same, so a run that is stopped by a
-        # signal can be as long as it likes and still be compared with a short one.
-        "--config.optim.schedule=constant", "--config.optim.warmup_frac=0.0"]
+from helpers import FAST_XLA, ROOT, TRAIN_BASE, complete_steps, train_command
+
 # Runs that a signal stops: far longer than any test waits, so that however fast the
 # machine the signal always lands mid-run (they never get near the end).
 ENDLESS = "--config.steps=1000000"
 
 
-FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-            "--xla_cpu_use_fusion_emitters=false")
-
-
-def _command(workdir, extra, devices):
-  # Fast-compiling XLA settings (same numerics within a test: every run uses them).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}")
-  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(workdir), *BASE, *extra]
-  return cmd, env
-
-
 def train(workdir, *extra, devices=1):
   """Run train.py to the end; its output."""
-  cmd, env = _command(workdir, extra, devices)
+  cmd, env = train_command(workdir, extra, devices)
   proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:]
@@ -62,7 +40,7 @@ def start():
   procs = []
 
   def launch(workdir, *extra, devices=1):
-    cmd, env = _command(workdir, extra, devices)
+    cmd, env = train_command(workdir, extra, devices)
     log_path = Path(f"{workdir}.log")
     with open(log_path, "w") as log:
       proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -98,11 +76,6 @@ def logged_steps(workdir) -> list[int]:
     if line.endswith("\n") and '"loss"' in line:
       steps.append(json.loads(line)["step"])
   return steps
-
-
-def complete_steps(workdir) -> list[int]:
-  d = Path(workdir) / "checkpoints"
-  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 def wait_until(proc, condition, what, timeout=240):
@@ -238,7 +211,7 @@ def test_reshard_restore_onto_fewer_devices(tmp_path):
 
 
 def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, caplog):
-  from mamba_train import checkpoint
+  from mamba_train.workdir import checkpoint
   from mamba_train.data import SyntheticLoader
   work = tmp_path / "w"
   shutil.copytree(reference, work)
@@ -269,7 +242,7 @@ def test_shape_mismatch_and_other_model_are_refused(reference, tmp_path):
   work = tmp_path / "w"
   shutil.copytree(reference, work)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
-  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(work), *BASE,
+  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(work), *TRAIN_BASE,
          "--config.model.d_state=32", "--config.steps=8"]
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode != 0
@@ -284,7 +257,7 @@ def test_shape_mismatch_and_other_model_are_refused(reference, tmp_path):
 
 def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
   from mamba_train import load_model
-  # One step: its learning rate is the warmup's first, 0 (see BASE), so the finetuned parameters must
+  # One step: its learning rate is the warmup's first, 0 (see TRAIN_BASE), so the finetuned parameters must
   # be exactly those it started from. (optim.lr itself must be positive.)
   out = train(tmp_path / "ft", f"--config.init_from={reference}", "--config.steps=1",
               "--config.seq_len=16")

@@ -68,7 +68,7 @@ _HOOK_WORKER = textwrap.dedent("""
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=120)
     import jax
     from configs import tiny
-    from mamba_train import metrics as metrics_lib
+    from mamba_train.workdir import record
     from mamba_train.parallel.mesh import make_mesh
     from mamba_train.train import hooks, loop, run_config, step as steps
     c = tiny.get_config()
@@ -81,8 +81,8 @@ _HOOK_WORKER = textwrap.dedent("""
                         params=loop.load_init_params({hf!r}, plan.model)).state
     assert not state.params["embedding"].is_fully_addressable  # split over the processes
     run = loop.make_harness(plan, os.path.join({hf!r}, "tokenizer.json"))
-    writer = metrics_lib.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},
-                                       is_main=jax.process_index() == 0)
+    writer = record.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},
+                                  is_main=jax.process_index() == 0)
     run(7, state.params, writer, hooks.Throughput())
     writer.close()
 """)
@@ -189,7 +189,7 @@ def test_stop_strings_end_rows_on_the_device(setup):
   strings start and end inside tokens: each row ends at the token completing its first
   stop string, with the tokens a run without stops makes up to there, and the loop
   ends when every row has."""
-  from mamba_train.generate import generate_with_stats, token_byte_table
+  from mamba_train.generation import generate_with_stats, token_byte_table
   model = setup[0]
   text = [f"{i}.".encode() for i in range(model.config.vocab_size)]
   table = token_byte_table(text)
@@ -299,7 +299,7 @@ def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
 def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
   """The trainer's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
   from configs import tiny
-  from mamba_train import metrics as metrics_lib
+  from mamba_train.workdir import record
   from mamba_train.train import hooks, loop, run_config
   model, hf, tasks, _ = setup
   c = tiny.get_config()
@@ -308,7 +308,7 @@ def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
   plan = run_config.validate(c, num_devices=1)
   assert plan.model == model.config
   run = loop.make_harness(plan, os.path.join(hf, "tokenizer.json"))
-  writer = metrics_lib.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
+  writer = record.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
   run(5, model.params(), writer, hooks.Throughput())
   writer.close()
   row = json.loads(open(tmp_path / "metrics.jsonl").read())

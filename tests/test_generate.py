@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import mamba_train
-from mamba_train.generate import generate, generate_with_stats, prefill, step
+from mamba_train.generation import generate, generate_with_stats, prefill, step
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import MATMUL_WEIGHTS, Mamba2LM

@@ -12,9 +12,11 @@ import torch
 from flax import nnx
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
+from helpers import rel
+
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
-from mamba_train.generate import prefill, step
+from mamba_train.generation import prefill, step
 from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import attention as attn_lib
@@ -23,11 +25,6 @@ from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.parallel import sharding
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 # Three small NemotronH configs: different patterns (attention first, MLP first,

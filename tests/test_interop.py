@@ -4,9 +4,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -16,20 +14,16 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer, Mamba2Config as HFConfig, Mamba2ForCausalLM
 
+from helpers import ROOT, rel
+
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, load_model
 from mamba_train.interop import export
 from mamba_train.data import byte_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
                    vocab_size=257)
 forward = nnx.jit(lambda model, ids: model(ids))
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 @pytest.fixture(scope="module")

@@ -189,32 +189,39 @@ class Rule:
             for imp in module.imports if self.broken_by(imp.target)]
 
 
+# Imports nothing and every layer may raise its errors.
+ERRORS_MODULE = f"{PACKAGE}.errors"
 _MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.parallel.sharding")
-_PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "checkpoint"))
+_PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "workdir"))
 
 SSD_IS_PURE = Rule(
     "ssd-is-pure", "the SSD math imports nothing of the package",
     governs=lambda m: m in ("mamba_train.model.ssd", "mamba_train.model.ssd_pallas"),
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
 MODEL = Rule(
-    "model", "the model knows no trainer, data, checkpoint, metrics, generation or interop: it "
+    "model", "the model knows no trainer, data, workdir, metrics, generation or interop: it "
     "imports only mamba_train.model.* and mamba_train.parallel.sharding",
     governs=lambda m: within(m, "mamba_train.model"),
     broken_by=lambda t: ours(t) and not any(within(t, p) for p in _MODEL_MAY_IMPORT))
 DATA = Rule(
-    "data", "the data pipeline knows no model: it imports only mamba_train.data.*",
+    "data", "the data pipeline knows no model: it imports only mamba_train.data.* and mamba_train.errors",
     governs=lambda m: within(m, "mamba_train.data"),
-    broken_by=lambda t: ours(t) and not within(t, "mamba_train.data"))
+    broken_by=lambda t: ours(t) and not within(t, "mamba_train.data") and t != ERRORS_MODULE)
 NO_ENTRY_POINTS = Rule(
     "no-entry-points", "the library never imports train.py, configs/, scripts/ or benchmarks/",
     governs=lambda m: ours(m),
     broken_by=lambda t: t.split(".")[0] in ENTRY_POINTS or t.startswith("<relative"))
 PARALLEL = Rule(
-    "parallel", "parallelism knows no model, trainer, data, interop or checkpoint",
+    "parallel", "parallelism knows no model, trainer, data, interop or workdir",
     governs=lambda m: within(m, "mamba_train.parallel"),
     broken_by=lambda t: any(within(t, p) for p in _PARALLEL_KNOWS_NO))
+LEAVES = Rule(
+    "leaves", "mamba_train.errors and mamba_train.metrics import nothing of the package (the "
+    "formulas, the chip table and the timer serve every layer; the record lives in workdir/)",
+    governs=lambda m: m in (ERRORS_MODULE, f"{PACKAGE}.metrics"),
+    broken_by=lambda t: ours(t) or t.startswith("<relative"))
 
-RULES = (SSD_IS_PURE, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL)
+RULES = (SSD_IS_PURE, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL, LEAVES)
 
 
 def outside_names(module: Module) -> list[str]:
@@ -267,6 +274,11 @@ def test_library_never_imports_entry_points(module):
 @pytest.mark.parametrize("module", _governed(PARALLEL))
 def test_parallel_knows_no_higher_layer(module):
   assert PARALLEL.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", _governed(LEAVES))
+def test_errors_and_metrics_import_nothing_of_the_package(module):
+  assert LEAVES.violations(MODULES[module]) == []
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -420,8 +432,8 @@ _PKG_MODULES = frozenset({
     "mamba_train", "mamba_train.model", "mamba_train.model.ssd", "mamba_train.model.mamba2",
     "mamba_train.model.config", "mamba_train.parallel", "mamba_train.parallel.sharding",
     "mamba_train.parallel.mesh", "mamba_train.train", "mamba_train.train.step", "mamba_train.data",
-    "mamba_train.data.loader", "mamba_train.checkpoint", "mamba_train.metrics",
-    "mamba_train.generate", "mamba_train.interop", "mamba_train.interop.convert"})
+    "mamba_train.data.loader", "mamba_train.workdir", "mamba_train.workdir.checkpoint",
+    "mamba_train.workdir.storage", "mamba_train.metrics", "mamba_train.errors", "mamba_train.generation", "mamba_train.interop", "mamba_train.interop.convert"})
 
 
 def _check(rule: Rule, module: str, source: str, is_package: bool = False) -> list[str]:
@@ -444,9 +456,10 @@ _CASES = [
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import mesh", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import sharding, mesh", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.train import step", True),
-    (MODEL, "mamba_train.model.mamba2", "from mamba_train import checkpoint", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.workdir import checkpoint", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.metrics import Timer", True),
-    (MODEL, "mamba_train.model.mamba2", "from ..generate import generate", True),
+    (MODEL, "mamba_train.model.mamba2", "from ..generation import generate", True),
+    (MODEL, "mamba_train.model.mamba2", "from mamba_train.errors import UserError", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.interop import convert", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.data import loader", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train import Mamba2Config", True),
@@ -458,6 +471,13 @@ _CASES = [
     (DATA, "mamba_train.data.loader", "from mamba_train.model.config import Mamba2Config", True),
     (DATA, "mamba_train.data.loader", "from ..model import config", True),
     (DATA, "mamba_train.data", "from .loader import x\nfrom ..train import step", True, True),
+    (DATA, "mamba_train.data.prepare", "from mamba_train.errors import UserError", False),
+    (DATA, "mamba_train.data.prepare", "from mamba_train.workdir import storage", True),
+    (LEAVES, "mamba_train.metrics", "import time\nimport jax", False),
+    (LEAVES, "mamba_train.metrics", "from mamba_train.workdir import storage", True),
+    (LEAVES, "mamba_train.metrics", "from mamba_train.model.config import Mamba2Config", True),
+    (LEAVES, "mamba_train.metrics", "from . import errors", True),
+    (LEAVES, "mamba_train.errors", "import mamba_train", True),
     (NO_ENTRY_POINTS, "mamba_train.train.step", "from mamba_train.train import run_config", False),
     (NO_ENTRY_POINTS, "mamba_train.train.step", "from . import run_config", False),
     (NO_ENTRY_POINTS, "mamba_train.train.step", "import mamba_train.train.optim", False),
@@ -475,7 +495,8 @@ _CASES = [
     (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train.train import step", True),
     (PARALLEL, "mamba_train.parallel.mesh", "from mamba_train import data", True),
     (PARALLEL, "mamba_train.parallel.mesh", "from ..interop import convert", True),
-    (PARALLEL, "mamba_train.parallel.mesh", "import mamba_train.checkpoint", True),
+    (PARALLEL, "mamba_train.parallel.mesh", "import mamba_train.workdir.checkpoint", True),
+    (PARALLEL, "mamba_train.parallel.distributed", "from mamba_train.errors import RunFailure", False),
 ]
 
 
@@ -494,10 +515,10 @@ def test_rules_govern_only_their_modules():
   src = "from mamba_train.train import step\nfrom mamba_train.model import config"
   assert _check(MODEL, "mamba_train.train.step", src) == []
   assert _check(DATA, "mamba_train.metrics", src) == []
-  assert _check(PARALLEL, "mamba_train.generate", src) == []
+  assert _check(PARALLEL, "mamba_train.generation", src) == []
   assert _check(SSD_IS_PURE, "mamba_train.model.mamba2", src) == []
   # `train` the top-level script is not the library's mamba_train.train.
-  assert _check(NO_ENTRY_POINTS, "mamba_train.generate", src) == []
+  assert _check(NO_ENTRY_POINTS, "mamba_train.generation", src) == []
 
 
 def test_outside_name_scan_reports_file_and_line_and_skips_docstrings():
@@ -525,7 +546,8 @@ def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
       "model/bad_layer.py": ("from mamba_train.train.step import build", MODEL),
       "data/bad_source.py": ("from ..model.mamba2 import Mamba2LM", DATA),
       "train/bad_hook.py": ("def f():\n  import train", NO_ENTRY_POINTS),
-      "parallel/bad_rules.py": ("from mamba_train.checkpoint import Checkpointer", PARALLEL),
+      "parallel/bad_rules.py": ("from mamba_train.workdir.checkpoint import Checkpointer", PARALLEL),
+      "metrics.py": ("from mamba_train.workdir import record", LEAVES),
   }
   for rel, (line, _) in bad.items():
     with open(pkg / rel, "a") as f:
@@ -540,6 +562,26 @@ def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
       f"{PACKAGE}." + rel[:-3].replace("/", ".") for rel in bad)
   found = outside_names(modules["mamba_train.metrics"])
   assert len(found) == 1 and found[0].startswith(f"{PACKAGE}/metrics.py:") and "pytorch_model.bin" in found[0]
+
+
+# What `import mamba_train` and `import mamba_train.model` may not load: the workdir stack
+# (Orbax, tensorstore, the bucket clients), generation, interop's file readers, the trainer.
+# (etils is not on the list: JAX itself imports etils.epath.)
+_HEAVY = ("mamba_train.workdir", "mamba_train.generation", "mamba_train.interop", "mamba_train.train",
+          "mamba_train.data", "mamba_train.metrics", "orbax", "tensorstore", "safetensors", "grain",
+          "gcsfs", "wandb")
+
+
+@pytest.mark.parametrize("what", ["mamba_train", "mamba_train.model.ssd", "mamba_train.model.mamba2"])
+def test_importing_the_model_loads_no_workdir_generation_or_trainer(what):
+  code = (f"import json, sys\nimport {what}\n"
+          "print(json.dumps(sorted(m for m in sys.modules)))")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  loaded = json.loads(r.stdout.strip().splitlines()[-1])
+  heavy = sorted(m for m in loaded if any(within(m, h) for h in _HEAVY))
+  assert heavy == [], f"import {what} loaded {heavy}"
 
 
 def test_import_probe_sees_a_module_that_sets_xla_flags(tmp_path):

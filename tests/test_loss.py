@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel
+
 from mamba_train.train.loss import linear_cross_entropy
 
 
@@ -14,11 +16,6 @@ def plain(h, w, targets, mask, vocab_size):
   lse = jax.nn.logsumexp(logits, -1)
   tgt = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
   return jnp.sum((lse - tgt) * mask)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 # (b, l, block_tokens): one block; several blocks with a ragged last one.

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import rel
+
 from mamba_train import Mamba2Config, Mamba2LM, Runtime, config_for
 
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
@@ -22,11 +24,6 @@ def params():
 
 def ids(b=2, l=45, seed=0):
   return jax.random.randint(jax.random.PRNGKey(seed), (b, l), 0, CFG.vocab_size)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 def test_bfloat16_compute_stays_near_float32(params):

@@ -6,13 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
+
+from helpers import rel
 
 import mamba_train
 from mamba_train import load_model
@@ -37,11 +38,6 @@ def hf_model(tmp_path, seed=0, spread=True, **kw):
       layer.norm.weight.normal_(1.0, 0.2)
   model.save_pretrained(tmp_path)
   return model
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 SMALL = {

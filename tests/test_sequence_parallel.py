@@ -49,7 +49,7 @@ def _worker(out_dir):
   import jax.numpy as jnp
   from flax import nnx
   from mamba_train import Mamba2LM, Runtime, config_for
-  from mamba_train.checkpoint import Checkpointer
+  from mamba_train.workdir.checkpoint import Checkpointer
   from mamba_train.data import SyntheticLoader
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from mamba_train.errors import UserError
 from mamba_train.data import prepare
 from mamba_train.data import tokenizer as tokenizer_lib
 
@@ -47,7 +48,7 @@ DEFAULT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(UserError, ValueError):
   pass
 
 

@@ -24,10 +24,12 @@ import sys
 
 import grain
 
+from mamba_train.errors import UserError
+
 INFINITE = sys.maxsize
 
 
-class MixtureError(ValueError):
+class MixtureError(UserError, ValueError):
   pass
 
 

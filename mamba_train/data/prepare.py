@@ -20,13 +20,17 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
 from mamba_train.data import tokenizer as tokenizer_lib
+from mamba_train.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: importing datasets takes seconds (see _datasets)
+  import datasets
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ def prepare_dataset(
   return out
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Input data that cannot be used; the message names the file and what to do."""
 
 

@@ -107,7 +107,7 @@ def load_tokenizer(spec: str = BYTE, *, eos_token: str | None = None) -> Tokeniz
 def token_bytes(tok: tokenizers.Tokenizer, size: int | None = None) -> list[bytes] | None:
   """The bytes each token id decodes to (special tokens: none, as decoding skips
   them), `size` entries (default: the tokenizer's ids); for matching stop strings
-  on the device (`mamba_train.generate.token_byte_table`).
+  on the device (`mamba_train.generation.token_byte_table`).
 
   Exact for ByteLevel decoders (GPT-2, GPT-NeoX, the byte tokenizer): decoding a
   sequence there is joining its tokens' bytes. None for other decoders, whose

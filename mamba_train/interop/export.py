@@ -30,7 +30,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from mamba_train import storage
+from mamba_train.errors import UserError
+from mamba_train.workdir import storage
 from mamba_train.interop import convert
 from mamba_train.model.mamba2 import Mamba2LM
 
@@ -40,7 +41,7 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 MARKER = ".mamba_train_export"  # in every export: what --overwrite may replace
 
 
-class ExportPathError(ValueError):
+class ExportPathError(UserError, ValueError):
   """An --out that would overwrite or delete something it must not."""
 
 

@@ -9,7 +9,7 @@ Recognised layouts:
     Mamba-2, attention and MLP layers; MoE layers are refused);
   * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
     reading it needs torch, the `test` or `bench` extra).
-Each may be local or on a gs:// bucket (`mamba_train.storage`).
+Each may be local or on a gs:// bucket (`mamba_train.workdir.storage`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from mamba_train import checkpoint, storage
+from mamba_train.workdir import checkpoint, storage
 from mamba_train.interop import convert
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
 from mamba_train.model.mamba2 import Mamba2LM
@@ -112,21 +112,11 @@ def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides
 
 def load_checkpoint(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   step_dir = checkpoint.find_step_dir(path)
-  cfg, saved_rt = saved_configs(checkpoint.saved_config(step_dir))
+  cfg, saved_rt = checkpoint.saved_configs(checkpoint.saved_config(step_dir))
   cfg, rt = _configs(cfg, runtime or saved_rt, overrides)
   abstract = jax.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)).params())
   params = checkpoint.restore_params(step_dir, abstract)
   return Mamba2LM.from_params(cfg, params, rt)
-
-
-def saved_configs(run_config: dict) -> tuple[Mamba2Config, Runtime]:
-  """(architecture, runtime) of a run config saved with a checkpoint. Runs saved
-  before the runtime had its own section kept its fields in `model`."""
-  rt_names = Runtime.field_names()
-  model = run_config["model"]
-  rt = run_config.get("runtime") or {k: v for k, v in model.items() if k in rt_names}
-  return (Mamba2Config.from_dict({k: v for k, v in model.items() if k not in rt_names}),
-          Runtime.from_dict(rt))
 
 
 def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:

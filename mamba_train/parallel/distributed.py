@@ -27,10 +27,12 @@ import os
 
 import jax
 
+from mamba_train.errors import RunFailure
+
 log = logging.getLogger(__name__)
 
 
-class DistributedInitError(RuntimeError):
+class DistributedInitError(RunFailure, RuntimeError):
   """The processes of a job could not be joined."""
 
 

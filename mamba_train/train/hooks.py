@@ -1,13 +1,19 @@
 """Periodic work on the training loop: hooks with a period, the guard that stops
-a run whose loss stays non-finite, and the throughput meter."""
+a run whose loss stays non-finite, the loss-spike guard, the throughput meter, and
+the SIGTERM watcher that stops the loop at a step boundary."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
+import signal
 from typing import Any, Callable, Iterable
 
+import jax
+import numpy as np
+
+from mamba_train.errors import RunFailure
 from mamba_train.metrics import Timer
 
 
@@ -35,7 +41,7 @@ def run_hooks(hooks: Iterable[Hook], step: int, last_step: int, state, metrics: 
       hook.fn(step, state, metrics)
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(RunFailure, RuntimeError):
   pass
 
 
@@ -142,3 +148,24 @@ class Throughput:
     out = {"step_time": dt / steps, "tokens_per_sec": tokens_per_step * steps / max(dt, 1e-9)}
     self.reset()
     return out
+
+
+class PreemptionWatcher:
+  """SIGTERM (what a TPU VM gets before preemption) sets a flag; `stop_requested`,
+  called at every step boundary, says whether to save and stop. With several
+  processes they agree (any process signalled stops all at the same step)."""
+
+  def __init__(self):
+    self._flag = False
+    signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self._flag = True
+
+  def stop_requested(self) -> bool:
+    if jax.process_count() == 1:
+      return self._flag
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.array(self._flag))
+    return bool(np.any(flags))

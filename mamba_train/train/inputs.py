@@ -10,8 +10,9 @@ from typing import Callable, Iterator
 
 import jax
 
-from mamba_train import data, storage
+from mamba_train import data
 from mamba_train.train.run_config import ConfigError, Plan
+from mamba_train.workdir import storage
 
 
 def data_sources(plan: Plan) -> list[data.Source]:

@@ -17,18 +17,18 @@ import math
 import os
 
 import jax
-import numpy as np
 import tqdm
 
-from mamba_train import checkpoint, data, storage
+from mamba_train import data
 from mamba_train import metrics as metrics_lib
-from mamba_train import workdir as workdir_lib
-from mamba_train.interop.load import load_model, saved_configs
+from mamba_train.interop.load import load_model
 from mamba_train.model.config import Mamba2Config
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
 from mamba_train.train.state import with_shardings
+from mamba_train.workdir import checkpoint, record, storage
+from mamba_train.workdir.lock import lock_workdir
 
 MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
 
@@ -94,7 +94,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))  # disk space
-  preemption = checkpoint.PreemptionWatcher()
+  preemption = hooks.PreemptionWatcher()
 
   # ===== step function =====
   first_host_batch = next(train_loader)
@@ -104,10 +104,10 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   logging.info("train step compiled in %.1f s", compile_time.seconds)
 
   # ===== hooks and loop =====
-  writer = metrics_lib.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
-                                                         or f"{config.name}-{stamp}"},
-                                     run_config=plan.config_dict(), is_main=is_main,
-                                     resumed_from=restored_step)
+  writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
+                                                    or f"{config.name}-{stamp}"},
+                                run_config=plan.config_dict(), is_main=is_main,
+                                resumed_from=restored_step)
   throughput = hooks.Throughput()
   share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
@@ -241,29 +241,7 @@ class RollBack:
 
 
 # ----------------------------------------------------------------------------
-# Checks and pieces the loop starts from.
-
-
-def lock_workdir(workdir) -> workdir_lib.WorkdirLock:
-  """Process 0 takes the workdir's lock for the job; every process learns whether it got it."""
-  lock = workdir_lib.WorkdirLock(workdir)
-  error = ""
-  if jax.process_index() == 0:
-    try:
-      lock.acquire()
-    except workdir_lib.WorkdirLockedError as e:
-      error = str(e)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    try:
-      if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
-        error = error or f"process 0 could not lock {workdir} (its log says why)"
-    except BaseException:
-      lock.release()
-      raise
-  if error:
-    raise workdir_lib.WorkdirLockedError(error)
-  return lock
+# What the loop starts from: the resume check, loaded weights, the harness hook.
 
 
 def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -> None:
@@ -275,7 +253,7 @@ def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -
     saved = ckpt.saved_config(saved_steps[-1])
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
-  differ = saved_configs(saved)[0].weight_differences(plan.model)
+  differ = checkpoint.saved_configs(saved)[0].weight_differences(plan.model)
   if differ and not force:
     raise ConfigError(
         f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import ml_collections
 
+from mamba_train.errors import UserError
 from mamba_train.data import mixture
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
@@ -25,7 +26,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("synthetic", "corpus")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   pass
 
 

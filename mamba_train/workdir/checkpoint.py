@@ -6,7 +6,7 @@ Layout: `<workdir>/checkpoints/<step>/` holding three items:
   data    the data iterator's state, one JSON file per process (Grain's handler);
   config  the resolved run config (JSON).
 
-The workdir is a local directory or a gs:// bucket (`mamba_train.storage`). Orbax
+The workdir is a local directory or a gs:// bucket (`mamba_train.workdir.storage`). Orbax
 writes each step into a temporary directory and renames it when complete (local),
 or writes a commit file into the step last (a bucket, which has no atomic rename),
 so a save cut off by a crash never becomes a step that a restart can pick.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 from typing import Any
 
 import grain
@@ -29,17 +28,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mamba_train import storage
+from mamba_train.errors import RunFailure, UserError
+from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import param_shapes, shape_problems
+from mamba_train.model.runtime import Runtime
+from mamba_train.workdir import storage
 
 log = logging.getLogger(__name__)
 
 
-class ShapeMismatchError(ValueError):
+class ShapeMismatchError(UserError, ValueError):
   pass
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunFailure, RuntimeError):
   """A save failed (a full disk, a lost mount): the run stops rather than train on unsaved."""
 
 
@@ -324,7 +326,7 @@ def restore_params(path, abstract_params=None) -> Any:
     return out["state"]["params"]
 
 
-class CheckpointDamagedError(ValueError):
+class CheckpointDamagedError(UserError, ValueError):
   pass
 
 
@@ -338,6 +340,16 @@ def saved_config(path) -> dict:
       raise CheckpointDamagedError(
           f"the run config of checkpoint {path} is damaged ({type(e).__name__}: "
           f"{str(e).splitlines()[0][:200]}); use an earlier step of {path.parent}") from None
+
+
+def saved_configs(run_config: dict) -> tuple[Mamba2Config, Runtime]:
+  """(architecture, runtime) of a run config saved with a checkpoint. Runs saved
+  before the runtime had its own section kept its fields in `model`."""
+  rt_names = Runtime.field_names()
+  model = run_config["model"]
+  rt = run_config.get("runtime") or {k: v for k, v in model.items() if k in rt_names}
+  return (Mamba2Config.from_dict({k: v for k, v in model.items() if k not in rt_names}),
+          Runtime.from_dict(rt))
 
 
 def find_step_dir(path) -> epath.Path | None:
@@ -357,24 +369,3 @@ def find_step_dir(path) -> epath.Path | None:
     if steps:
       return ckdir / str(steps[-1])
   return None
-
-
-class PreemptionWatcher:
-  """SIGTERM (what a TPU VM gets before preemption) sets a flag; `stop_requested`,
-  called at every step boundary, says whether to save and stop. With several
-  processes they agree (any process signalled stops all at the same step)."""
-
-  def __init__(self):
-    self._flag = False
-    signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self._flag = True
-
-  def stop_requested(self) -> bool:
-    if jax.process_count() == 1:
-      return self._flag
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.array(self._flag))
-    return bool(np.any(flags))

@@ -2,7 +2,7 @@
 
 `<workdir>/.lock` is created atomically (O_CREAT | O_EXCL, which local disks and
 NFS v3+ honour; on a gs:// bucket an upload that succeeds only if no object exists,
-`mamba_train.storage`) and holds the holder's host, pid and start time, plus the time
+`mamba_train.workdir.storage`) and holds the holder's host, pid and start time, plus the time
 it was last refreshed; a background thread refreshes it every `refresh_s`. A
 second run on a locked workdir is refused with the holder named. A stale lock is
 taken over with a warning: one whose pid is dead on this host, or one not
@@ -20,14 +20,18 @@ import socket
 import threading
 import time
 
-from mamba_train import storage
+import jax
+import numpy as np
+
+from mamba_train.errors import UserError
+from mamba_train.workdir import storage
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 
 
-class WorkdirLockedError(RuntimeError):
+class WorkdirLockedError(UserError, RuntimeError):
   """Another live run holds the workdir."""
 
 
@@ -125,3 +129,25 @@ class WorkdirLock:
   def __exit__(self, *exc):
     self.release()
     return False
+
+
+def lock_workdir(workdir) -> WorkdirLock:
+  """Process 0 takes the workdir's lock for the job; every process learns whether it got it."""
+  lock = WorkdirLock(workdir)
+  error = ""
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except WorkdirLockedError as e:
+      error = str(e)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    try:
+      if bool(multihost_utils.broadcast_one_to_all(np.array(bool(error)))):
+        error = error or f"process 0 could not lock {workdir} (its log says why)"
+    except BaseException:
+      lock.release()
+      raise
+  if error:
+    raise WorkdirLockedError(error)
+  return lock

@@ -32,11 +32,13 @@ import time
 
 from etils import epath
 
+from mamba_train.errors import UserError
+
 GCS = "gs://"
 MOVED_MARKER = ".moved_from"  # in a moved directory on a bucket: the copy is whole
 
 
-class StorageError(ValueError):
+class StorageError(UserError, ValueError):
   """A path this library cannot write to: a scheme other than gs://, the gcs extra missing,
   a bucket that is not there, no credentials."""
 
@@ -141,7 +143,7 @@ def create_new(p, text: str) -> bool:
 def version(p) -> tuple[object, float] | None:
   """(a token that changes whenever `p` is written, its modification time), or None if absent."""
   if is_remote(p):
-    blob = _bucket(p).get_blob(_split(p)[1])
+    blob = _gcs_bucket(p).get_blob(_split(p)[1])
     return None if blob is None else (blob.generation, blob.updated.timestamp())
   try:
     st = os.stat(p)
@@ -204,7 +206,7 @@ def move_dir(src, dst, *, first: tuple[str, ...] = ()) -> None:
     return
   bucket, src_key = _split(src)
   dst_key = _split(dst)[1]
-  b = _bucket(src)
+  b = _gcs_bucket(src)
   blobs = list(b.list_blobs(prefix=src_key.rstrip("/") + "/"))
   for blob in blobs:
     b.copy_blob(blob, b, dst_key.rstrip("/") + "/" + blob.name[len(src_key.rstrip("/")) + 1:])
@@ -234,12 +236,12 @@ def _client():
   return storage.Client()
 
 
-def _bucket(p):
+def _gcs_bucket(p):
   return _client().bucket(_split(p)[0])
 
 
 def _blob(p):
-  return _bucket(p).blob(_split(p)[1])
+  return _gcs_bucket(p).blob(_split(p)[1])
 
 
 def _forget_listings(p) -> None:

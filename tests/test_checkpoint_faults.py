@@ -1,0 +1,125 @@
+"""Checkpoint and record faults: a damaged config item, replayed metric rows, a full disk
+(fault injection: Orbax's JSON item writer, run in the background of every save,
+raises OSError(ENOSPC)), the free-space pre-flight, and reads that log nothing."""
+
+import json
+import subprocess
+
+import pytest
+
+from helpers import ROOT, complete_steps, patched, train_command
+
+
+def _tiny_state(value):
+  import jax.numpy as jnp
+  return {"params": {"embedding": jnp.full((4, 3), value, jnp.float32)}, "step": jnp.array(value, jnp.int32)}
+
+def test_restore_checks_the_config_item_too(tmp_path, caplog):
+  """Garbage in a step's config/metadata alone went unnoticed until an export failed."""
+  import jax
+  from mamba_train.workdir import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
+  for step in (1, 2):
+    ck.save(step, _tiny_state(step), loader, {"step_saved": step})
+  ck.close()
+  (tmp_path / "checkpoints" / "2" / "config" / "metadata").write_text("{garbage")
+  with pytest.raises(checkpoint.CheckpointDamagedError, match=r"checkpoints/2 is damaged.*earlier step"):
+    checkpoint.saved_config(tmp_path / "checkpoints" / "2")
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tiny_state(0))
+  with caplog.at_level("WARNING"):
+    step, state = ck.restore(target, loader)
+  ck.close()
+  assert step == 1 and int(state["step"]) == 1
+  assert "resuming from step 1 instead of the newest step 2" in caplog.text
+  assert (tmp_path / "checkpoints" / "2.damaged").exists()
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+  from mamba_train.workdir.record import MetricsWriter
+  path = tmp_path / "metrics.jsonl"
+  rows = [json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 9)]
+  path.write_text("".join(rows) + '{"step": 9, "lo')  # steps 1..8, then a line cut by a kill
+  w = MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={}, resumed_from=4)
+  for s in (5, 6):
+    w.write(s, {"loss": 0.5})
+  w.close()
+  got = [json.loads(l) for l in path.read_text().splitlines()]
+  assert [r["step"] for r in got] == [1, 2, 3, 4, 4, 5, 6]
+  assert got[4] == {"step": 4, "event": "resumed", "set_aside": "metrics.jsonl.after-4"}
+  assert got[5]["loss"] == 0.5
+  aside = (tmp_path / "metrics.jsonl.after-4").read_text()
+  assert aside == "".join(rows[4:]) + '{"step": 9, "lo\n'  # nothing lost
+
+ENOSPC_PATCH = """
+import errno, orbax.checkpoint as ocp
+async def _full(self, item, directory):
+  raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+ocp.JsonCheckpointHandler._save_fn = _full
+"""
+
+def test_failed_async_save_is_raised_with_path_and_free_space(tmp_path, monkeypatch):
+  import errno
+  import orbax.checkpoint as ocp
+  from mamba_train.workdir import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  ck.save(1, _tiny_state(1), loader, {})
+  ck.manager.wait_until_finished()
+
+  async def full(self, item, directory):
+    raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
+  ck.save(2, _tiny_state(2), loader, {})
+  with pytest.raises(checkpoint.CheckpointWriteError) as e:
+    ck.check()  # at a step after the failure: raises whether or not it has landed yet
+    ck.save(3, _tiny_state(3), loader, {})  # the next save waits for it
+  msg = str(e.value)
+  assert "\n" not in msg and f"step 2 to {tmp_path / 'checkpoints'} failed: No space left on device" in msg
+  assert "GiB free there" in msg and "the last complete checkpoint is step 1" in msg
+  ck.close()  # reported once: closing does not raise it again
+  assert ck.steps() == [1]
+
+def test_preflight_warns_when_the_checkpoints_cannot_fit(tmp_path, caplog):
+  import shutil
+  from mamba_train.workdir import checkpoint
+  ck = checkpoint.Checkpointer(tmp_path, keep=3)
+  free = shutil.disk_usage(tmp_path).free
+  with caplog.at_level("WARNING"):
+    ck.preflight(free // 8)  # 4 copies fit
+    assert "saves will fail" not in caplog.text
+    ck.preflight(free // 3)  # 4 copies do not
+  assert "saves will fail" in caplog.text and "3 kept" in caplog.text
+  ck.close()
+
+def test_full_disk_stops_train_py_with_one_line(tmp_path):
+  work = tmp_path / "run"
+  cmd, env = train_command(work, ["--config.steps=8", "--config.checkpoint_every=2"], 1)
+  cmd = patched(cmd, ENOSPC_PATCH)
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr[-3000:]
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: saving checkpoint step 2 to ") and "No space left on device" in last, last
+  assert "GiB free there" in last and "Traceback" not in r.stderr, r.stderr[-3000:]
+  steps = [json.loads(l)["step"] for l in open(work / "metrics.jsonl") if '"loss"' in l]
+  # Stopped at the first step that saw the failure (before logging it), at the latest at
+  # the next save (step 4, after logging it): never trained on past an unreported failure.
+  assert 2 <= max(steps) <= 4
+  assert complete_steps(work) == []
+
+def test_reading_a_checkpoint_logs_no_library_warnings(tmp_path, caplog):
+  """generate.py printed five Orbax read_only warnings before its answer."""
+  from mamba_train.workdir import checkpoint
+  from mamba_train.data import SyntheticLoader
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
+  ck.save(3, _tiny_state(3), loader, {"k": 1})
+  ck.close()
+  with caplog.at_level("DEBUG"):
+    params = checkpoint.restore_params(tmp_path / "checkpoints" / "3")
+    assert checkpoint.saved_config(tmp_path / "checkpoints" / "3") == {"k": 1}
+  assert float(params["embedding"][0, 0]) == 3.0
+  assert [r for r in caplog.records if "/orbax/" in r.pathname] == []
