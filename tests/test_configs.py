@@ -170,6 +170,19 @@ def test_runtime_fields_change_no_weights():
   assert shapes(cfg.replace(chunk_size=32), rt) == shapes(cfg, rt)
 
 
+def test_weight_differences_name_each_field_in_the_callers_order():
+  """The one check behind the resume refusal and init_from's: NOT_IN_WEIGHTS never
+  counts, the initialization-only fields only with init=True; (self, other) order."""
+  from mamba_train import config_for
+  a = config_for("tiny")
+  assert a.weight_differences(a.replace(chunk_size=32)) == {}
+  b = a.replace(d_model=128, dt_min=0.01, dt_limit=(0.0, 1.0))
+  assert a.weight_differences(b) == {"d_model": (256, 128), "dt_min": (0.001, 0.01),
+                                     "dt_limit": ([0.0, float("inf")], [0.0, 1.0])}
+  assert b.weight_differences(a, init=False) == {"d_model": (128, 256),
+                                                 "dt_limit": ([0.0, 1.0], [0.0, float("inf")])}
+
+
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
     ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("pallas", 64))])
