@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mamba_train.model import ssd, ssd_pallas
-from test_ssd import make_inputs, packed_ids, rel
+from helpers import packed_ids, rel, ssd_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ CASES = [(37, 8, 3, 6, True), (40, 16, 1, 8, False)]
 
 @pytest.mark.parametrize("l,q,g,h,docs", CASES)
 def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
-  x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, h, 4, g, 5, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(l, 2, l, h, 4, g, 5, jnp.float32)
   kw = {"seq_idx": packed_ids(l, 2, l)} if docs else {}
   k1, k2 = jax.random.split(jax.random.PRNGKey(l))
   wy, ws = jax.random.normal(k1, x.shape), jax.random.normal(k2, h0.shape)
@@ -63,7 +63,7 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
   chunks (row 0), and one document through every chunk (row 1); 2 groups of 16
   heads (two head blocks, so the partial B and C gradients are summed)."""
   l, q, g, h = 45, 8, 2, 32
-  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 2, g, 3, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(7, 2, l, h, 2, g, 3, jnp.float32)
   seq = np.zeros((2, l), np.int32)
   seq[0, 3:], seq[0, 16:], seq[0, 37:] = 1, 2, 3  # doc 2: chunk 2's start to mid chunk 4
   seq = jnp.asarray(seq)
@@ -90,18 +90,22 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
   assert not np.allclose(np.asarray(y4)[0, 3:], np.asarray(y1)[0, 3:])
 
 
-def test_model_with_fused_ssd_matches_xla_model():
-  """Tiny model, logits and parameter gradients: ssd_impl 'interpret' (the kernels)
-  against 'xla' in the parallel form at the same chunk."""
+@pytest.mark.parametrize("length", [48, 40], ids=["whole-chunks", "ragged"])
+def test_model_with_fused_ssd_matches_xla_model(length):
+  """Tiny model over packed documents, logits and parameter gradients: ssd_impl
+  'interpret' (the kernels) against 'xla' in the parallel form at the same chunk. At a
+  whole number of chunks the mixer hands x to the kernels, and takes y back, in their
+  chunk-major layout (layout constraints); a ragged length pads the last chunk."""
   from flax import nnx
   from mamba_train import Mamba2LM, Runtime, config_for
   cfg = config_for("tiny", n_layer=1, chunk_size=16)
-  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
-  seq = packed_ids(3, 2, 40)
+  ids = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
+  seq = packed_ids(3, 2, length)
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
 
   def run(impl):
     rt = Runtime(ssd_impl=impl, ssd_form="parallel")
+
     def loss(p):
       logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
       return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
