@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 PACKAGE = "mamba_train"
 
 # Names that belong to the outside layouts (transformers' Mamba2ForCausalLM and

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from mamba_train.model import ssd, ssd_pallas
-from helpers import packed_ids, rel, ssd_inputs
+from helpers import ROOT, packed_ids, rel, ssd_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _loss(fn, chunk, kw):
@@ -151,7 +150,7 @@ def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
   _require_libtpu()
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
+  env["PYTHONPATH"] = str(ROOT)
   r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
                      text=True, env=env, timeout=600)
   assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]
