@@ -4,12 +4,12 @@
 
 For one 2.7b layer's shapes (b 1, l 4096, h 80, p 64, g 1, n 128, chunk 128;
 x, B, C bfloat16, dt float32): the SSD forward alone, as `ssd_chunked`'s parallel
-form, the two Pallas kernels with the state passing in plain JAX between them, and
-the one-pass kernel; with and without documents (seq_idx). Then the one-layer 2.7b
-model forward (`ssd_impl` xla, pallas with the two kernels, pallas one pass), whole
-and without the embedding and LM head (the layer, which `scaled_forward_counts`
-multiplies by the depth). Compile only: the counts are XLA's cost analysis.
-"""
+form and as the one-pass Pallas kernel; with and without documents (seq_idx). Then
+the one-layer 2.7b model forward (`ssd_impl` xla and pallas), whole and without the
+embedding and LM head (the layer, which `scaled_forward_counts` multiplies by the
+depth). Compile only: the counts are XLA's cost analysis. (The two-kernel Pallas
+form that docs/bench/tpu_ssd.md compares against was removed after it; its rows
+come from this benchmark at commit 702e113.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks.common import log
 from benchmarks.compile import TPU, compile_forward, outside_scan_cost
 from mamba_train import metrics
-from mamba_train.model import mamba2, ssd, ssd_pallas
+from mamba_train.model import ssd, ssd_pallas
 from mamba_train.model.config import config_for
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
@@ -37,11 +37,9 @@ CHUNK = 128
 
 def ssd_forms(interpret: bool = False) -> dict:
   """name -> SSD forward fn(x, dt, A, B, C, D, seq_idx) -> (y, final state)."""
-  fused = functools.partial(ssd_pallas.ssd_fused, interpret=interpret)
   return {
       "ssd_chunked (parallel form)": functools.partial(ssd.ssd_chunked, form="parallel"),
-      "Pallas, two kernels + plain-JAX passing": functools.partial(fused, one_pass=False),
-      "Pallas, one pass": functools.partial(fused, one_pass=True),
+      "Pallas, one pass": functools.partial(ssd_pallas.ssd_fused, interpret=interpret),
   }
 
 
@@ -72,18 +70,11 @@ def model_counts() -> list[dict]:
   cfg = config_for("2.7b", n_layer=1)
   rows = []
   outside = None
-  for name, impl, one_pass in (("xla (parallel form)", "xla", None), ("pallas, two kernels", "pallas", False),
-                               ("pallas, one pass", "pallas", True)):
+  for name, impl in (("xla (parallel form)", "xla"), ("pallas, one pass", "pallas")):
     rt = Runtime(compute_dtype="bfloat16", ssd_impl=impl, ssd_form="parallel" if impl == "xla" else "auto")
-    saved = mamba2.ssd_fused
-    if one_pass is not None:  # the model calls mamba2.ssd_fused: pick the forward form
-      mamba2.ssd_fused = functools.partial(saved, one_pass=one_pass)
-    try:
-      r = compile_forward(cfg, rt, 1, 4096)
-      if outside is None:
-        outside = outside_scan_cost(cfg, rt, 1, 4096)
-    finally:
-      mamba2.ssd_fused = saved
+    r = compile_forward(cfg, rt, 1, 4096)
+    if outside is None:
+      outside = outside_scan_cost(cfg, rt, 1, 4096)
     c = r["cost"]
     rows.append({"what": "2.7b forward, 1 layer", "form": name, "compile_s": r["compile_s"],
                  "flops": c.get("flops"), "bytes": c.get("bytes accessed"),

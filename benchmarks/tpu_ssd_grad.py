@@ -1,10 +1,9 @@
 """XLA's FLOPs and bytes of the SSD alone, forward and value_and_grad, compiled for
-one TPU chip through libtpu (no TPU needed): the XLA form, and the fused Pallas
-forms (two kernels, or one pass) with the reference backward (the vjp of the
-plain-JAX per-chunk functions, as the kernels had before their Pallas backward)
-or with the Pallas backward kernels; the one-pass forward also with the backward
-it had before its own kernel (the vjp of the two-kernel form). `benchmarks.tpu_ssd`
-counts the forwards.
+one TPU chip through libtpu (no TPU needed): the XLA form, and the one-pass Pallas
+kernel with its backward kernel. `benchmarks.tpu_ssd` counts the forwards. (The
+earlier forms that docs/bench/tpu_ssd.md compares against, the two-kernel form and
+the reference backwards, were removed after it; their rows come from this
+benchmark at commit 702e113.)
 
   env -u XLA_FLAGS python -m benchmarks.tpu_ssd_grad       # 2.7b layer: b1 l4096 h80 p64 g1 n128, chunk 128
   env -u XLA_FLAGS python -m benchmarks.tpu_ssd_grad --only "one pass"   # rows whose name has it
@@ -17,7 +16,6 @@ XLA's counts cover the whole program.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import time
 
@@ -32,68 +30,10 @@ from mamba_train.model import ssd, ssd_pallas
 from mamba_train.parallel.topology import tpu_devices
 
 
-@contextlib.contextmanager
-def reference_backward():
-  """ssd_fused's kernels with the backward they had before the Pallas backward:
-  the vjp of `_states_ref` / `_outputs_ref`, recomputing the (t, s) terms in XLA."""
-  sp = ssd_pallas
-  states = jax.custom_vjp(sp._states_call, nondiff_argnums=(6,))
-  states.defvjp(lambda *a: (sp._states_call(*a), a[:6]),
-                lambda interp, res, ct: (*jax.vjp(lambda *a: sp._states_ref(*a, res[5]), *res[:5])[1](ct),
-                                         None))
-  outputs = jax.custom_vjp(sp._outputs_call, nondiff_argnums=(10,))
-  outputs.defvjp(lambda *a: (sp._outputs_call(*a), a[:10]),
-                 lambda interp, res, ct: (*jax.vjp(lambda *a: sp._outputs_ref(*a, *res[7:]), *res[:7])[1](ct),
-                                          None, None, None))
-  saved = sp._chunk_states, sp._chunk_outputs
-  sp._chunk_states, sp._chunk_outputs = states, outputs
-  try:
-    yield
-  finally:
-    sp._chunk_states, sp._chunk_outputs = saved
-
-
-@contextlib.contextmanager
-def two_kernel_vjp():
-  """The one-pass forward with the backward it had before its own kernel: the vjp of
-  the two-kernel form (the chunk states recomputed by their kernel, the plain-JAX
-  state passing, the per-kernel backward kernels)."""
-  sp = ssd_pallas
-  fwd_only = lambda *a: sp._one_pass_call(*a[:11], a[12])
-  op = jax.custom_vjp(fwd_only, nondiff_argnums=(12,))
-
-  def bwd(interpret, res, ct):
-    diff, masks = res[:7], res[7:]
-    _, vjp = jax.vjp(lambda *d: sp._two_kernels(*d, *masks, interpret), *diff)
-    return (*vjp(ct), *(None,) * len(masks))
-
-  op.defvjp(lambda *a: (fwd_only(*a), a[:12]), bwd)
-  saved, sp._one_pass = sp._one_pass, op
-  try:
-    yield
-  finally:
-    sp._one_pass = saved
-
-
-@contextlib.contextmanager
-def both(*contexts):
-  with contextlib.ExitStack() as stack:
-    for ctx in contexts:
-      stack.enter_context(ctx())
-    yield
-
-
-two = functools.partial(ssd_pallas.ssd_fused, one_pass=False)
-one = functools.partial(ssd_pallas.ssd_fused, one_pass=True)
-# name -> (SSD fn, context that swaps the backward or None, whether to count the forward too)
+# name -> SSD fn(x, dt, A, B, C, chunk, *, D, seq_idx) -> (y, final state)
 FORMS = {
-    "xla (ssd_chunked, parallel form)": (functools.partial(ssd.ssd_chunked, form="parallel"), None, True),
-    "pallas two kernels, reference backward": (two, reference_backward, False),
-    "pallas two kernels, Pallas backward": (two, None, True),
-    "pallas one pass, two-kernel vjp, reference backward": (
-        one, functools.partial(both, two_kernel_vjp, reference_backward), False),
-    "pallas one pass, two-kernel vjp, Pallas backward": (one, two_kernel_vjp, False),
-    "pallas one pass, one-pass backward kernel": (one, None, True),
+    "xla (ssd_chunked, parallel form)": functools.partial(ssd.ssd_chunked, form="parallel"),
+    "pallas one pass, one-pass backward kernel": ssd_pallas.ssd_fused,
 }
 
 
@@ -117,7 +57,7 @@ def main(argv=None):
         f"({chip.name}: {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e12:.1f} TB/s)")
   print("| form | program | XLA FLOPs | XLA bytes | roofline ms | bound | compile s |")
   print("|---|---|---|---|---|---|---|")
-  for name, (fn, ctx, with_fwd) in FORMS.items():
+  for name, fn in FORMS.items():
     if args.only not in name:
       continue
     def run(x, dt, A, B, C, D, seq, fn=fn):
@@ -126,12 +66,9 @@ def main(argv=None):
     progs = {"forward": jax.jit(run),
              "value_and_grad": jax.jit(jax.value_and_grad(run, argnums=tuple(range(6))))}
     for prog, f in progs.items():
-      if prog == "forward" and not with_fwd:
-        continue  # the same forward kernels as the row with the Pallas backward
-      with ctx() if ctx else contextlib.nullcontext():
-        t = time.perf_counter()
-        compiled = f.lower(*xs, seq).compile()
-        secs = time.perf_counter() - t
+      t = time.perf_counter()
+      compiled = f.lower(*xs, seq).compile()
+      secs = time.perf_counter() - t
       c = metrics.compiled_cost(compiled)
       rl = metrics.roofline_seconds(c["flops"], c["bytes accessed"], chip.peak_flops, chip.hbm_bandwidth)
       print(f"| {name} | {prog} | {c['flops']:.3g} | {c['bytes accessed']:.3g} | "

@@ -55,13 +55,14 @@ if _XET_BEFORE is None:
   os.environ.pop("HF_XET_HIGH_PERFORMANCE", None)
 
 from mamba_train.data.tokenizer import TokenizerInfo, token_bytes
-from mamba_train.generation import generate, token_byte_table
+from mamba_train.generation import generate, round_up_pow2, token_byte_table
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel import sharding
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's own default for models that state none
 DEFAULT_MAX_BATCH_SIZE = 64  # lm-eval's hf backend's
+MIN_WIDTH = 16  # rows are padded to a power of two at least this long
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -114,10 +115,6 @@ def parse_batch_size(spec) -> tuple[int | str, float]:
                    "requests shorten), as lm-eval reads it")
 
 
-def _bucket(n: int, least: int = 16) -> int:
-  return max(least, 1 << (n - 1).bit_length())
-
-
 class HarnessLM(TemplateLM):
   """lm-eval's view of a Mamba2LM and its tokenizer."""
 
@@ -164,11 +161,11 @@ class HarnessLM(TemplateLM):
     start = 0
     while start < len(order):
       longest = min(len(pairs[order[start]][0]) + len(pairs[order[start]][1]), self.max_length + 1)
-      rows = self._rows(start, len(order), _bucket(longest))
+      rows = self._rows(start, len(order), round_up_pow2(longest, MIN_WIDTH))
       idx = order[start:start + rows]
       start += rows
       seqs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in idx]
-      width = _bucket(max(len(s) for s in seqs))
+      width = round_up_pow2(max(len(s) for s in seqs), MIN_WIDTH)
       ids = np.full((rows, width), self.eot_token_id, np.int32)
       for r, s in enumerate(seqs):
         ids[r, :len(s)] = s
@@ -252,7 +249,7 @@ class HarnessLM(TemplateLM):
 
     rows = self.batch_size
     if rows == "auto":  # the hf backend detects once, at max_length
-      rows = self.batch_sizes[0] = self.detect_batch_size(_bucket(self.max_length))
+      rows = self.batch_sizes[0] = self.detect_batch_size(round_up_pow2(self.max_length, MIN_WIDTH))
     for (max_new, temperature), idx in groups.items():
       for start in range(0, len(idx), rows):
         batch = idx[start:start + rows]

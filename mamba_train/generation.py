@@ -43,7 +43,7 @@ from mamba_train.parallel import sharding
 # linearly with l (docs/bench/design_notes.md). Pass max_prompt_len= to
 # `generate` for more.
 MAX_PROMPT_LEN = 16384
-_MIN_BUCKET = 16
+_MIN_LENGTH = 16  # the shortest padded prompt and output buffer
 
 
 # ----------------------------------------------------------------------------
@@ -135,8 +135,8 @@ def stop_arrays(stop_strings, batch: int) -> tuple[np.ndarray, np.ndarray]:
   per_row = [[x.encode() if isinstance(x, str) else bytes(x) for x in row] for row in per_row]
   if any(not x for row in per_row for x in row):
     raise ValueError("an empty stop string would end every sequence at once; drop it")
-  s = _pow2(max(1, max(len(row) for row in per_row)))
-  m = _pow2(max([1] + [len(x) for row in per_row for x in row]))
+  s = round_up_pow2(max(1, max(len(row) for row in per_row)))
+  m = round_up_pow2(max([1] + [len(x) for row in per_row for x in row]))
   stops = np.full((batch, s, m), -1, np.int32)
   lengths = np.zeros((batch, s), np.int32)
   for r, row in enumerate(per_row):
@@ -146,8 +146,10 @@ def stop_arrays(stop_strings, batch: int) -> tuple[np.ndarray, np.ndarray]:
   return stops, lengths
 
 
-def _pow2(n: int) -> int:
-  return 1 << (n - 1).bit_length()
+def round_up_pow2(n: int, least: int = 1) -> int:
+  """The smallest power of two >= n, and at least `least` (a power of two): padded
+  shapes in few sizes, so few compiled programs serve all calls."""
+  return max(least, 1 << (n - 1).bit_length())
 
 
 def _push_bytes(window, token_bytes):
@@ -304,10 +306,6 @@ def _check(prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, eos_i
       raise ValueError(f"{name}={v} is outside the vocabulary [0, {vocab_size})")
 
 
-def _bucket(n: int) -> int:
-  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
-
-
 def left_pad(prompts: list[np.ndarray], length: int, pad_id: int):
   """-> ids (b, length) int32 and mask (b, length) bool, prompts flush right."""
   ids = np.full((len(prompts), length), pad_id, np.int32)
@@ -360,8 +358,8 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
     pad_id = eos_id if eos_id is not None else 0
   # Prompt length and output buffer are rounded up to powers of two and
   # everything else is traced, so few programs serve all calls.
-  length = _bucket(max(p.size for p in prompts))
-  buffer_len = _bucket(int(max_new_tokens))
+  length = round_up_pow2(max(p.size for p in prompts), _MIN_LENGTH)
+  buffer_len = round_up_pow2(int(max_new_tokens), _MIN_LENGTH)
   ids, mask = left_pad(prompts, length, pad_id)
   graphdef, params = nnx.split(model)
   args = (params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),

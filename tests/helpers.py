@@ -96,3 +96,69 @@ def export_cli(ckpt, out, *extra, env=None) -> subprocess.CompletedProcess:
 def tree_sizes(path: Path) -> dict:
   """{relative path: size} of everything under `path`: what a test compares to see nothing touched."""
   return {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*")}
+
+
+# ---------------------------------------------------------------------------
+# Inputs. JAX is imported inside the functions: conftest imports this module before it
+# sets XLA_FLAGS.
+
+
+def ssd_inputs(seed, b, l, h, p, g, n, dtype):
+  """Random SSD inputs (x, dt, A, B, C, D, h0) of the given sizes: dt > 0 and A < 0 as the
+  model makes them."""
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  x = jax.random.normal(ks[0], (b, l, h, p), dtype)
+  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h), dtype) - 1.0)
+  A = -jnp.exp(jax.random.uniform(ks[2], (h,), dtype, -1.0, 1.5))
+  B = jax.random.normal(ks[3], (b, l, g, n), dtype)
+  C = jax.random.normal(ks[4], (b, l, g, n), dtype)
+  D = jax.random.normal(ks[5], (h,), dtype)
+  h0 = jax.random.normal(ks[6], (b, h, p, n), dtype)
+  return x, dt, A, B, C, D, h0
+
+
+def packed_ids(seed, b, l):
+  """(b, l) document ids of rows that pack four documents each, cut at random positions."""
+  import jax.numpy as jnp
+  rng = np.random.RandomState(seed)
+  ids = np.zeros((b, l), np.int32)
+  for i in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, l), size=min(3, l - 1), replace=False))
+    for c in cuts:
+      ids[i, c:] += 1
+  return jnp.asarray(ids)
+
+
+def random_model(cfg, rng):
+  """A Mamba2LM of `cfg` with random weights, skipping the model's init (about 40 small
+  XLA compiles, 30 s on a CPU). A and dt are drawn as mamba_ssm draws them, so that state
+  carries across chunks the way it does in a trained model."""
+  import jax
+  from flax import nnx
+
+  from mamba_train import Mamba2LM
+  abstract = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
+
+  def draw(path, a):
+    name = jax.tree_util.keystr(path)
+    if "A_log" in name:
+      return np.log(rng.uniform(1, 16, a.shape)).astype(np.float32)
+    if "dt_bias" in name:  # softplus(dt_bias) = dt, log-uniform in [1e-3, 1e-1]
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), a.shape))
+      return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    return (0.1 * rng.standard_normal(a.shape)).astype(np.float32)
+  return Mamba2LM.from_params(cfg, jax.tree_util.tree_map_with_path(draw, abstract))
+
+
+def orbax_round_trip(it, fresh, directory):
+  """Saves data iterator `it` as the checkpointer does (Grain's handler in an Orbax
+  Composite) and restores it into `fresh`."""
+  import grain
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(str(directory)) as mngr:
+    mngr.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(str(directory)) as mngr:
+    mngr.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))

@@ -12,6 +12,7 @@ import socket
 import numpy as np
 import pytest
 
+from helpers import orbax_round_trip, random_model
 from mamba_train import data
 from mamba_train.data import loader as loader_lib
 from mamba_train.data import tokenizer as tokenizer_lib
@@ -227,18 +228,6 @@ def test_resume_with_get_state(window_dataset):
   _assert_same(_take(fresh, 8), reference[12:])
 
 
-def orbax_round_trip(it, fresh, directory):
-  """Saves iterator `it` as train.py does (Grain's handler in an Orbax Composite) and
-  restores it into `fresh`."""
-  import grain
-  import orbax.checkpoint as ocp
-  with ocp.CheckpointManager(str(directory)) as mngr:
-    mngr.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-    mngr.wait_until_finished()
-  with ocp.CheckpointManager(str(directory)) as mngr:
-    mngr.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
-
-
 def test_resume_with_orbax_composite(window_dataset, tmp_path):
   path, _ = window_dataset
   kw = dict(seq_len=SEQ_LEN, global_batch_size=4, seed=5)
@@ -281,26 +270,6 @@ def test_to_global_single_process(jsonl_dataset):
   np.testing.assert_array_equal(np.asarray(g["seq_idx"]), b["seq_idx"])
 
 
-def _random_model(cfg, rng):
-  """Random weights, skipping the model's init (about 40 small XLA compiles, 30 s on
-  this CPU). A and dt are drawn as mamba_ssm draws them, so that state carries
-  across chunks the way it does in a trained model."""
-  import jax
-  from flax import nnx
-  from mamba_train import Mamba2LM
-  abstract = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
-
-  def draw(path, a):
-    name = jax.tree_util.keystr(path)
-    if "A_log" in name:
-      return np.log(rng.uniform(1, 16, a.shape)).astype(np.float32)
-    if "dt_bias" in name:  # softplus(dt_bias) = dt, log-uniform in [1e-3, 1e-1]
-      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), a.shape))
-      return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
-    return (0.1 * rng.standard_normal(a.shape)).astype(np.float32)
-  return Mamba2LM.from_params(cfg, jax.tree_util.tree_map_with_path(draw, abstract))
-
-
 def test_packed_window_with_seq_idx_equals_documents_alone():
   import jax.numpy as jnp
   from flax import nnx
@@ -320,7 +289,7 @@ def test_packed_window_with_seq_idx_equals_documents_alone():
   seq_idx[0] = b["seq_idx"][0]
   for r, d in enumerate(docs):
     rows[2 + r, :len(d)] = d
-  m = _random_model(config_for("tiny", n_layer=2), rng)
+  m = random_model(config_for("tiny", n_layer=2), rng)
   out = np.asarray(nnx.jit(lambda m, x, s: m(x, seq_idx=s))(m, jnp.asarray(rows),
                                                              jnp.asarray(seq_idx)))
   alone = np.concatenate([out[2 + r, :len(d)] for r, d in enumerate(docs)])

@@ -284,7 +284,7 @@ def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
   # Detected at the longest request (question, space, choice: byte tokens) first.
   docs = [json.loads(line) for line in open(os.path.join(TASKS, "tiny.jsonl"))]
   longest = max(len(f"{d['question']} {c}".encode()) for d in docs for c in d["choices"])
-  width = eval_harness._bucket(longest)
+  width = eval_harness.round_up_pow2(longest, eval_harness.MIN_WIDTH)
   fits = [r for r in (8, 4, 2, 1) if r == 1 or (lambda m: m.temp_size_in_bytes + m.output_size_in_bytes
           + r * width * 4)(eval_harness._scorer(auto._graphdef, auto._params, r, width)
                             .memory_analysis()) <= (need[4] + need[8]) // 2]

@@ -87,7 +87,7 @@ def test_default_template_packing_and_loader_rows(tmp_path):
 def test_masked_targets_get_zero_gradient_and_packed_row_equals_examples_alone(tmp_path):
   import jax
   import jax.numpy as jnp
-  from test_data import _random_model
+  from helpers import random_model
   from mamba_train import Runtime, config_for
   from mamba_train.data import loader as loader_lib
   from mamba_train.train.step import loss_sums
@@ -98,7 +98,7 @@ def test_masked_targets_get_zero_gradient_and_packed_row_equals_examples_alone(t
   # Small shapes compile fast; chunks of 32 put eight chunk boundaries in a row.
   cfg = config_for("tiny", n_layer=1, d_model=64, d_state=16, headdim=16, chunk_size=32,
                    vocab_size=257)
-  model = _random_model(cfg, np.random.default_rng(0))
+  model = random_model(cfg, np.random.default_rng(0))
   params, rt = model.params(), Runtime().resolve("cpu")
   # Row 0 packed with seq_idx, then each of its examples alone in rows of the same width.
   examples = [packed[:, packed[2] == j] for j in np.unique(packed[2])]

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import packed_ids, rel, ssd_inputs
 from mamba_train.model import ssd
 
 # Jitted once per module: eager op-by-op dispatch compiles every primitive anew.
@@ -15,33 +16,6 @@ segsum = jax.jit(ssd.segsum)
 segsums = jax.jit(ssd._segsums, static_argnums=1)
 # Both ways of combining chunks: 'scan' (the CPU default) and 'parallel' (accelerators).
 FORMS = ["scan", "parallel"]
-
-
-def make_inputs(seed, b, l, h, p, g, n, dtype):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-  x = jax.random.normal(ks[0], (b, l, h, p), dtype)
-  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h), dtype) - 1.0)
-  A = -jnp.exp(jax.random.uniform(ks[2], (h,), dtype, -1.0, 1.5))
-  B = jax.random.normal(ks[3], (b, l, g, n), dtype)
-  C = jax.random.normal(ks[4], (b, l, g, n), dtype)
-  D = jax.random.normal(ks[5], (h,), dtype)
-  h0 = jax.random.normal(ks[6], (b, h, p, n), dtype)
-  return x, dt, A, B, C, D, h0
-
-
-def packed_ids(seed, b, l, starts_mid_chunk=True):
-  rng = np.random.RandomState(seed)
-  ids = np.zeros((b, l), np.int32)
-  for i in range(b):
-    cuts = np.sort(rng.choice(np.arange(1, l), size=min(3, l - 1), replace=False))
-    for c in cuts:
-      ids[i, c:] += 1
-  return jnp.asarray(ids)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
 # (l, chunk, groups): below, equal to, and not a multiple of the chunk; several chunks; g > 1.
@@ -62,7 +36,7 @@ def _kwargs(option, h0, seq):
 def test_chunked_matches_sequential_float64(case, option, form):
   l, q, g = case
   with jax.enable_x64(True):
-    x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float64)
+    x, dt, A, B, C, D, h0 = ssd_inputs(l, 2, l, 6, 4, g, 5, jnp.float64)
     kw = _kwargs(option, h0, packed_ids(l, 2, l))
     y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, form=form, **kw)
     y2, s2 = ssd_sequential(x, dt, A, B, C, D=D, **kw)
@@ -74,7 +48,7 @@ def test_chunked_matches_sequential_float64(case, option, form):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("l,q,g", [(100, 32, 2)])
 def test_chunked_matches_sequential_float32(l, q, g, form):
-  x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, 6, 4, g, 5, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(l, 2, l, 6, 4, g, 5, jnp.float32)
   seq = packed_ids(l + 1, 2, l)
   y1, s1 = ssd_chunked(x, dt, A, B, C, q, D=D, initial_state=h0, seq_idx=seq, form=form)
   with jax.enable_x64(True):
@@ -89,7 +63,7 @@ def test_chunked_matches_sequential_float32(l, q, g, form):
 def test_gradients_match_sequential_float64(option, form):
   l, q, g = 45, 16, 2
   with jax.enable_x64(True):
-    x, dt, A, B, C, D, h0 = make_inputs(3, 2, l, 4, 3, g, 5, jnp.float64)
+    x, dt, A, B, C, D, h0 = ssd_inputs(3, 2, l, 4, 3, g, 5, jnp.float64)
     seq = packed_ids(4, 2, l)
     wy = jax.random.normal(jax.random.PRNGKey(9), x.shape, jnp.float64)
     ws = jax.random.normal(jax.random.PRNGKey(10), h0.shape, jnp.float64)
@@ -113,7 +87,7 @@ def test_gradients_match_sequential_float64(option, form):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_gradients_float32(form):
-  x, dt, A, B, C, D, h0 = make_inputs(5, 2, 70, 4, 8, 1, 16, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(5, 2, 70, 4, 8, 1, 16, jnp.float32)
   f = lambda fn: jax.jit(jax.grad(
       lambda x, dt, B: jnp.sum(fn(x, dt, A, B, C, D=D, initial_state=h0)[0] ** 2),
       argnums=(0, 1, 2)))(x, dt, B)
@@ -127,7 +101,7 @@ def test_seq_idx_equals_documents_run_alone():
   """A packed row gives, document by document, what each document gives alone."""
   lengths = [11, 18, 30]  # starts at 11 and 29: mid-chunk for chunk 16
   l, longest = sum(lengths), max(lengths)
-  x, dt, A, B, C, D, _ = make_inputs(7, 1, l, 4, 4, 2, 8, jnp.float32)
+  x, dt, A, B, C, D, _ = ssd_inputs(7, 1, l, 4, 4, 2, 8, jnp.float32)
   seq = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
   y, final = ssd_chunked(x, dt, A, B, C, 16, D=D, seq_idx=seq)
   # Each document alone, as one row of a batch, padded at its end (the scan is
@@ -145,14 +119,14 @@ def test_seq_idx_equals_documents_run_alone():
 
 def test_padding_cannot_change_state():
   """A length that is not a multiple of the chunk: the final state is the true one."""
-  x, dt, A, B, C, D, _ = make_inputs(8, 1, 21, 2, 4, 1, 4, jnp.float32)
+  x, dt, A, B, C, D, _ = ssd_inputs(8, 1, 21, 2, 4, 1, 4, jnp.float32)
   _, s_short = ssd_chunked(x, dt, A, B, C, 16)
   _, s_seq = ssd_sequential(x, dt, A, B, C)
   assert rel(s_short, s_seq) < 1e-5
 
 
 def test_step_continues_the_scan():
-  x, dt, A, B, C, D, h0 = make_inputs(11, 2, 9, 4, 3, 2, 5, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(11, 2, 9, 4, 3, 2, 5, jnp.float32)
   y_ref, s_ref = ssd_sequential(x, dt, A, B, C, D=D, initial_state=h0)
   state = h0
   for t in range(x.shape[1]):

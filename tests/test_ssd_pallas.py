@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from mamba_train.model import ssd, ssd_pallas
-from test_ssd import make_inputs, packed_ids, rel
+from helpers import ROOT, packed_ids, rel, ssd_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _loss(fn, chunk, kw):
@@ -35,7 +34,7 @@ CASES = [(37, 8, 3, 6, True), (40, 16, 1, 8, False)]
 
 @pytest.mark.parametrize("l,q,g,h,docs", CASES)
 def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
-  x, dt, A, B, C, D, h0 = make_inputs(l, 2, l, h, 4, g, 5, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(l, 2, l, h, 4, g, 5, jnp.float32)
   kw = {"seq_idx": packed_ids(l, 2, l)} if docs else {}
   k1, k2 = jax.random.split(jax.random.PRNGKey(l))
   wy, ws = jax.random.normal(k1, x.shape), jax.random.normal(k2, h0.shape)
@@ -58,12 +57,12 @@ def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
 def test_one_pass_carries_the_state_across_chunks_and_documents():
   """The one-pass forward (the state carried from chunk to chunk on chip) and its
   backward kernel (the chunks in reverse, the state's cotangent carried) against
-  `ssd_chunked`, and the two-kernel forward: 6 chunks (the last ragged), an initial
+  `ssd_chunked`: 6 chunks (the last ragged), an initial
   state, documents that start mid-chunk, exactly at a chunk start, and span whole
   chunks (row 0), and one document through every chunk (row 1); 2 groups of 16
   heads (two head blocks, so the partial B and C gradients are summed)."""
   l, q, g, h = 45, 8, 2, 32
-  x, dt, A, B, C, D, h0 = make_inputs(7, 2, l, h, 2, g, 3, jnp.float32)
+  x, dt, A, B, C, D, h0 = ssd_inputs(7, 2, l, h, 2, g, 3, jnp.float32)
   seq = np.zeros((2, l), np.int32)
   seq[0, 3:], seq[0, 16:], seq[0, 37:] = 1, 2, 3  # doc 2: chunk 2's start to mid chunk 4
   seq = jnp.asarray(seq)
@@ -78,14 +77,10 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
   grad = lambda fn, seq, *a: jax.value_and_grad(functools.partial(loss, fn, seq), argnums=tuple(range(7)),
                                                  has_aux=True)(*a)
   one = jax.jit(functools.partial(grad, functools.partial(ssd_pallas.ssd_fused, interpret=True)))
-  two = functools.partial(ssd_pallas.ssd_fused, interpret=True, one_pass=False)
-  # The XLA form's value and gradients and the two-kernel forward, in one program.
-  ref = jax.jit(lambda seq, *a: (grad(functools.partial(ssd.ssd_chunked, form="parallel"), seq, *a),
-                                 loss(two, seq, *a)[1]))
+  ref = jax.jit(functools.partial(grad, functools.partial(ssd.ssd_chunked, form="parallel")))
   (_, (y1, s1)), g1 = one(seq, *ins)
-  ((_, (y3, s3)), g3), (y2, s2) = ref(seq, *ins)
+  (_, (y3, s3)), g3 = ref(seq, *ins)
   assert rel(y1, y3) < 1e-5 and rel(s1, s3) < 1e-5
-  assert rel(y2, y3) < 1e-5 and rel(s2, s3) < 1e-5
   for name, a, b in zip("x dt A B C D h0".split(), g1, g3):
     assert rel(a, b) < 1e-5, name
   # The carry really is cut: without documents the outputs differ after the first start.
@@ -94,18 +89,22 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
   assert not np.allclose(np.asarray(y4)[0, 3:], np.asarray(y1)[0, 3:])
 
 
-def test_model_with_fused_ssd_matches_xla_model():
-  """Tiny model, logits and parameter gradients: ssd_impl 'interpret' (the kernels)
-  against 'xla' in the parallel form at the same chunk."""
+@pytest.mark.parametrize("length", [48, 40], ids=["whole-chunks", "ragged"])
+def test_model_with_fused_ssd_matches_xla_model(length):
+  """Tiny model over packed documents, logits and parameter gradients: ssd_impl
+  'interpret' (the kernels) against 'xla' in the parallel form at the same chunk. At a
+  whole number of chunks the mixer hands x to the kernels, and takes y back, in their
+  chunk-major layout (layout constraints); a ragged length pads the last chunk."""
   from flax import nnx
   from mamba_train import Mamba2LM, Runtime, config_for
   cfg = config_for("tiny", n_layer=1, chunk_size=16)
-  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
-  seq = packed_ids(3, 2, 40)
+  ids = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
+  seq = packed_ids(3, 2, length)
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
 
   def run(impl):
     rt = Runtime(ssd_impl=impl, ssd_form="parallel")
+
     def loss(p):
       logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
       return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
@@ -118,51 +117,8 @@ def test_model_with_fused_ssd_matches_xla_model():
     assert rel(a, b) < 1e-5, path
 
 
-def _chunk_inputs(docs):
-  """Chunk-layout inputs of the two kernels: 2 chunks of 8, 3 groups of 16 heads (two
-  head blocks of 8, so the in-kernel sums of B and C gradients over head blocks run)."""
-  c, b, g, r, p, q, n = 2, 1, 3, 16, 4, 8, 5
-  ks = jax.random.split(jax.random.PRNGKey(3), 10)
-  xc = jax.random.normal(ks[0], (c, b, g, r, p, q))
-  dtc = jax.nn.softplus(jax.random.normal(ks[1], (c, b, g, r, q)) - 1.0)
-  ac = dtc * -jnp.exp(jax.random.uniform(ks[2], (g, r, 1), minval=-1.0, maxval=1.5))
-  Bc, Cc = jax.random.normal(ks[3], (c, b, g, q, n)), jax.random.normal(ks[4], (c, b, g, q, n))
-  init, prev = jax.random.normal(ks[5], (b, g, r, p, n)), jax.random.normal(ks[6], (b, g, r, c + 1, p, n))
-  Dr = jax.random.normal(ks[7], (g, r))
-  ds, dy = jax.random.normal(ks[8], (b, g, r, c + 1, p, n)), jax.random.normal(ks[9], xc.shape)
-  masks = (None,) * 4
-  if docs:  # a document ends mid-chunk 0, another starts at chunk 1's first position
-    sq = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 2, 2, 3, 3, 3, 3]])[:, None, :]  # (c, b, s)
-    doc_in = jnp.array([[0], [1]])
-    keep_in = (sq == doc_in[..., None]).astype(jnp.float32)[:, :, None, :]
-    end = (sq == sq[:, :, -1:]).astype(jnp.float32)[:, :, None, :]
-    masks = (sq[:, :, None, :], sq[:, :, :, None], keep_in, end)
-  return (xc, dtc, ac, Bc, Cc, init, prev, Dr), (ds, dy), masks
-
-
-@pytest.mark.parametrize("docs", [False, True])
-def test_backward_kernels_match_vjp_of_reference(docs):
-  """Each backward kernel (through its custom_vjp) against the vjp of its plain-JAX form."""
-  (xc, dtc, ac, Bc, Cc, init, prev, Dr), (ds, dy), (row, col, keep_in, end) = _chunk_inputs(docs)
-
-  @jax.jit
-  def grads(ds, dy):
-    s_in, o_in = (xc, dtc, ac, Bc, init), (xc, dtc, ac, Bc, Cc, prev, Dr)
-    s1 = jax.vjp(lambda *a: ssd_pallas._chunk_states(*a, end, True), *s_in)[1](ds)
-    s2 = jax.vjp(lambda *a: ssd_pallas._states_ref(*a, end), *s_in)[1](ds)
-    o1 = jax.vjp(lambda *a: ssd_pallas._chunk_outputs(*a, row, col, keep_in, True), *o_in)[1](dy)
-    o2 = jax.vjp(lambda *a: ssd_pallas._outputs_ref(*a, row, col, keep_in), *o_in)[1](dy)
-    return s1, s2, o1, o2
-
-  s1, s2, o1, o2 = grads(ds, dy)
-  for name, a, b in zip("x dt a B init".split(), s1, s2):
-    assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5, ("states", name)
-  for name, a, b in zip("x dt a B C prev D".split(), o1, o2):
-    assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5, ("outputs", name)
-
-
 _AOT = """
-import re, sys, jax, jax.numpy as jnp, numpy as np
+import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.model.ssd_pallas import ssd_fused
@@ -178,25 +134,13 @@ for topo in sys.argv[1:]:
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))  # forward + backward
   hlo = step.lower(*args).compile().as_text()
   # The one-pass forward that saves the entering states and its reverse-chunk
-  # backward kernel; none of the two-kernel form's kernels (no plain-JAX state passing).
+  # backward kernel.
   for kernel in ("ssd_one_pass_save", "ssd_one_pass_bwd"):
     assert kernel in hlo, kernel + " missing"
-  assert not re.search("ssd_chunk_", hlo), "two-kernel form in the one-pass gradient"
-  # The forwards alone: the one-pass kernel (its sequential chunk axis, the state
-  # carried in VMEM) without the two kernels, and the two-kernel form.
-  for one_pass, want, absent in [(True, "ssd_one_pass", "ssd_chunk_states"),
-                                 (False, "ssd_chunk_outputs", "ssd_one_pass")]:
-    fwd = jax.jit(lambda *a: ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7],
-                                       one_pass=one_pass))
-    hlo = fwd.lower(*args).compile().as_text()
-    assert want in hlo and absent not in hlo, (one_pass, "kernel missing")
-  if topo == sys.argv[1]:  # the two-kernel form's gradient, its backward kernels (one topology: test time)
-    step2 = jax.jit(jax.value_and_grad(
-        lambda *a: jnp.sum(ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7],
-                                     one_pass=False)[0].astype(jnp.float32)), argnums=tuple(range(7))))
-    hlo = step2.lower(*args).compile().as_text()
-    for kernel in ("ssd_chunk_states_bwd", "ssd_chunk_outputs_bwd"):
-      assert kernel in hlo, kernel + " missing"
+  # The forward alone: the one-pass kernel (its sequential chunk axis, the state
+  # carried in VMEM).
+  fwd = jax.jit(lambda *a: ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7]))
+  assert "ssd_one_pass" in fwd.lower(*args).compile().as_text(), "kernel missing"
   print("compiled", topo)
 """
 
@@ -206,7 +150,7 @@ def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
   _require_libtpu()
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
+  env["PYTHONPATH"] = str(ROOT)
   r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
                      text=True, env=env, timeout=600)
   assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]

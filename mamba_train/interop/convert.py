@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
+from mamba_train.model.mamba2 import KIND_PARAMS
 
 # The files of the outside layouts.
 CONFIG_FILE = "config.json"
@@ -94,9 +95,6 @@ TOP_TABLE = {
 }
 TOP_TABLE["nemotron_h"] = TOP_TABLE["hf"]
 LAYER_PREFIX = "backbone.layers."
-# transformers holds NemotronH as `model.*` in memory and writes `backbone.*`
-# (its checkpoint conversion); both are read.
-NEMOTRON_H_PREFIXES = ("model.", "backbone.")
 # Tensors transformers itself ignores when loading a NemotronH (multi-token prediction).
 NEMOTRON_H_IGNORED = ("mtp.",)
 
@@ -192,8 +190,6 @@ def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
     return ("mamba_ssm's MLP is GatedMLP: mlp_act must be 'swiglu' and d_intermediate a "
             f"multiple of 128 (got {cfg.mlp_act!r}, {cfg.d_intermediate})")
   return None
-# Our name of each kind's parameter stack (as in Mamba2LM.params()).
-KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
 
 
 def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA,
@@ -231,6 +227,8 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
   """Outside state dict (numpy arrays) -> our nested params. Strict about names and shapes."""
   top = TOP_TABLE[layout]
   if layout == "nemotron_h":
+    # transformers holds NemotronH as `model.*` in memory and writes `backbone.*`
+    # (its checkpoint conversion); both are read.
     sd = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
           for k, v in sd.items() if not k.startswith(NEMOTRON_H_IGNORED)}
   slots = _layer_slots(cfg, layout)

@@ -65,9 +65,9 @@ MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj"
                             "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
 
 
-# Each layer kind: its name in `Mamba2LM.params()` (the Mamba-2 stack keeps the
-# name it had before hybrids, so pure models and their checkpoints are unchanged)
-# and the keys of its decoding state.
+# Each layer kind: its name in `Mamba2LM.params()` and the keys of its decoding
+# state. The Mamba-2 stack is `layers` in pure models and hybrids alike, so a pure
+# model's parameters and checkpoints carry no hybrid-only name.
 KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
 STATE_KEYS = {MAMBA: ("conv_x", "conv_bc", "ssm"), ATTENTION: ("k", "v", "kv_valid", "kv_pos"),
               MLP: ()}
@@ -260,7 +260,10 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ssd_args = (x, dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
   ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
   if fused:
-    y, ssm = _ssd_fused_sharded(*ssd_args, **ssd_kw, interpret=form == "interpret")
+    # XLA cannot partition a Pallas call: under a mesh it runs per device's batch and heads.
+    kernel = functools.partial(ssd_fused, interpret=form == "interpret")
+    heads = sharding.head_split()
+    y, ssm = (kernel if heads is None else functools.partial(heads.ssd, kernel))(*ssd_args, **ssd_kw)
   else:
     # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
     # kernels do not take a slice's entering state from the other devices yet.
@@ -275,42 +278,6 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
   out = _project_out(p, y, z, cfg, cd)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
-
-
-def _axes_size(mesh, axes) -> int:
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(mesh.shape[a] for a in axes)
-
-
-def _ssd_fused_sharded(x, dt, A, B, C, chunk, *, D, initial_state, seq_idx, interpret):
-  """`ssd_fused` on each device's part of the batch and heads (`jax.shard_map`):
-  XLA cannot split a Pallas kernel across devices itself. The SSD is independent
-  per sequence and head; B and C are split with the heads when their groups
-  divide evenly over the tensor axis, and replicated when there is one group."""
-  fused = functools.partial(ssd_fused, interpret=interpret)
-  act = sharding.active()
-  if act is None:
-    return fused(x, dt, A, B, C, chunk, D=D, initial_state=initial_state, seq_idx=seq_idx)
-  mesh, rules = act
-  spec = lambda *axes: sharding.logical_to_spec(axes, rules)
-  if _axes_size(mesh, spec("act_length")[0]) > 1:  # the mixer sends split sequences to XLA's SSD
-    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
-  tp, g = _axes_size(mesh, spec("act_inner")[0]), B.shape[2]
-  if g > 1 and g % tp:
-    raise ValueError(f"the Pallas SSD splits heads over {tp} devices but ngroups={g} does not divide "
-                     f"evenly over them: use a tensor axis dividing ngroups, or runtime.ssd_impl='xla'")
-  bc = spec("batch", None, "act_inner" if g > 1 else None, None)
-  specs = (spec("batch", None, "act_inner", None), spec("batch", None, "act_inner"), spec("act_inner"), bc, bc,
-           spec("act_inner"), spec("batch", "act_inner", None, None))
-  args = (x, dt, A, B, C, D if D is not None else jnp.zeros(A.shape, F32), initial_state)
-  if seq_idx is not None:
-    specs, args = specs + (spec("batch", None),), args + (seq_idx,)
-
-  def local(x, dt, A, B, C, D, h0, seq=None):
-    return fused(x, dt, A, B, C, chunk, D=D, initial_state=h0, seq_idx=seq)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
-                       check_vma=False)(*args)
 
 
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
@@ -356,8 +323,9 @@ _REMAT_POLICIES = {
 def _init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
   # Two random draws in all, in one compiled program: XLA:CPU compiles each
   # threefry call slowly (seconds), so per-tensor draws made init take a minute.
-  # (A hybrid's attention and MLP layers draw from keys folded off `key`, so the
-  # draws of a pure model are the same as before hybrids existed.)
+  # (A hybrid's attention and MLP layers draw from keys folded off `key`, not from
+  # `key_layers`: the Mamba-2 layers' draws then depend on the seed and their count
+  # alone, the same in a pure model as in any pattern.)
   key_emb, key_layers = jax.random.split(key)
   v, d = cfg.padded_vocab_size, cfg.d_model
   n_emb = 1 if cfg.tie_embeddings else 2

@@ -37,17 +37,12 @@ def default_attention(backend: str, compute_dtype: str) -> str:
 SSD_IMPLS = ("auto", "xla", "pallas", "interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
-# weights), or 'auto' (`default_decode_layers` of the backend).
+# weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
 DECODE_LAYERS = ("auto", "unrolled", "scan")
-
-
-def default_decode_layers(backend: str) -> str:
-  """Unrolled everywhere for now: XLA:CPU copies each stacked weight's slice inside
-  a layer scan before it multiplies (docs/bench/design_notes.md), and for TPU
-  v6e the unrolled step moves no more bytes than the scan
-  (docs/bench/decode_tpu.md)."""
-  del backend
-  return "unrolled"
+# Unrolled on every backend: XLA:CPU copies each stacked weight's slice inside a
+# layer scan before it multiplies (docs/bench/design_notes.md), and for TPU v6e the
+# unrolled step moves no more bytes than the scan (docs/bench/decode_tpu.md).
+DEFAULT_DECODE_LAYERS = "unrolled"
 
 
 def default_form(backend: str) -> str:
@@ -142,8 +137,7 @@ class Runtime(FrozenFields):
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
-        decode_layers=(default_decode_layers(backend) if self.decode_layers == "auto"
-                       else self.decode_layers))
+        decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))
 
   def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
     """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is

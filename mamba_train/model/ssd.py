@@ -70,6 +70,48 @@ def _pad_to_chunks(x, pad, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def to_chunks(x, dt, A, B, C, chunk_size: int, initial_state=None, *, positions_minor: bool = False):
+  """The scan's inputs in the chunk-major, head-major layout that `ssd_chunked` and
+  the kernels of `ssd_pallas` share.
+
+  Padded to whole chunks with dt = 0 and x = 0: decay exp(0) = 1 and no input, so
+  padded positions cannot change the state. Returns xc (c, b, g, r, s, p), or
+  (c, b, g, r, p, s) with `positions_minor` (the kernels' lanes); dtc and the log
+  decay per step ac = dtc A, (c, b, g, r, s); Bc, Cc (c, b, g, s, n) in x's dtype;
+  init (b, g, r, p, n) (zeros without `initial_state`). dt, A and the state in
+  float32 (float64 under x64 with float64 inputs).
+  """
+  b, l, h, p = x.shape
+  g, n = B.shape[-2:]
+  r, q, cdt, f32 = h // g, chunk_size, x.dtype, _acc_dtype(x)
+  pad = (-l) % q
+  nc = (l + pad) // q
+  x_axes = (1, 0, 3, 4, 5, 2) if positions_minor else (1, 0, 3, 4, 2, 5)
+  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(x_axes)
+  dtc = _pad_to_chunks(dt.astype(f32), pad).reshape(b, nc, q, g, r).transpose(1, 0, 3, 4, 2)
+  ac = dtc * A.astype(f32).reshape(g, r, 1)
+  Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  Cc = _pad_to_chunks(C, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
+  init = (jnp.zeros((b, g, r, p, n), f32) if initial_state is None
+          else initial_state.astype(f32).reshape(b, g, r, p, n))
+  return xc, dtc, ac, Bc, Cc, init
+
+
+def chunk_documents(seq_idx, chunk_size: int):
+  """Document ids (b, l) chunk-major as sq (c, b, s), padded with the last id so
+  padding joins the last document (it carries no input); and doc_in (c, b), the
+  document of the state entering each chunk (position 0's for the first)."""
+  b, l = seq_idx.shape
+  q = chunk_size
+  pad = (-l) % q
+  sq = _pad_to_chunks(seq_idx, pad, 0)
+  if pad:
+    sq = sq.at[:, l:].set(seq_idx[:, -1:])
+  sq = sq.reshape(b, (l + pad) // q, q).transpose(1, 0, 2)
+  doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)
+  return sq, doc_in
+
+
 def _segsums_matmul(a):
   """_segsums by one matmul with a constant 0/1 matrix: O(t^3) FLOPs, but on the
   matrix units, and the fewest bytes: what the parallel form uses on accelerators,
@@ -238,38 +280,20 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
     raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
   if form not in ("parallel", "scan"):
     raise ValueError(f"form must be 'parallel' or 'scan', got {form!r}")
-  r = h // g
   q = chunk_size
   cdt = x.dtype
   f32 = _acc_dtype(x)
 
-  # Pad to whole chunks with dt = 0 and x = 0: decay exp(0) = 1 and no input,
-  # so padded positions cannot change the state. Then go to the chunk-major,
-  # head-major layout (c, b, g, r, s, p): every einsum has its batch dims leading
-  # (XLA:CPU's dots then need no transposes) and the scan slices the leading axis.
-  pad = (-l) % q
-  nc = (l + pad) // q
-  xc = _pad_to_chunks(x, pad).reshape(b, nc, q, g, r, p).transpose(1, 0, 3, 4, 2, 5)
-  dtc = _pad_to_chunks(dt.astype(f32), pad).reshape(b, nc, q, g, r).transpose(1, 0, 3, 4, 2)
-  ac = dtc * A.astype(f32).reshape(g, r, 1)  # log decay per step
-  Bc = _pad_to_chunks(B, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
-  Cc = _pad_to_chunks(C, pad).reshape(b, nc, q, g, n).transpose(1, 0, 3, 2, 4).astype(cdt)
-  Dr = None if D is None else D.astype(f32).reshape(g, r, 1, 1)
-  if initial_state is None:
-    init = jnp.zeros((b, g, r, p, n), f32)
-  else:
-    init = initial_state.astype(f32).reshape(b, g, r, p, n)
+  # The chunk-major, head-major layout (c, b, g, r, s, p): every einsum has its
+  # batch dims leading (XLA:CPU's dots then need no transposes) and the scan
+  # slices the leading axis.
+  xc, dtc, ac, Bc, Cc, init = to_chunks(x, dt, A, B, C, q, initial_state)
+  Dr = None if D is None else D.astype(f32).reshape(g, h // g, 1, 1)
 
   same = keep_in = carry = None
   if seq_idx is not None:
-    # Pad with the last id so padding joins the last document (it carries no input).
-    sq = _pad_to_chunks(seq_idx, pad, 0)
-    if pad:
-      sq = sq.at[:, l:].set(seq_idx[:, -1:])
-    sq = sq.reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
+    sq, doc_in = chunk_documents(seq_idx, q)  # (c, b, s), (c, b)
     same = sq[..., :, None] == sq[..., None, :]  # (c, b, t, s)
-    # Document of the state entering each chunk: position 0's for the first.
-    doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # (c, b)
     keep_in = sq == doc_in[..., None]  # (c, b, t)
     carry = sq[:, :, -1] == doc_in  # (c, b): the entering state reaches the chunk end
 
@@ -303,7 +327,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
       y = y + xc.astype(f32) * Dr
     y = y.astype(cdt)
 
-  y = y.transpose(1, 0, 4, 2, 3, 5).reshape(b, nc * q, h, p)[:, :l]
+  y = y.transpose(1, 0, 4, 2, 3, 5).reshape(b, xc.shape[0] * q, h, p)[:, :l]
   return y, final.reshape(b, h, p, n)
 
 

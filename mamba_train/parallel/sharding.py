@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mamba_train.parallel.kernels import HeadSplit
 from mamba_train.parallel.sequence import SequenceSplit
 
 # The sequence axis sits next to tensor: after it, the fastest links. Its traffic
@@ -111,15 +112,37 @@ def sequence_split() -> SequenceSplit | None:
   return SequenceSplit(mesh, axis)
 
 
+def head_split() -> HeadSplit | None:
+  """How the active rules split a Pallas kernel's batch and heads ('batch' and
+  'act_inner'; parallel/kernels.py): a `HeadSplit`, or None outside `use_rules`
+  (the kernel runs as on one device)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+  batch, length, heads = logical_to_spec(("batch", "act_length", "act_inner"), rules)
+  if axes_size(mesh, length) > 1:  # the mixer sends split sequences to XLA's SSD
+    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
+  return HeadSplit(mesh, batch, heads, axes_size(mesh, heads))
+
+
+def _axis_names(axes) -> tuple[str, ...]:
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axes_size(mesh: Mesh, axes) -> int:
+  """Devices along `axes` of `mesh`, a PartitionSpec entry: None (1), one axis name,
+  or a tuple of them (their product)."""
+  return math.prod(mesh.shape[a] for a in _axis_names(axes))
+
+
 def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
   """Drop mesh axes from dimensions they do not divide (those stay replicated)."""
   out = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-    size = math.prod(mesh.shape[a] for a in names)
+    size = axes_size(mesh, axes)
     if size > 1 and dim % size:
       logging.warning("dimension %d does not divide over mesh axes %s (%d); replicating it",
-                      dim, names, size)
+                      dim, _axis_names(axes), size)
       axes = None
     out.append(axes)
   return PartitionSpec(*out)

@@ -1,0 +1,61 @@
+"""A Pallas kernel over a mesh: the batch and heads of activations split over devices.
+
+XLA cannot partition a Pallas call itself, so under a mesh the kernel runs in
+`jax.shard_map` on each device's part of the batch and heads. The SSD is
+independent per sequence and head, so no device needs another's part: B and C
+are split with the heads when their groups divide evenly over the heads' devices,
+and replicated when there is one group. The length stays whole (a split sequence
+runs the XLA SSD per slice: `parallel/sequence.py`).
+
+As in `parallel/sequence.py`, the functions here take the math as a function (the
+kernel) and the mesh axes, and import nothing of the package; the model reaches
+them through `parallel.sharding` (`sharding.head_split()`), which knows the active
+mesh and rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+# A PartitionSpec entry: no mesh axis, one, or several.
+Axes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+  """Activations' batch split over the mesh axes `batch` and their heads over
+  `heads` (`head_devices` devices in all), the length whole."""
+  mesh: Mesh
+  batch: Axes
+  heads: Axes
+  head_devices: int
+
+  def ssd(self, kernel: Callable, x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None,
+          seq_idx=None):
+    """`kernel(x, dt, A, B, C, chunk_size, D=..., initial_state=..., seq_idx=...)`
+    (`ssd_pallas.ssd_fused` with its options) on each device's part of the batch and
+    heads, with the same arguments and results as `ssd.ssd_chunked`."""
+    g = B.shape[2]
+    if g > 1 and g % self.head_devices:
+      raise ValueError(f"the Pallas SSD splits heads over {self.head_devices} devices but ngroups={g} "
+                       f"does not divide evenly over them: use a tensor axis dividing ngroups, or "
+                       f"runtime.ssd_impl='xla'")
+    bt, hd = self.batch, self.heads
+    bc = P(bt, None, hd if g > 1 else None, None)
+    specs = (P(bt, None, hd, None), P(bt, None, hd), P(hd), bc, bc, P(hd), P(bt, hd, None, None))
+    if initial_state is None:
+      initial_state = jnp.zeros(x.shape[:1] + x.shape[2:] + B.shape[-1:], jnp.float32)
+    args = (x, dt, A, B, C, D if D is not None else jnp.zeros(A.shape, jnp.float32), initial_state)
+    if seq_idx is not None:
+      specs, args = specs + (P(bt, None),), args + (seq_idx,)
+
+    def local(x, dt, A, B, C, D, h0, seq=None):
+      return kernel(x, dt, A, B, C, chunk_size, D=D, initial_state=h0, seq_idx=seq)
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
+                         check_vma=False)(*args)
