@@ -96,6 +96,7 @@ def test_every_layer_cost_counts_each_layer():
   unrolled (which XLA counts in full). On CPU: the arithmetic is the same for any
   backend."""
   import jax
+
   from configs import base
   from mamba_train.parallel.mesh import make_mesh
   from mamba_train.train import aot, run_config

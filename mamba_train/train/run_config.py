@@ -201,8 +201,9 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if platform is None:
     import jax  # only here: planning for this host is the one case that asks it
     platform = jax.default_backend()
-  return Plan(config=ml_collections.FrozenConfigDict(config), model=model, runtime=rt.resolve(platform), platform=platform,
-              mesh_shape=mesh, sources=sources, schedule=schedule, default_corpus=default_corpus)
+  return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
+              runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
+              sources=sources, schedule=schedule, default_corpus=default_corpus)
 
 
 def _mixture(data: Mapping) -> tuple[list[str], tuple[mixture.Source, ...], tuple]:
