@@ -20,8 +20,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import peers
-from benchmarks.common import (F32, add_rows, compile_fn, log, model_cfg, one_device_mesh,
-                               run_plan, runtime)
+from benchmarks.common import F32, add_rows, compile_fn, log, model_cfg, one_device_mesh, run_plan, runtime
 from mamba_train import metrics
 from mamba_train.model.config import config_for
 from mamba_train.model.mamba2 import Mamba2LM
@@ -223,6 +222,7 @@ def bench_compile_tpu(args):
                  "target": "TPU v6e (AOT)", "n_layer": 64, "seq_len": 4096, "batch": 1,
                  **info, "xla_flops": cost.get("flops"), "xla_bytes": cost.get("bytes accessed"),
                  "roofline": rl, "roofline_ms": rl["time_s"] * 1e3})
-    log(f"  mamba2-jax 2.7b fwd l4096 for v6e: compile {info['compile_s']:.1f}s ({info['compile_cpu_s']:.1f}s cpu); {cost.get('flops', 0):.2e} FLOPs, "
+    log(f"  mamba2-jax 2.7b fwd l4096 for v6e: compile {info['compile_s']:.1f}s "
+        f"({info['compile_cpu_s']:.1f}s cpu); {cost.get('flops', 0):.2e} FLOPs, "
         f"{cost.get('bytes accessed', 0):.2e} bytes")
   return rows

@@ -413,8 +413,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   hands them to the step (matmul weights and LM head already in the compute dtype)
   rather than the float32 parameters cast inside the step. hlo: also return the
   compiled module's text."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost, every_layer_counts
   from mamba_train.model.cache import Mamba2Cache

@@ -46,7 +46,11 @@ import numpy as np  # noqa: E402
 from mamba_train import Runtime, config_for, metrics  # noqa: E402
 from mamba_train.parallel import sharding  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
-from mamba_train.train import optim, state as train_state, step as trainer  # noqa: E402
+from mamba_train.train import (
+  optim,  # noqa: E402
+  state as train_state,
+  step as trainer,
+)
 
 MIB = 2**20
 OPTIM = dict(lr=1e-3, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,

@@ -48,7 +48,8 @@ def format_report(r: dict) -> str:
            f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}"
            + (f" (layers {r['model']['layer_pattern']}, attention {r['runtime']['attention']})"
               if r['model'].get('layer_pattern') else "") + ", "
-           f"{r['runtime']['compute_dtype']}, remat {r['runtime']['remat']}, SSD {r['runtime']['ssd_impl']} ({r['runtime']['ssd_form']} form if xla)",
+           f"{r['runtime']['compute_dtype']}, remat {r['runtime']['remat']}, "
+           f"SSD {r['runtime']['ssd_impl']} ({r['runtime']['ssd_form']} form if xla)",
            f"compile: {r['compile_s']:.1f} s (+ lowering {r['lower_s']:.1f} s)"]
   sp = r["mesh"].get("sequence", 1)
   if sp > 1:
@@ -73,7 +74,9 @@ def format_report(r: dict) -> str:
                    f"{r['model_flops_per_device']:.3e}")
   rl = r.get("roofline")
   if rl:
-    lines.append(f"at datasheet peaks (the larger FLOP count; XLA bytes{', every layer' if f else ', a lower bound'}): step {rl['time_s'] * 1e3:.1f} ms ({rl['bound']}-bound; compute "
+    counted = ", every layer" if f else ", a lower bound"
+    lines.append(f"at datasheet peaks (the larger FLOP count; XLA bytes{counted}): "
+                 f"step {rl['time_s'] * 1e3:.1f} ms ({rl['bound']}-bound; compute "
                  f"{rl['compute_s'] * 1e3:.1f} ms, memory {rl['memory_s'] * 1e3:.1f} ms), "
                  f"{r['tokens_per_s']:.3g} tokens/s, MFU {100 * r['mfu_at_roofline']:.0f}%")
   return "\n".join(lines)

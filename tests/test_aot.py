@@ -3,24 +3,17 @@ TPU slice names, and the real train step compiled for a TPU slice on this CPU
 (libtpu from PyPI, part of the `test` extra), its memory report, and the refusal
 of a config that cannot fit a chip's HBM."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, require_libtpu
+
 SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
 
 from mamba_train.parallel.topology import topology_name  # noqa: E402
-
-
-def _require_libtpu():
-  # Not a skip: the TPU compiler is part of the test extra, so its absence is a broken install.
-  if importlib.util.find_spec("libtpu") is None:
-    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings libtpu from PyPI, "
-                "the TPU compiler these tests compile with; no TPU is needed)")
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -45,7 +38,7 @@ def test_bad_topology_names():
 def _run(*flags, config="tiny"):
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
+  env["PYTHONPATH"] = str(ROOT)
   return subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", f"{config}.py"),
                          *flags], capture_output=True, text=True, env=env, timeout=900)
 
@@ -59,7 +52,7 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   """A hybrid train step (Mamba-2, attention and MLP layers) for a v6e slice of four
   chips. (The pure Mamba-2 model compiles for v5e in the test below: one compile
   each, as the TPU compiler is most of this file's time.)"""
-  _require_libtpu()
+  require_libtpu()
   out = tmp_path / "report.json"
   # Narrower than the recipe (d_model 64): the TPU compile takes half the time.
   narrow = ("--config.model.d_model=64", "--config.model.d_intermediate=128", "--config.model.headdim=32",
@@ -81,7 +74,7 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
 
 
 def test_too_large_for_hbm_is_refused():
-  _require_libtpu()
+  require_libtpu()
   # A 4M-row vocabulary: 1e9 embedding parameters, 4 GB, plus gradients and two Adam
   # moments, replicated over data=4: far past a v5e chip's 16 GiB.
   r = _run("--topology", "v5e:2x2", *_SMALL, "--config.model.vocab_size=4000000")

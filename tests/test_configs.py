@@ -9,8 +9,9 @@ import sys
 import ml_collections
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
 
 from configs import base  # noqa: E402
 from mamba_train import SIZES  # noqa: E402
@@ -154,6 +155,7 @@ def test_runtime_fields_change_no_weights():
 
   import jax
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   from mamba_train.model.config import NOT_IN_WEIGHTS
   shapes = lambda cfg, rt: jax.tree.map(lambda a: a.shape, nnx.state(
@@ -193,6 +195,7 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   parallel_chunk_size. Unresolved, the model resolves for JAX's default backend."""
   import jax
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   rt = Runtime()
   assert rt.resolve(backend).ssd_plan(chunk) == want

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-from helpers import FAST_XLA, ROOT
+from helpers import FAST_XLA, ROOT, model_flags
 
 STEPS, LOG_EVERY, EVAL_EVERY = 30, 5, 15
-SMALL = ["--config.model.d_model=64", "--config.model.n_layer=2", "--config.model.d_state=16",
-         "--config.model.headdim=16", "--config.model.chunk_size=32", "--config.model.vocab_size=64",
-         "--config.seq_len=64", "--config.batch_size=8", "--config.data.source=synthetic",
+SMALL = [*model_flags(chunk_size=32, vocab_size=64), "--config.seq_len=64", "--config.batch_size=8",
+         "--config.data.source=synthetic",
          "--config.optim.lr=1e-2", f"--config.steps={STEPS}", f"--config.log_every={LOG_EVERY}",
          f"--config.eval_every={EVAL_EVERY}", "--config.eval_batches=2", "--config.wandb.mode=offline"]
 

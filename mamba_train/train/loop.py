@@ -19,13 +19,11 @@ import os
 import jax
 import tqdm
 
-from mamba_train import data
-from mamba_train import metrics as metrics_lib
+from mamba_train import data, metrics as metrics_lib
 from mamba_train.interop.load import load_model
 from mamba_train.model.config import Mamba2Config
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import hooks, inputs
-from mamba_train.train import step as steps
+from mamba_train.train import hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
 from mamba_train.train.state import with_shardings
 from mamba_train.workdir import checkpoint, record, storage

@@ -15,8 +15,8 @@ from typing import Mapping
 
 import ml_collections
 
-from mamba_train.errors import UserError
 from mamba_train.data import mixture
+from mamba_train.errors import UserError
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape

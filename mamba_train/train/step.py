@@ -7,6 +7,7 @@ Shapes: b batch (global, in sequences), l sequence length, k micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -22,8 +23,7 @@ from mamba_train.parallel import sharding
 from mamba_train.train import run_config
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import make_optimizer, nonfinite_streak
-from mamba_train.train.state import (TrainState, abstract_train_state, init_train_state,
-                                     param_shardings, state_shardings)
+from mamba_train.train.state import TrainState, abstract_train_state, init_train_state, param_shardings, state_shardings
 
 F32 = jnp.float32
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
@@ -51,11 +51,8 @@ def _batch_shards() -> int:
   if act is None:
     return 1
   mesh, rules = act
-  n = 1
-  for axes in sharding.logical_to_spec(("batch", "act_length"), rules):
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    n *= int(np.prod([mesh.shape[a] for a in axes]))
-  return n
+  return math.prod(sharding.axes_size(mesh, axes)
+                   for axes in sharding.logical_to_spec(("batch", "act_length"), rules))
 
 
 def _split_micro(batch, k: int, mesh: Mesh, rules):
