@@ -107,6 +107,19 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   c.init_from = ""  # '' = random init; else a transformers or mamba_ssm model directory
+
+  # --- LoRA adapters (mamba_train/model/lora.py); rank 0 = off, the whole model trains ---
+  # With rank > 0 only the adapters train (and have optimizer state); the base
+  # (init_from, or the random init) stays frozen, and checkpoints hold the adapters.
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0,
+      alpha=16.0,  # the update is (alpha / rank) * A @ B
+      dropout=0.0,  # must be 0: the adapters are merged per layer (model/lora.py says why)
+      # Glob patterns over in_proj, out_proj, q_proj, k_proj, v_proj, o_proj, up_proj,
+      # gate_proj, down_proj and lm_head; names this model lacks are passed over.
+      targets="in_proj,out_proj,q_proj,k_proj,v_proj,o_proj,up_proj,gate_proj,down_proj",
+      base_dtype="",  # QLoRA: int8 | int4 (qwix) for the frozen adapted weights; '' = as stored
+  ))
   c.lock()  # configs built on this one can change keys, not add them
   return c
 

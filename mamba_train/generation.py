@@ -342,6 +342,7 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
                         max_prompt_len: int = MAX_PROMPT_LEN, stop_strings=None,
                         token_bytes=None):
   """`generate`, also returning a `GenerateStats` with compile and run time."""
+  model = model.merged()  # a base plus LoRA adapters decodes as their merged weights
   cfg = model.config
   prompts, kind = _as_prompts(prompt_ids)
   _check(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,

@@ -24,8 +24,9 @@ from etils import epath
 from flax import nnx
 
 from mamba_train.interop import convert
+from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.mamba2 import Mamba2LM, weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.workdir import checkpoint, storage
 
@@ -112,11 +113,33 @@ def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides
 
 def load_checkpoint(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   step_dir = checkpoint.find_step_dir(path)
-  cfg, saved_rt = checkpoint.saved_configs(checkpoint.saved_config(step_dir))
+  saved = checkpoint.saved_config(step_dir)
+  cfg, saved_rt = checkpoint.saved_configs(saved)
   cfg, rt = _configs(cfg, runtime or saved_rt, overrides)
   abstract = jax.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)).params())
-  params = checkpoint.restore_params(step_dir, abstract)
-  return Mamba2LM.from_params(cfg, params, rt)
+  spec = lora_lib.spec_from_config(saved.get("lora", {}), weight_names(cfg))
+  if spec is None:
+    return Mamba2LM.from_params(cfg, checkpoint.restore_params(step_dir, abstract), rt)
+  # Adapters: the checkpoint holds them alone and names their base.
+  adapters = checkpoint.restore_params(step_dir, lora_lib.adapter_shapes(abstract, spec))
+  params = _lora_base(saved, cfg)
+  want = saved.get("lora_base", {}).get("fingerprint")
+  if saved.get("init_from") and want and lora_lib.fingerprint(params) != want:
+    raise checkpoint.CheckpointDamagedError(
+        f"the adapters in {step_dir} were trained on a base with fingerprint {want}, but "
+        f"{saved['init_from']} now holds {lora_lib.fingerprint(params)}: it has changed since; "
+        "restore the weights they were trained on there")
+  frozen = lora_lib.quantize_base(params, spec)
+  return Mamba2LM.from_params(cfg, frozen, rt, adapters=adapters, lora=spec)
+
+
+def _lora_base(saved: dict, cfg: Mamba2Config):
+  """The base parameters a LoRA run started from: its init_from, or its seed's random init
+  (drawn as train/state.py draws it)."""
+  if saved.get("init_from"):
+    return load_model(saved["init_from"]).params()
+  init_key, _ = jax.random.split(jax.random.PRNGKey(saved["seed"]))
+  return Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
 
 
 def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:

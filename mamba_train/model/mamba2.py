@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from mamba_train.model import attention as attn_lib, pattern as pattern_lib
+from mamba_train.model import attention as attn_lib, lora as lora_lib, pattern as pattern_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
@@ -64,6 +64,10 @@ MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj"
                             "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
 
 
+# The key under which a layer's adapters travel beside its weights (`Mamba2LM._compute_params`).
+ADAPTERS = "lora"
+
+
 # Each layer kind: its name in `Mamba2LM.params()` and the keys of its decoding
 # state. The Mamba-2 stack is `layers` in pure models and hybrids alike, so a pure
 # model's parameters and checkpoints carry no hybrid-only name.
@@ -79,6 +83,11 @@ def kind_axes(cfg: Mamba2Config, kind: str) -> dict[str, tuple[str | None, ...]]
   if kind == ATTENTION:
     return attn_lib.param_axes(attn_lib.attn_shapes(cfg), attn_lib.ATTN_PARAM_AXES)
   return attn_lib.param_axes(attn_lib.mlp_shapes(cfg), attn_lib.MLP_PARAM_AXES)
+
+
+def weight_names(cfg: Mamba2Config) -> set[str]:
+  """The names of every layer parameter the model has (what LoRA targets are matched to)."""
+  return {name for kind in KIND_PARAMS if cfg.count(kind) for name in kind_axes(cfg, kind)}
 
 
 def _param(value, axes):
@@ -357,6 +366,9 @@ class Mamba2LM(nnx.Module):
   def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs, runtime: Runtime | None = None):
     self.config = config
     self.runtime = (runtime or Runtime()).resolve()
+    # LoRA (model/lora.py): the spec and the adapters, set by `from_params`; None without.
+    self.lora: lora_lib.LoraSpec | None = None
+    self.adapters = nnx.data(None)
     init = _init_params(config, rngs.params())
     self.embedding = _param(init["embedding"], ("vocab", "embed"))
     for kind, attr in KIND_PARAMS.items():
@@ -379,8 +391,19 @@ class Mamba2LM(nnx.Module):
     for the whole stack, before the layer loop, not inside every layer (where each
     use, and a remat's recompute, reads the float32 weight and writes a copy),
     and a sharded stack is gathered per layer in the compute dtype. Gradients are
-    the same: a cast's cotangent is rounded to the cast dtype either way."""
+    the same: a cast's cotangent is rounded to the cast dtype either way.
+
+    With adapters the weights stay as stored (float32, or quantized) and travel with
+    the kind's adapters under ADAPTERS: each layer merges and casts its own
+    (`_layer_fns`), so no whole merged or dequantized stack is made."""
+    if self.lora is not None:
+      return {**self.layer_params(kind), ADAPTERS: self.adapters.get(KIND_PARAMS[kind], {})}
     return self._matmuls_in_compute_dtype(self.layer_params(kind))
+
+  def _merged_layer(self, p: dict[str, Array]) -> dict[str, Array]:
+    """One layer's weights with its adapters merged in, matmuls in the compute dtype."""
+    weights = {n: a for n, a in p.items() if n != ADAPTERS}
+    return self._matmuls_in_compute_dtype(lora_lib.merge_layer(weights, p[ADAPTERS], self.lora))
 
   def _matmuls_in_compute_dtype(self, params: dict[str, Array]) -> dict[str, Array]:
     cd = jnp.dtype(self.runtime.compute_dtype)
@@ -414,6 +437,8 @@ class Mamba2LM(nnx.Module):
       return act(h + attn_lib.mlp(p, norm(p, h), cfg, rt)), None
 
     fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp}
+    if self.lora is not None:  # inside the remat: the backward pass merges again, nothing is kept
+      fns = {k: (lambda p, h, st, f=f: f(self._merged_layer(p), h, st)) for k, f in fns.items()}
     if rt.remat != "none":
       fns = {k: jax.checkpoint(f, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
              for k, f in fns.items()}
@@ -432,7 +457,11 @@ class Mamba2LM(nnx.Module):
     return jnp.take(self.embedding.get_value(), input_ids, axis=0)
 
   def head_weight(self):
-    return (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+    """The LM head (padded vocabulary, d) float32, with its adapter when it has one."""
+    w = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+    if self.lora is not None:
+      return lora_lib.merge_head(w, self.adapters.get(lora_lib.HEAD), self.lora)
+    return w
 
   def final_norm(self, h):
     """The norm before the LM head: (..., d) float32."""
@@ -482,7 +511,7 @@ class Mamba2LM(nnx.Module):
     stacked layer parameters per kind to use instead of the model's
     (`decode_layers(unrolled=False)`)."""
     if layers is None:
-      layers = {k: self.layer_params(k) for k in self._kinds()}
+      layers = {k: self._compute_params(k) if self.lora else self.layer_params(k) for k in self._kinds()}
     h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
                              layers, self._by_kind(states), self.embed(input_ids))
     return h, self._flat(new)
@@ -494,6 +523,8 @@ class Mamba2LM(nnx.Module):
     would make, so the tokens are the same); norms, conv, dt, A and D stay
     float32. Per layer in pattern order for `step_unrolled` (unrolled), else
     stacked per kind for `step`."""
+    if self.lora is not None:
+      raise ValueError("decode a model with adapters through `merged()` (generate does)")
     if unrolled:
       return [self._matmuls_in_compute_dtype(p) for p in self.unstacked_layers()]
     return {k: self._compute_params(k) for k in self._kinds()}
@@ -551,22 +582,39 @@ class Mamba2LM(nnx.Module):
       out["lm_head"] = self.lm_head.get_value()
     return out
 
+  def merged(self) -> "Mamba2LM":
+    """This model with its adapters merged into the weights (itself without adapters)."""
+    if self.lora is None:
+      return self
+    params = lora_lib.merge(self.params(), self.adapters, self.lora)
+    # An adapted tied head is no longer the embedding: the merged model unties it.
+    cfg = self.config.replace(tie_embeddings=self.config.tie_embeddings and "lm_head" not in params)
+    return Mamba2LM.from_params(cfg, params, self.runtime)
+
   @classmethod
-  def from_params(cls, config: Mamba2Config, params: dict[str, Any],
-                  runtime: Runtime | None = None) -> "Mamba2LM":
-    """Build a model holding `params` (as `params()` returns them) without a random init."""
+  def from_params(cls, config: Mamba2Config, params: dict[str, Any], runtime: Runtime | None = None,
+                  *, adapters: dict[str, Any] | None = None,
+                  lora: lora_lib.LoraSpec | None = None) -> "Mamba2LM":
+    """Build a model holding `params` (as `params()` returns them) without a random init;
+    with `lora`, also its `adapters` (`lora.init_adapters`' layout), and the adapted
+    weights of `params` may be quantized (`lora.quantize_base`)."""
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), runtime=runtime))
     bad = shape_problems(param_shapes(model.params()), param_shapes(params))
+    if lora is not None:
+      bad += shape_problems(param_shapes(lora_lib.adapter_shapes(model.params(), lora)), param_shapes(adapters))
     if bad:
       raise ValueError(f"Parameters do not match the model config: {'; '.join(bad)}")
-    model.embedding.set_value(jnp.asarray(params["embedding"], F32))
-    model.norm_f.set_value(jnp.asarray(params["norm_f"], F32))
+    weight = lambda a: a if lora_lib.is_quantized(a) else jnp.asarray(a, F32)
+    model.embedding.set_value(weight(params["embedding"]))
+    model.norm_f.set_value(weight(params["norm_f"]))
     for kind in model._kinds():
       attr = KIND_PARAMS[kind]
       for name in kind_axes(config, kind):
-        getattr(model, attr)[name].set_value(jnp.asarray(params[attr][name], F32))
+        getattr(model, attr)[name].set_value(weight(params[attr][name]))
     if not config.tie_embeddings:
-      model.lm_head.set_value(jnp.asarray(params["lm_head"], F32))
+      model.lm_head.set_value(weight(params["lm_head"]))
+    if lora is not None:
+      model.lora, model.adapters = lora, nnx.data(adapters)
     return model
 
 

@@ -21,11 +21,12 @@ import tqdm
 
 from mamba_train import data, metrics as metrics_lib
 from mamba_train.interop.load import load_model
+from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
-from mamba_train.train.state import with_shardings
+from mamba_train.train.state import trainable, with_shardings
 from mamba_train.workdir import checkpoint, record, storage
 from mamba_train.workdir.lock import lock_workdir
 
@@ -77,6 +78,17 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   built = steps.build(plan, mesh, params=params)
   state = built.state
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  run_record = plan.config_dict()
+  if plan.lora is not None:
+    # The adapters are saved alone, so the record names the base they adapt.
+    # A random base is named by its seed (a recomputed init can differ in the last bit
+    # under other compiler flags); loaded weights by their values.
+    run_record["lora_base"] = {"init_from": config.init_from, "seed": config.seed,
+                               "fingerprint": lora_lib.fingerprint(params) if params else "random init"}
+    check_base(ckpt, run_record["lora_base"], force=force_resume)
+    logging.info("LoRA: %.3fM adapter parameters train; the %.2fM of the base are frozen%s", n_params / 1e6,
+                 sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
+                 f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
   flops_per_token = metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
   tokens_per_step = config.batch_size * config.seq_len
@@ -86,13 +98,13 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
   # shardings (which may differ from the saving run's), with the data iterator.
-  target = with_shardings(state, jax.tree.map(lambda x: x.sharding, state))
+  target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
   restored_step, restored = ckpt.restore(target, train_loader)
   if restored_step is not None:
-    state = restored
+    state = restored.replace(frozen=state.frozen)
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
   start_step = int(state.step)
-  ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))  # disk space
+  ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))  # disk space
   preemption = hooks.PreemptionWatcher()
 
   # ===== step function =====
@@ -124,7 +136,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
 
   def evaluate(step, state, metrics):
     rows = {name: steps.evaluate(built.eval_step, state.params,
-                                 (steps.to_global(b, mesh) for b in batches()))
+                                 (steps.to_global(b, mesh) for b in batches()), frozen=state.frozen)
             for name, batches in held_out.items()}
     row = steps.pool_eval(rows.values())  # over all sources' tokens
     for name, r in rows.items():
@@ -134,7 +146,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
     logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
     throughput.reset()  # evaluation time is not training time
 
-  save = guarded_save(ckpt, train_loader, plan.config_dict(), writer)
+  save = guarded_save(ckpt, train_loader, run_record, writer)
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)
   roll_back = RollBack(ckpt, target, train_loader, writer, spikes, bar)
@@ -148,7 +160,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
       hooks.Hook("checkpoint", config.checkpoint_every, save),
       hooks.Hook("eval", config.eval_every, evaluate),
       hooks.Hook("harness", config.harness.every if harness else 0,
-                 lambda step, state, _: harness(step, state.params, writer, throughput)),
+                 lambda step, state, _: harness(step, state.params, writer, throughput, state.frozen)),
   ]
 
   batch, step_metrics, done, step = first_batch, None, start_step, start_step
@@ -164,7 +176,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
       try:
         hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
       except hooks.LossSpike as spike:
-        state, step = roll_back(spike)
+        state, step = roll_back(spike, state.frozen)
         step_metrics, done = None, step
       if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
         logging.warning("SIGTERM received: saving step %d and exiting", step)
@@ -201,7 +213,7 @@ def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, 
         logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
                         step, int(m["nonfinite_streak"]))
         return
-    ckpt.save(step, state, train_loader, run_config, force=force)
+    ckpt.save(step, trainable(state), train_loader, run_config, force=force)
     writer.sync()  # on a bucket: the record reaches every saved step
 
   return save
@@ -218,8 +230,8 @@ class RollBack:
     self.writer, self.spikes, self.bar = writer, spikes, bar
     self.rollbacks: list[int] = []  # the steps that spiked
 
-  def __call__(self, spike: hooks.LossSpike):
-    """-> (the restored state, its step)."""
+  def __call__(self, spike: hooks.LossSpike, frozen=None):
+    """-> (the restored state, its step). `frozen`: the LoRA base, which checkpoints do not hold."""
     self.ckpt.manager.wait_until_finished()
     back, restored = self.ckpt.restore(self.target, self.train_loader)
     rollbacks = self.rollbacks
@@ -236,7 +248,7 @@ class RollBack:
                               "skipped_batches": [back + 1, spike.step]})
     self.spikes.reset()
     self.bar.n = back
-    return restored, back
+    return restored.replace(frozen=frozen), back
 
 
 # ----------------------------------------------------------------------------
@@ -259,6 +271,22 @@ def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -
         f"Use another --workdir, or pass --force_resume to restore them anyway.")
 
 
+def check_base(ckpt: checkpoint.Checkpointer, base: dict, *, force: bool) -> None:
+  """Refuse to resume adapters trained on another base (unless forced)."""
+  saved_steps = ckpt.steps()
+  if not saved_steps:
+    return
+  try:
+    saved = ckpt.saved_config(saved_steps[-1]).get("lora_base")
+  except Exception:  # a damaged newest step: the restore falls back
+    return
+  if saved and saved["fingerprint"] != base["fingerprint"] and not force:
+    raise ConfigError(
+        f"{ckpt.directory} holds adapters of another base (saved init_from {saved['init_from']!r}, "
+        f"fingerprint {saved['fingerprint']}; this run's {base['init_from']!r}, {base['fingerprint']}). "
+        "Use another --workdir or the base they were trained on, or pass --force_resume.")
+
+
 def load_init_params(path: str, model_cfg: Mamba2Config):
   """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
   model = load_model(path)
@@ -270,7 +298,7 @@ def load_init_params(path: str, model_cfg: Mamba2Config):
 
 
 def make_harness(plan: Plan, tokenizer_path: str):
-  """`fn(step, params, writer, throughput)` running config.harness.tasks with
+  """`fn(step, params, writer, throughput, frozen=None)` running config.harness.tasks with
   lm-evaluation-harness and logging harness/<task>/<metric>; None when off.
 
   In a multi-process job every process calls it: the parameters are sharded over
@@ -285,7 +313,6 @@ def make_harness(plan: Plan, tokenizer_path: str):
   except ImportError as e:
     raise ConfigError(f"config.harness.tasks needs lm-eval ({e}): "
                       "pip install -e '.[eval]'") from None
-  from mamba_train import Mamba2LM
   from mamba_train.data.tokenizer import load_tokenizer
   tasks = h.tasks.split(",")
   try:
@@ -298,8 +325,9 @@ def make_harness(plan: Plan, tokenizer_path: str):
   if jax.process_index() != 0:  # the same tables and progress bars as process 0's
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
 
-  def run(step, params, writer, throughput):
-    lm = eval_harness.HarnessLM(Mamba2LM.from_params(plan.model, params, plan.runtime), tokenizer,
+  def run(step, params, writer, throughput, frozen=None):
+    model = steps.model_of(params, frozen, plan.model, plan.runtime, plan.lora).merged()
+    lm = eval_harness.HarnessLM(model, tokenizer,
                                 batch_size=h.batch_size, max_batch_size=h.max_batch_size)
     results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
                                      num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,

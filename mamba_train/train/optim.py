@@ -21,7 +21,9 @@ import optax
 DECAYED = frozenset({"embedding", "lm_head", "in_proj_zx", "in_proj_bc", "in_proj_dt",
                      "conv_x", "conv_bc", "out_proj",
                      # hybrids' attention and MLP layers (their norms are "norm")
-                     "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
+                     "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj",
+                     # LoRA adapters' two factors (model/lora.py), decayed as peft's AdamW does
+                     "a", "b"})
 NOT_DECAYED = frozenset({"norm", "gate_norm", "norm_f", "conv_x_bias", "conv_bc_bias",
                          "dt_bias", "A_log", "D"})
 

@@ -17,7 +17,9 @@ import ml_collections
 
 from mamba_train.data import mixture
 from mamba_train.errors import UserError
+from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
 from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
@@ -109,6 +111,7 @@ class Plan:
   sources: tuple[mixture.Source, ...] = ()
   schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
   default_corpus: str = ""
+  lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -169,6 +172,12 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if b % process_count:
       problems.append(f"batch_size {b} does not divide over {process_count} processes")
   problems += _optim_problems(optim)
+  lora = None
+  if model is not None and "lora" in cfg:
+    try:
+      lora = _lora(cfg["lora"], model)
+    except lora_lib.LoraError as e:
+      problems.append(str(e))
   if optim.get("spike_factor", 0) and cfg.get("checkpoint_every") == 0:
     problems.append("optim.spike_factor needs checkpoint_every > 0 (it rolls back to a checkpoint)")
   for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
@@ -203,7 +212,11 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     platform = jax.default_backend()
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
-              sources=sources, schedule=schedule, default_corpus=default_corpus)
+              sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora)
+
+
+def _lora(c: Mapping, model: Mamba2Config) -> lora_lib.LoraSpec | None:
+  return lora_lib.spec_from_config(dict(c), weight_names(model))
 
 
 def _mixture(data: Mapping) -> tuple[list[str], tuple[mixture.Source, ...], tuple]:

@@ -1,5 +1,8 @@
-"""The train state: one pytree, `TrainState(step, params, opt_state, rng)`, with
-`params` the plain nested dict of `Mamba2LM.params()`, and its shardings.
+"""The train state: one pytree, `TrainState(step, params, opt_state, rng, frozen)`,
+with `params` what trains: the plain nested dict of `Mamba2LM.params()`, or with
+LoRA (`lora` a `model.lora.LoraSpec`) the adapters alone, and `frozen` the base they
+adapt (None without LoRA; quantized for QLoRA). Checkpoints hold the state without
+`frozen` (`trainable`): the base is named by the run config, not copied.
 
 The shardings come from the parameters' logical axes and the rules table in
 parallel/sharding.py; the optimizer state mirrors the parameters' shardings, so
@@ -19,9 +22,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel import sharding
+
+LoraSpec = lora_lib.LoraSpec
 
 
 @flax.struct.dataclass
@@ -30,6 +36,12 @@ class TrainState:
   params: Any  # Mamba2LM.params(): {"embedding", "norm_f", "layers": {...}[, "lm_head"]}
   opt_state: Any
   rng: jax.Array  # uint32[2], split once per step, for anything stochastic
+  frozen: Any = None  # with LoRA: the base params (Mamba2LM.params(), maybe quantized)
+
+
+def trainable(state: TrainState) -> TrainState:
+  """The part of a state a checkpoint holds: all of it but the frozen base."""
+  return state.replace(frozen=None)
 
 
 def _abstract_model(cfg: Mamba2Config) -> Mamba2LM:
@@ -55,25 +67,55 @@ def param_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES)
   return sharding.tree_shardings(param_shapes(cfg), param_logical_axes(cfg), mesh, rules)
 
 
+def _frozen_shardings(cfg: Mamba2Config, lora: LoraSpec, mesh: Mesh, rules):
+  """The frozen base's shardings: each weight's, and a quantized weight's values and
+  scales split by the same logical axes (a scale's size-1 axes left whole)."""
+  abstract = jax.eval_shape(lambda p: lora_lib.quantize_base(p, lora), param_shapes(cfg))
+  fit = lambda axes, s: NamedSharding(mesh, sharding.fit_spec(sharding.logical_to_spec(axes, rules),
+                                                               s.shape, mesh))
+  return jax.tree.map(lambda axes, sub: jax.tree.map(lambda s: fit(axes, s), sub),
+                      param_logical_axes(cfg), abstract, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _trainable_shapes(cfg: Mamba2Config, lora: LoraSpec | None):
+  shapes = param_shapes(cfg)
+  return shapes if lora is None else lora_lib.adapter_shapes(shapes, lora)
+
+
+def weight_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES,
+                     lora: LoraSpec | None = None):
+  """(params, frozen) shardings: the model's parameters and None, or with LoRA the
+  adapters' (replicated but for their layers axis) and the base's."""
+  if lora is None:
+    return param_shardings(cfg, mesh, rules), None
+  shapes = _trainable_shapes(cfg, lora)
+  return (sharding.tree_shardings(shapes, lora_lib.adapter_logical_axes(shapes), mesh, rules),
+          _frozen_shardings(cfg, lora, mesh, rules))
+
+
 def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                    rules=sharding.DEFAULT_RULES) -> TrainState:
+                    rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None) -> TrainState:
   """Shardings of the whole TrainState: the optimizer's per-parameter state
   follows the parameters; its counters and the rest are replicated."""
-  p_sh = param_shardings(cfg, mesh, rules)
   replicated = NamedSharding(mesh, P())
-  abstract_opt = jax.eval_shape(optimizer.init, param_shapes(cfg))
+  p_sh, frozen = weight_shardings(cfg, mesh, rules, lora)
+  abstract_opt = jax.eval_shape(optimizer.init, _trainable_shapes(cfg, lora))
   opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
                                  transform_non_params=lambda _: replicated,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
-  return TrainState(step=replicated, params=p_sh, opt_state=opt_sh, rng=replicated)
+  return TrainState(step=replicated, params=p_sh, opt_state=opt_sh, rng=replicated, frozen=frozen)
 
 
-def _make_state(cfg, optimizer, key, params=None) -> TrainState:
+def _make_state(cfg, optimizer, key, params=None, lora: LoraSpec | None = None) -> TrainState:
   init_key, rng = jax.random.split(key)
   if params is None:
     params = Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
+  frozen = None
+  if lora is not None:  # the adapters train; the base is kept as given, or quantized
+    frozen = lora_lib.quantize_base(params, lora)
+    params = lora_lib.init_adapters(params, lora, jax.random.fold_in(init_key, 1))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params), rng=rng)
+                    opt_state=optimizer.init(params), rng=rng, frozen=frozen)
 
 
 def with_shardings(tree, shardings):
@@ -82,21 +124,22 @@ def with_shardings(tree, shardings):
 
 
 def abstract_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                         rules=sharding.DEFAULT_RULES) -> TrainState:
+                         rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None) -> TrainState:
   """The TrainState's shapes and dtypes with its shardings, allocating nothing."""
-  shapes = jax.eval_shape(lambda key: _make_state(cfg, optimizer, key), jax.random.PRNGKey(0))
-  return with_shardings(shapes, state_shardings(cfg, optimizer, mesh, rules))
+  shapes = jax.eval_shape(lambda key: _make_state(cfg, optimizer, key, lora=lora), jax.random.PRNGKey(0))
+  return with_shardings(shapes, state_shardings(cfg, optimizer, mesh, rules, lora=lora))
 
 
 def init_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     seed: int, params=None) -> TrainState:
+                     seed: int, params=None, lora: LoraSpec | None = None) -> TrainState:
   """A fresh TrainState, created directly in its shardings (no full copy on one device).
 
-  `params`, if given (e.g. loaded for finetuning), replace the random init.
+  `params`, if given (e.g. loaded for finetuning), replace the random init; with
+  `lora` they (or the random init) become the frozen base of fresh adapters.
   """
-  shardings = state_shardings(cfg, optimizer, mesh)
+  shardings = state_shardings(cfg, optimizer, mesh, lora=lora)
   if params is not None:
-    params = jax.device_put(params, shardings.params)
-  make = lambda key, params: _make_state(cfg, optimizer, key, params)
+    params = jax.device_put(params, param_shardings(cfg, mesh))
+  make = lambda key, params: _make_state(cfg, optimizer, key, params, lora)
   with sharding.use_rules(mesh):
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed), params)

@@ -17,26 +17,41 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_train.model.config import Mamba2Config
+from mamba_train.model.lora import LoraSpec
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 from mamba_train.train import run_config
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import make_optimizer, nonfinite_streak
-from mamba_train.train.state import TrainState, abstract_train_state, init_train_state, param_shardings, state_shardings
+from mamba_train.train.state import (
+  TrainState,
+  abstract_train_state,
+  init_train_state,
+  state_shardings,
+  weight_shardings,
+)
 
 F32 = jnp.float32
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
 
 
+def model_of(params, frozen, cfg: Mamba2Config, runtime: Runtime, lora: LoraSpec | None = None) -> Mamba2LM:
+  """The model a state's (params, frozen) make: the params, or with LoRA the frozen
+  base with the params as its adapters."""
+  if lora is None:
+    return Mamba2LM.from_params(cfg, params, runtime)
+  return Mamba2LM.from_params(cfg, frozen, runtime, adapters=params, lora=lora)
+
+
 def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
-              use_seq_idx: bool = True):
+              use_seq_idx: bool = True, frozen=None, lora: LoraSpec | None = None):
   """Cross entropy in float32, summed over unmasked tokens, and their count.
 
   Returning sums, not a mean, lets micro-batches add up to exactly the big batch.
   With use_seq_idx, no state passes between the documents packed in a row.
   """
-  model = Mamba2LM.from_params(cfg, params, runtime)
+  model = model_of(params, frozen, cfg, runtime, lora)
   h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
   mask = batch["loss_mask"].astype(F32)
   # LM head and cross entropy blockwise: no (b, l, vocab) logits (train/loss.py).
@@ -69,9 +84,11 @@ def _split_micro(batch, k: int, mesh: Mesh, rules):
 
 def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh, *, grad_accum: int = 1,
-                    rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True) -> Callable:
+                    rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True,
+                    lora: LoraSpec | None = None) -> Callable:
   """`step(state, batch) -> (state, metrics)`: one jax.jit with explicit
-  shardings; the incoming state is donated.
+  shardings; the incoming state is donated. With `lora` only the adapters
+  (`state.params`) are differentiated and updated; the base (`state.frozen`) is read.
 
   With grad_accum = k the global batch is scanned as k micro-batches; loss and
   gradient sums are added up and divided by the total token count once, so the
@@ -79,12 +96,12 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, lr,
   tokens (unmasked), nonfinite_streak.
   """
-  st_sh = state_shardings(cfg, optimizer, mesh, rules)
+  st_sh = state_shardings(cfg, optimizer, mesh, rules, lora=lora)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
   replicated = NamedSharding(mesh, P())
 
-  def sums_and_grads(params, mb):
-    loss = lambda p: loss_sums(p, mb, cfg, runtime, use_seq_idx)
+  def sums_and_grads(params, mb, frozen):
+    loss = lambda p: loss_sums(p, mb, cfg, runtime, use_seq_idx, frozen, lora)
     (loss_sum, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return loss_sum, count, grads
 
@@ -92,10 +109,10 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
     with sharding.use_rules(mesh, rules):
       params = state.params
       if grad_accum == 1:
-        loss_sum, count, grads = sums_and_grads(params, batch)
+        loss_sum, count, grads = sums_and_grads(params, batch, state.frozen)
       else:
         def body(carry, mb):
-          loss_sum, count, grads = sums_and_grads(params, mb)
+          loss_sum, count, grads = sums_and_grads(params, mb, state.frozen)
           acc_loss, acc_count, acc_grads = carry
           acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
           acc_grads = jax.lax.with_sharding_constraint(acc_grads, st_sh.params)
@@ -110,7 +127,8 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       updates, opt_state = optimizer.update(grads, state.opt_state, params)
       new_params = optax.apply_updates(params, updates)
       rng, _ = jax.random.split(state.rng)
-      new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng)
+      new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng,
+                             frozen=state.frozen)
       metrics = {
           "loss": loss,
           "grad_norm": optax.global_norm(grads),
@@ -126,23 +144,25 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
 
 def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=sharding.DEFAULT_RULES,
-                   use_seq_idx: bool = True) -> Callable:
-  """`eval_step(params, batch) -> (loss_sum, token_count)`, jitted with the params' shardings."""
-  p_sh = param_shardings(cfg, mesh, rules)
+                   use_seq_idx: bool = True, lora: LoraSpec | None = None) -> Callable:
+  """`eval_step(params, batch, frozen) -> (loss_sum, token_count)`, jitted with the
+  state's shardings (frozen: the LoRA base, None without)."""
+  p_sh, f_sh = weight_shardings(cfg, mesh, rules, lora)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
 
-  def step(params, batch):
+  def step(params, batch, frozen):
     with sharding.use_rules(mesh, rules):
-      return loss_sums(params, batch, cfg, runtime, use_seq_idx)
+      return loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora)
 
-  return jax.jit(step, in_shardings=(p_sh, b_sh), out_shardings=NamedSharding(mesh, P()))
+  return jax.jit(step, in_shardings=(p_sh, b_sh, f_sh), out_shardings=NamedSharding(mesh, P()))
 
 
-def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Array]]) -> dict[str, float]:
+def evaluate(eval_step: Callable, params, batches: Iterable[Mapping[str, jax.Array]],
+             frozen=None) -> dict[str, float]:
   """Mean loss over all unmasked tokens of `batches`, its perplexity, and the token count."""
   total, count = 0.0, 0.0
   for batch in batches:
-    s, n = eval_step(params, batch)
+    s, n = eval_step(params, batch, frozen)
     total, count = total + float(s), count + float(n)
   return _eval_row(total, count)
 
@@ -200,14 +220,14 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) 
   if platform != plan.platform:
     raise ValueError(f"the plan's runtime is resolved for {plan.platform!r} devices, but the "
                      f"mesh's are {platform!r}: validate the run config for the mesh's platform")
-  config, model_cfg, runtime = plan.config, plan.model, plan.runtime
+  config, model_cfg, runtime, lora = plan.config, plan.model, plan.runtime, plan.lora
   optimizer, schedule = make_optimizer(config.optim, config.steps)
   if init:
-    state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params)
+    state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params, lora=lora)
   else:
-    state = abstract_train_state(model_cfg, optimizer, mesh)
+    state = abstract_train_state(model_cfg, optimizer, mesh, lora=lora)
   docs = bool(config.data.use_seq_idx)
   train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
-                               grad_accum=config.optim.grad_accum, use_seq_idx=docs)
+                               grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora)
   return Built(optimizer, schedule, state, train_step,
-               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs))
+               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs, lora=lora))

@@ -1,0 +1,275 @@
+"""Low-rank adapters (LoRA) on the model's matmul weights, and the quantized frozen
+base of QLoRA.
+
+An adapted weight is W + (alpha / r) * A @ B, with A (in, r) and B (r, out) over
+W's input and output axes flattened; B starts at zero, so a fresh adapter leaves
+the model as it was. Every matmul is a target, by name:
+
+  in_proj   one adapter over the joined z|x|B|C|dt output (the one nn.Linear of
+            mamba_ssm and transformers; stored split into in_proj_zx / _bc / _dt)
+  out_proj  the Mamba-2 mixer's output projection
+  q_proj, k_proj, v_proj, o_proj     a hybrid's attention layers
+  up_proj, gate_proj, down_proj      a hybrid's MLP layers
+  lm_head   the LM head (with tied embeddings: the head only, not the lookup)
+
+The adapters are merged into the weight inside each layer's function, per layer,
+not run as a separate x @ A @ B path beside it. Why: the model's matmuls are not
+one call each (in_proj's three weights are joined into one dot, decoding reads
+them unjoined, the fused SSD kernels sit between them), and a per-layer merge
+serves all of them with one rule, adds exactly what peft's merged weights add, and
+dequantizes a quantized base where it is used, one layer at a time, so no whole
+dequantized copy exists. What it costs: the weight gradient of the adapted matmul
+is formed per layer (as full finetuning forms it) before it is reduced to A's and
+B's, and dropout on the adapter's input cannot be expressed (it needs the
+separate path), so `dropout` must be 0. qwix's LoRA provider intercepts the dot
+calls of Flax modules by the module's parameter; here the weights reach their dots
+sliced out of layer stacks inside a scan, where it cannot see them. The base's
+quantization is qwix's (`qwix.quantize`, `qwix.dequantize`).
+
+Shapes: adapters are stacked over a kind's layers like the weights, so
+`{"layers": {"in_proj": {"a": (L, d, r), "b": (L, r, 2i+2gn+h)}, ...},
+"lm_head": {"a": (d, r), "b": (r, v)}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+
+F32 = jnp.float32
+
+# target -> (the kind's parameter stack, its weights (joined in this order along the
+# output), the number of leading input axes of each weight).
+TARGETS: dict[str, tuple[str, tuple[str, ...], int]] = {
+    "in_proj": ("layers", ("in_proj_zx", "in_proj_bc", "in_proj_dt"), 1),
+    "out_proj": ("layers", ("out_proj",), 1),
+    "q_proj": ("attn", ("q_proj",), 1),
+    "k_proj": ("attn", ("k_proj",), 1),
+    "v_proj": ("attn", ("v_proj",), 1),
+    "o_proj": ("attn", ("o_proj",), 2),  # (h, e, d): input h*e
+    "up_proj": ("mlp", ("up_proj",), 1),
+    "gate_proj": ("mlp", ("gate_proj",), 1),
+    "down_proj": ("mlp", ("down_proj",), 1),
+}
+HEAD = "lm_head"
+DEFAULT_TARGETS = ",".join(TARGETS)  # every layer matmul; the head on request
+BASE_DTYPES = ("", "int8", "int4")  # '' = the base as stored (float32)
+# int4 scales come per block of this many input rows (QLoRA's block of 64): one scale
+# per output channel over a whole d_model row loses too much at 4 bits.
+INT4_BLOCK = 64
+
+
+class LoraError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]  # resolved names from TARGETS and HEAD
+  base_dtype: str = ""
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+def resolve_targets(patterns: str, present: set[str]) -> tuple[str, ...]:
+  """The target names matched by comma-separated glob `patterns` that the model has
+  (`present`: its stacks' weight names and 'lm_head'). A pattern matching no target
+  of any model is an error; one matching only weights this model lacks is not (the
+  default names attention and MLP matmuls, which a pure Mamba-2 model has none of)."""
+  names = [*TARGETS, HEAD]
+  out, bad = [], []
+  for pat in (p.strip() for p in patterns.split(",") if p.strip()):
+    hit = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+    if not hit:
+      bad.append(pat)
+    out += [n for n in hit if n not in out and (n == HEAD or TARGETS[n][1][0] in present)]
+  if bad:
+    raise LoraError(f"lora.targets {bad} match no LoRA target; targets are {names} "
+                    "(glob patterns, comma-separated)")
+  if not out:
+    raise LoraError(f"lora.targets {patterns!r} match no weight of this model; it has "
+                    f"{sorted(n for n in TARGETS if TARGETS[n][1][0] in present)} and {HEAD}")
+  return tuple(out)
+
+
+def make_spec(rank: int, alpha: float, dropout: float, targets: str, base_dtype: str,
+              present: set[str]) -> LoraSpec | None:
+  """The adapters a run trains (None when rank is 0), checked."""
+  if not isinstance(rank, int) or rank < 0:
+    raise LoraError(f"lora.rank must be an integer >= 0 (0 = off), got {rank!r}")
+  if rank == 0:
+    return None
+  if not (isinstance(alpha, (int, float)) and alpha > 0):
+    raise LoraError(f"lora.alpha must be > 0, got {alpha!r}")
+  if dropout:
+    raise LoraError(f"lora.dropout must be 0, got {dropout!r}: the adapters are merged into each "
+                    "layer's weights (model/lora.py says why), where dropout on their input cannot "
+                    "be expressed; regularise with optim.weight_decay instead")
+  if base_dtype not in BASE_DTYPES:
+    raise LoraError(f"lora.base_dtype must be one of {BASE_DTYPES} ('' = as stored), got {base_dtype!r}")
+  return LoraSpec(rank, float(alpha), resolve_targets(targets, present), base_dtype)
+
+
+def spec_from_config(c: dict, present: set[str]) -> LoraSpec | None:
+  """`make_spec` from a run config's `lora` section (a dict)."""
+  return make_spec(c.get("rank", 0), c.get("alpha", 16.0), c.get("dropout", 0.0),
+                   c.get("targets", DEFAULT_TARGETS), c.get("base_dtype", ""), present)
+
+
+def _in_out(stack: dict[str, Any], target: str) -> tuple[int, int]:
+  _, names, n_in = TARGETS[target]
+  fan_in = math.prod(stack[names[0]].shape[1:1 + n_in])
+  return fan_in, sum(math.prod(stack[n].shape[1 + n_in:]) for n in names)
+
+
+def adapter_shapes(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
+  """{stack: {target: {'a', 'b'}}, 'lm_head': {'a', 'b'}} as float32 ShapeDtypeStructs,
+  for a parameter tree in `Mamba2LM.params()`'s layout (leaves with a shape)."""
+  out: dict[str, Any] = {}
+  r = spec.rank
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  for t in spec.targets:
+    if t == HEAD:
+      v, d = params.get("lm_head", params["embedding"]).shape
+      out[HEAD] = {"a": sds(d, r), "b": sds(r, v)}
+      continue
+    stack = params[TARGETS[t][0]]
+    layers = stack[TARGETS[t][1][0]].shape[0]
+    fan_in, fan_out = _in_out(stack, t)
+    out.setdefault(TARGETS[t][0], {})[t] = {"a": sds(layers, fan_in, r), "b": sds(layers, r, fan_out)}
+  return out
+
+
+def init_adapters(params: dict[str, Any], spec: LoraSpec, key) -> dict[str, Any]:
+  """Fresh adapters for `params`: A uniform(+-1/sqrt(in)) (torch's nn.Linear default,
+  as peft initialises lora_A), B zero."""
+  shapes = adapter_shapes(params, spec)
+  paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  leaves = []
+  for (path, s), k in zip(paths, jax.random.split(key, len(paths))):
+    bound = 1.0 / math.sqrt(s.shape[-2])
+    leaves.append(jnp.zeros(s.shape, F32) if path[-1].key == "b"
+                  else jax.random.uniform(k, s.shape, F32, -bound, bound))
+  return jax.tree.unflatten(tree, leaves)
+
+
+def adapter_logical_axes(adapters: dict[str, Any]) -> dict[str, Any]:
+  """Adapters are small: replicated, but for the stacked layers axis."""
+  return jax.tree.map(lambda a: ("layers",) + (None,) * (a.ndim - 1) if a.ndim == 3 else (None,) * a.ndim,
+                      adapters)
+
+
+# ----------------------------------------------------------------------------
+# The quantized base (QLoRA).
+
+
+def quantize(w, base_dtype: str, n_in: int, stacked: bool):
+  """A weight (stacked over layers when `stacked`) as a qwix QArray: symmetric absmax,
+  one scale per output channel (and per layer), int4 per block of input rows too."""
+  lead = 1 if stacked else 0
+  channel = tuple(range(lead)) + tuple(range(lead + n_in, w.ndim))
+  # A row count no block divides (a small test model) keeps one scale per output channel.
+  tiles = {lead: INT4_BLOCK} if base_dtype == "int4" and w.shape[lead] % INT4_BLOCK == 0 else {}
+  return qwix.quantize(w, {"int8": jnp.int8, "int4": jnp.int4}[base_dtype], channelwise_axes=channel,
+                       tiled_axes=tiles)
+
+
+def quantize_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
+  """The base with every adapted weight quantized to `spec.base_dtype` (the rest, and
+  every weight when base_dtype is '', as given)."""
+  if not spec.base_dtype:
+    return params
+  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in params.items()}
+  for t in spec.targets:
+    if t == HEAD:
+      key = "lm_head" if "lm_head" in params else "embedding"
+      if key == "lm_head":  # a tied head is also the embedding lookup: kept whole
+        out[key] = quantize(params[key], spec.base_dtype, 1, stacked=False)
+      continue
+    stack, names, n_in = TARGETS[t]
+    for n in names:
+      out[stack][n] = quantize(params[stack][n], spec.base_dtype, n_in, stacked=True)
+  return out
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, qwix.QArray)
+
+
+def dense(x) -> jax.Array:
+  """A weight as float32 (dequantized when quantized)."""
+  return qwix.dequantize(x).astype(F32) if is_quantized(x) else x
+
+
+# ----------------------------------------------------------------------------
+# Merging.
+
+
+def _delta(a, b, scale):
+  return scale * jnp.einsum("...ir,...ro->...io", a.astype(F32), b.astype(F32))
+
+
+def merge_layer(p: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
+  """One layer's weights (p, unstacked; matmul weights float32 or quantized) with its
+  adapters ({target: {'a', 'b'}}, unstacked) added: float32 weights out."""
+  out = {n: dense(w) for n, w in p.items()}
+  for t, ab in adapters.items():
+    _, names, n_in = TARGETS[t]
+    d = _delta(ab["a"], ab["b"], spec.scale)  # (in, sum of outs)
+    start = 0
+    for n in names:
+      w = out[n]
+      size = math.prod(w.shape[n_in:])
+      out[n] = w + d[:, start:start + size].reshape(w.shape)
+      start += size
+  return out
+
+
+def merge_head(w, adapter: dict[str, Any] | None, spec: LoraSpec):
+  """The LM head (v, d) with its adapter added (float32)."""
+  w = dense(w)
+  if adapter is None:
+    return w
+  return w + _delta(adapter["a"], adapter["b"], spec.scale).T
+
+
+def merge(params: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
+  """The whole base (`Mamba2LM.params()`, possibly quantized) with the adapters merged
+  in: plain float32 parameters a model without adapters runs (export, generation).
+  A tied head that has an adapter comes out untied (the lookup keeps the embedding)."""
+  out = {k: (dict(v) if isinstance(v, dict) else dense(v)) for k, v in params.items()}
+  for stack, per_target in adapters.items():
+    if stack == HEAD:
+      out["lm_head"] = merge_head(params.get("lm_head", params["embedding"]), per_target, spec)
+      continue
+    merged = jax.vmap(lambda p, a: merge_layer(p, a, spec))(params[stack], per_target)
+    out[stack] = {n: merged.get(n, dense(w)) for n, w in params[stack].items()}
+  for stack, v in out.items():
+    if isinstance(v, dict):
+      out[stack] = {n: dense(w) for n, w in v.items()}
+  return out
+
+
+def fingerprint(params: dict[str, Any]) -> str:
+  """A short hash naming a base: every parameter's path and shape and a strided sample
+  of its values (up to 4096 per parameter), the same under any sharding."""
+  h = hashlib.sha256()
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    h.update(jax.tree_util.keystr(path).encode())
+    h.update(str(tuple(x.shape)).encode())
+    step = max(1, x.size // 4096)
+    sample = jax.jit(lambda a, step=step: a.reshape(-1)[::step][:4096].astype(F32))(x)
+    h.update(np.asarray(jax.device_get(sample)).tobytes())
+  return h.hexdigest()[:16]

@@ -1,0 +1,193 @@
+"""LoRA adapters: a zero B is the base exactly; a step trains the adapters alone; a killed
+LoRA run resumes to the uninterrupted run's losses; merged weights equal base + adapters."""
+
+import json
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from mamba_train import Mamba2Config, Mamba2LM
+from mamba_train.model import lora
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.train import run_config, step as steps
+from mamba_train.workdir import checkpoint
+
+from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, train_command
+
+HYBRID = dict(SMALL_MODEL, n_layer=4, layer_pattern="M*-M", attn_num_heads=2, d_intermediate=32,
+              mlp_act="swiglu", vocab_size=61)
+
+
+def _spec(cfg, rank=4, targets="*", base_dtype=""):
+  from mamba_train.model.mamba2 import weight_names
+  return lora.make_spec(rank, 8.0, 0.0, targets, base_dtype, weight_names(cfg))
+
+
+def _noisy(adapters, seed=1, scale=0.05):
+  leaves, tree = jax.tree.flatten(adapters)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(tree, [a + scale * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+  cfg = Mamba2Config(**HYBRID)
+  model = random_model(cfg, np.random.RandomState(0))
+  ids = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 37)))  # a ragged tail
+  return cfg, model, ids
+
+
+def test_zero_b_is_the_base_exactly(hybrid):
+  cfg, model, ids = hybrid
+  spec = _spec(cfg)
+  assert set(spec.targets) == {"in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                               "gate_proj", "down_proj", "lm_head"}
+  adapters = lora.init_adapters(model.params(), spec, jax.random.PRNGKey(0))
+  assert all(np.all(np.asarray(ab["b"]) == 0) for ab in jax.tree.leaves(
+      adapters, is_leaf=lambda x: isinstance(x, dict) and "b" in x))
+  adapted = Mamba2LM.from_params(cfg, model.params(), adapters=adapters, lora=spec)
+  np.testing.assert_array_equal(np.asarray(adapted(ids)), np.asarray(model(ids)))
+
+
+def test_merged_weights_give_the_adapted_logits(hybrid):
+  """Against an independent merge: each weight + scale * A @ B written out here in numpy."""
+  cfg, model, ids = hybrid
+  spec = _spec(cfg)
+  adapters = _noisy(lora.init_adapters(model.params(), spec, jax.random.PRNGKey(0)))
+  adapted = Mamba2LM.from_params(cfg, model.params(), adapters=adapters, lora=spec)
+  base = jax.tree.map(np.asarray, model.params())
+  ad = jax.tree.map(lambda a: np.asarray(a, np.float64), adapters)
+  ref = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+  for stack, per in ad.items():
+    if stack == "lm_head":
+      ref["lm_head"] = base["embedding"] + spec.scale * (per["a"] @ per["b"]).T
+      continue
+    for target, ab in per.items():
+      names = lora.TARGETS[target][1]
+      delta = spec.scale * np.einsum("lir,lro->lio", ab["a"], ab["b"])
+      start = 0
+      for n in names:
+        w = base[stack][n]
+        size = int(np.prod(w.shape[1 + lora.TARGETS[target][2]:]))
+        ref[stack][n] = w + delta[:, :, start:start + size].reshape(w.shape)
+        start += size
+  ref = jax.tree.map(lambda a: np.asarray(a, np.float32), ref)
+  merged = Mamba2LM.from_params(cfg.replace(tie_embeddings=False), ref)
+  got, want = np.asarray(adapted(ids)), np.asarray(merged(ids))
+  assert rel(got, np.asarray(model(ids))) > 1e-2  # the adapters do change the model
+  assert rel(got, want) < 1e-6
+  assert rel(np.asarray(adapted.merged()(ids)), want) < 1e-6
+
+
+def test_bad_lora_settings_are_refused_before_any_work():
+  c = tiny.get_config()
+  c.lora.update(rank=4, targets="in_proj,qkv")
+  with pytest.raises(run_config.ConfigError) as e:
+    run_config.validate(c, num_devices=1)
+  assert "lora.targets ['qkv'] match no LoRA target" in str(e.value)
+  c.lora.update(targets="in_proj", dropout=0.1)
+  with pytest.raises(run_config.ConfigError, match="lora.dropout must be 0"):
+    run_config.validate(c, num_devices=1)
+  c.lora.update(dropout=0.0, base_dtype="int3")
+  with pytest.raises(run_config.ConfigError, match="lora.base_dtype must be one of"):
+    run_config.validate(c, num_devices=1)
+
+
+def _plan(**lora_cfg):
+  c = tiny.get_config()
+  c.model.update(SMALL_MODEL)
+  c.update(seq_len=32, batch_size=4, steps=10)
+  c.data.source = "synthetic"
+  c.optim.update(schedule="constant", warmup_frac=0.0, lr=1e-2)
+  c.lora.update(**lora_cfg)
+  return run_config.validate(c, num_devices=1)
+
+
+def _batch(plan, seed=0):
+  rng = np.random.RandomState(seed)
+  b, l = plan.config.batch_size, plan.config.seq_len
+  ids = rng.randint(0, plan.model.vocab_size, (b, l + 1))
+  return {"input_ids": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32),
+          "seq_idx": np.zeros((b, l), np.int32), "loss_mask": np.ones((b, l), np.float32)}
+
+
+def _one_step(plan, base):
+  mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
+  built = steps.build(plan, mesh, params=base)
+  before = jax.tree.map(np.array, (built.state.params, built.state.frozen))
+  state = built.state
+  for _ in range(2):  # the first step's rate is 0 (one warmup step)
+    state, metrics = built.train_step(state, steps.to_global(_batch(plan), mesh))
+  return before, state, metrics
+
+
+@pytest.fixture(scope="module")
+def small_base():
+  plan = _plan(rank=4, targets="in_proj,out_proj,lm_head")
+  return plan, random_model(plan.model, np.random.RandomState(2)).params()
+
+
+def test_a_lora_step_changes_only_the_adapters(small_base):
+  plan, base = small_base
+  (adapters0, frozen0), state, metrics = _one_step(plan, base)
+  # The base is kept as given (float32, not copied into the optimizer), bit for bit.
+  for got, want, given in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(frozen0), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(want, np.asarray(given))
+  # Only the adapters have optimizer state: Adam's moments mirror the adapter tree.
+  adam = state.opt_state.inner_state[0 if plan.config.optim.clip_norm == 0 else 1]
+  assert jax.tree.structure(adam.mu) == jax.tree.structure(state.params)
+  # B moves off zero (A's gradient is zero while B is: it moves by weight decay only).
+  for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(adapters0)):
+    assert np.any(np.asarray(new) != old), jax.tree_util.keystr(path)
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_qlora_step_trains_adapters_and_its_loss_is_within_int8_error(small_base):
+  plan, base = small_base
+  (_, frozen_q), state_q, metrics_q = _one_step(_plan(rank=4, targets="in_proj,out_proj,lm_head",
+                                                      base_dtype="int8"), base)
+  _, _, metrics = _one_step(plan, base)
+  quantized = [x for x in jax.tree.leaves(state_q.frozen, is_leaf=lora.is_quantized) if lora.is_quantized(x)]
+  # in_proj x3 and out_proj; the tied head is also the embedding lookup, kept float32
+  assert len(quantized) == 4 and all(q.qvalue.dtype == jnp.int8 for q in quantized)
+  for got, want in zip(jax.tree.leaves(state_q.frozen), jax.tree.leaves(frozen_q)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  # The int8 error: the base's logits dequantized against float32, on the same batch.
+  batch = _batch(plan)
+  full = Mamba2LM.from_params(plan.model, base)
+  deq = Mamba2LM.from_params(plan.model, jax.tree.map(lora.dense, frozen_q, is_leaf=lora.is_quantized))
+  loss = lambda m: float(steps.loss_sums(m.params(), batch, plan.model, plan.runtime)[0] / batch["loss_mask"].sum())
+  int8_error = abs(loss(deq) - loss(full))
+  assert 0 < int8_error < 1e-2
+  assert abs(float(metrics_q["loss"]) - float(metrics["loss"])) <= 1.5 * int8_error + 1e-6
+
+
+def test_lora_run_killed_after_a_save_resumes_to_the_uninterrupted_losses(tmp_path):
+  lora_flags = ["--config.lora.rank=4", "--config.lora.targets=in_proj,out_proj", "--config.steps=4",
+                "--config.checkpoint_every=2"]
+  cmd, env = train_command(tmp_path / "full", lora_flags)
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  # The same run, SIGKILLed right after its step-2 checkpoint is on disk.
+  kill = ("import os, signal\nfrom mamba_train.workdir import checkpoint\n_save = checkpoint.Checkpointer.save\n"
+          "def save(self, step, *a, **k):\n  out = _save(self, step, *a, **k)\n"
+          "  if step == 2:\n    self.manager.wait_until_finished(); os.kill(os.getpid(), signal.SIGKILL)\n"
+          "  return out\ncheckpoint.Checkpointer.save = save")
+  cmd, env = train_command(tmp_path / "cut", lora_flags)
+  r = subprocess.run(patched(cmd, kill), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == -9, r.stderr[-3000:]
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+  losses = lambda d: {row["step"]: row["loss"] for row in map(json.loads, open(d / "metrics.jsonl")) if "loss" in row}
+  full, cut = losses(tmp_path / "full"), losses(tmp_path / "cut")
+  assert [cut[s] for s in (1, 2, 3, 4)] == [full[s] for s in (1, 2, 3, 4)]
+  # The checkpoint holds the adapters alone and names its base.
+  state = tmp_path / "cut" / "checkpoints" / "4" / "state"
+  assert sum(p.stat().st_size for p in state.rglob("*") if p.is_file()) < 200_000
+  saved = checkpoint.saved_config(tmp_path / "cut" / "checkpoints" / "4")
+  assert saved["lora_base"] == {"init_from": "", "seed": 0, "fingerprint": "random init"}
