@@ -26,6 +26,7 @@ from absl import app, flags  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Workdir, checkpoint, transformers or mamba_ssm dir.",
                              required=True)
+flags.DEFINE_alias("checkpoint", "model")  # the name scripts/export.py once took
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the newest).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte', a tokenizer.json path or a "
                                  "transformers name; default: the model directory's tokenizer.json.")

@@ -1,13 +1,17 @@
 """Export a model to the transformers or mamba_ssm layout. A hybrid
 (`layer_pattern`) exports as transformers' NemotronHForCausalLM (--format hf) or
-mamba_ssm's hybrid layout (when its pattern fits mamba_ssm's blocks).
+mamba_ssm's hybrid layout (when its pattern fits mamba_ssm's blocks). A LoRA run
+exports with its adapters merged into the weights, or, with --peft, its adapters
+alone in peft's format (adapter_config.json, adapter_model.safetensors) for
+`peft.PeftModel.from_pretrained` on the base.
 
-  python scripts/export.py --checkpoint runs/tiny --out exported/tiny
-  python scripts/export.py --checkpoint runs/tiny/checkpoints/100 --out exported/tiny-ssm --format mamba_ssm
-  python scripts/export.py --checkpoint runs/tiny --out exported/tiny-bf16 --dtype bfloat16
+  python scripts/export.py --model runs/tiny --out exported/tiny
+  python scripts/export.py --model runs/tiny/checkpoints/100 --out exported/tiny-ssm --format mamba_ssm
+  python scripts/export.py --model runs/tiny --out exported/tiny-bf16 --dtype bfloat16
+  python scripts/export.py --model runs/lora --out exported/lora-adapters --peft
 
---checkpoint takes anything `mamba_train.load_model` reads: a training workdir or
-one of its checkpoint steps, a transformers directory or a mamba_ssm directory.
+--model (alias --checkpoint) takes anything `mamba_train.load_model` reads: a training
+workdir or one of its checkpoint steps, a transformers directory or a mamba_ssm directory.
 The tokenizer (tokenizer.json) is shipped when one is found beside the checkpoint,
 in the workdir, or given with --tokenizer.
 """
@@ -23,12 +27,14 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 
 from absl import app, flags  # noqa: E402
 
-_CKPT = flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
+_CKPT = flags.DEFINE_string("model", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
+flags.DEFINE_alias("checkpoint", "model")
 _OUT = flags.DEFINE_string("out", None, "Output directory (must not exist or be empty).")
 _FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm"], "Output layout.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight dtype on disk.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds a previous export.")
+_PEFT = flags.DEFINE_bool("peft", False, "Write a LoRA run's adapters alone, in peft's format.")
 
 def find_tokenizer(ckpt) -> Path | None:
   """tokenizer.json in `ckpt` or up to three directories above (a workdir holds one);
@@ -54,7 +60,7 @@ def eos_of(tokenizer_file: Path) -> tuple[str | None, int | None]:
 def main(argv):
   del argv
   if not _CKPT.value or not _OUT.value:
-    _fail("export.py needs --checkpoint and --out (see --help)")
+    _fail("export.py needs --model and --out (see --help)")
   from mamba_train.interop import export
   try:
     export.check_out(_OUT.value, _CKPT.value)
@@ -75,6 +81,15 @@ def _export(export) -> None:
   ckpt = _CKPT.value
   model = load_model(ckpt)
   out = Path(_OUT.value)
+  if _PEFT.value:
+    from mamba_train.interop.peft import save_peft
+    from mamba_train.workdir import checkpoint
+    step_dir = checkpoint.find_step_dir(ckpt)
+    base = checkpoint.saved_config(step_dir).get("init_from", "") if step_dir else ""
+    save_peft(model, out, base=base, overwrite=_OVERWRITE.value)
+    print(f"wrote peft LoRA adapters (rank {model.lora.rank}) to {out}; their base: {base or 'the random init'}")
+    return
+  model = model.merged()  # a LoRA run's adapters go into the weights
   if _FORMAT.value == "hf":
     tok = Path(_TOKENIZER.value) if _TOKENIZER.value else find_tokenizer(ckpt)
     if tok is not None and not tok.exists():

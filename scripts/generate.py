@@ -28,6 +28,7 @@ from mamba_train.workdir import storage  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Model directory (transformers, mamba_ssm, ...).",
                              required=True)
+flags.DEFINE_alias("checkpoint", "model")  # the name scripts/export.py once took
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
 _IDS = flags.DEFINE_list("ids", None, "Prompt token ids, comma separated.")
 _TOKENIZER = flags.DEFINE_string(

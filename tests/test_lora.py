@@ -3,20 +3,25 @@ LoRA run resumes to the uninterrupted run's losses; merged weights equal base + 
 
 import json
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from peft import PeftModel
+from transformers import Mamba2ForCausalLM
 
 from configs import tiny
-from mamba_train import Mamba2Config, Mamba2LM
+from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
+from mamba_train.interop import export, peft as peft_export
 from mamba_train.model import lora
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import run_config, step as steps
 from mamba_train.workdir import checkpoint
 
-from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, train_command
+from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, script_env, train_command
 
 HYBRID = dict(SMALL_MODEL, n_layer=4, layer_pattern="M*-M", attn_num_heads=2, d_intermediate=32,
               mlp_act="swiglu", vocab_size=61)
@@ -167,27 +172,97 @@ def test_qlora_step_trains_adapters_and_its_loss_is_within_int8_error(small_base
   assert abs(float(metrics_q["loss"]) - float(metrics["loss"])) <= 1.5 * int8_error + 1e-6
 
 
-def test_lora_run_killed_after_a_save_resumes_to_the_uninterrupted_losses(tmp_path):
-  lora_flags = ["--config.lora.rank=4", "--config.lora.targets=in_proj,out_proj", "--config.steps=4",
-                "--config.checkpoint_every=2"]
-  cmd, env = train_command(tmp_path / "full", lora_flags)
-  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+# A LoRA run as a user runs one: from a transformers base, adapters on in_proj and the head
+# (both of which peft loads), at a rate that moves them well off the base in 4 steps.
+LORA_FLAGS = ["--config.lora.rank=4", "--config.lora.targets=in_proj,lm_head", "--config.steps=4",
+              "--config.checkpoint_every=2", "--config.optim.lr=0.05"]
+
+
+def _run(cmd, env):
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _losses(workdir):
+  return {row["step"]: row["loss"] for row in map(json.loads, open(workdir / "metrics.jsonl")) if "loss" in row}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """(base dir, flags, the uninterrupted run's workdir)."""
+  root = tmp_path_factory.mktemp("lora")
+  base = random_model(_plan().model, np.random.RandomState(3))
+  export.save_hf(base, root / "base")
+  flags = [*LORA_FLAGS, f"--config.init_from={root / 'base'}"]
+  r = _run(*train_command(root / "full", flags))
   assert r.returncode == 0, r.stderr[-3000:]
-  # The same run, SIGKILLed right after its step-2 checkpoint is on disk.
+  return root / "base", flags, root / "full"
+
+
+def _ids():
+  return np.random.RandomState(4).randint(0, 257, (2, 37))
+
+
+def test_lora_run_killed_after_a_save_resumes_to_the_uninterrupted_losses(lora_run, tmp_path):
+  base, flags, full = lora_run
+  # The same run, SIGKILLed right after its step-2 checkpoint is on disk, then restarted.
   kill = ("import os, signal\nfrom mamba_train.workdir import checkpoint\n_save = checkpoint.Checkpointer.save\n"
           "def save(self, step, *a, **k):\n  out = _save(self, step, *a, **k)\n"
           "  if step == 2:\n    self.manager.wait_until_finished(); os.kill(os.getpid(), signal.SIGKILL)\n"
           "  return out\ncheckpoint.Checkpointer.save = save")
-  cmd, env = train_command(tmp_path / "cut", lora_flags)
-  r = subprocess.run(patched(cmd, kill), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  cmd, env = train_command(tmp_path / "cut", flags)
+  r = _run(patched(cmd, kill), env)
   assert r.returncode == -9, r.stderr[-3000:]
-  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = _run(cmd, env)
   assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
-  losses = lambda d: {row["step"]: row["loss"] for row in map(json.loads, open(d / "metrics.jsonl")) if "loss" in row}
-  full, cut = losses(tmp_path / "full"), losses(tmp_path / "cut")
-  assert [cut[s] for s in (1, 2, 3, 4)] == [full[s] for s in (1, 2, 3, 4)]
+  want = _losses(full)
+  assert [_losses(tmp_path / "cut")[s] for s in (1, 2, 3, 4)] == [want[s] for s in (1, 2, 3, 4)]
   # The checkpoint holds the adapters alone and names its base.
-  state = tmp_path / "cut" / "checkpoints" / "4" / "state"
-  assert sum(p.stat().st_size for p in state.rglob("*") if p.is_file()) < 200_000
-  saved = checkpoint.saved_config(tmp_path / "cut" / "checkpoints" / "4")
-  assert saved["lora_base"] == {"init_from": "", "seed": 0, "fingerprint": "random init"}
+  step = tmp_path / "cut" / "checkpoints" / "4"
+  assert sum(p.stat().st_size for p in (step / "state").rglob("*") if p.is_file()) < 100_000
+  saved = checkpoint.saved_config(step)["lora_base"]
+  assert saved["init_from"] == str(base) and saved["fingerprint"] == lora.fingerprint(load_model(base).params())
+
+
+def test_merged_export_gives_the_adapted_logits(lora_run, tmp_path):
+  _, _, full = lora_run
+  adapted = load_model(full)
+  assert adapted.lora is not None and adapted.lora.targets == ("in_proj", "lm_head")
+  ids = jnp.asarray(_ids())
+  want = np.asarray(adapted(ids))
+  assert rel(want, np.asarray(load_model(lora_run[0])(ids))) > 1e-3  # the adapters moved the model
+  export.save_hf(adapted.merged(), tmp_path / "hf")
+  export.save_mamba_ssm(adapted.merged(), tmp_path / "ssm")
+  for out in ("hf", "ssm"):
+    assert rel(np.asarray(load_model(tmp_path / out)(ids)), want) < 1e-6, out
+  with torch.no_grad():
+    ref = Mamba2ForCausalLM.from_pretrained(tmp_path / "hf").eval()(torch.from_numpy(_ids())).logits.numpy()
+  assert rel(want, ref) < 1e-5
+
+
+def test_peft_export_loads_in_transformers_and_peft(lora_run, tmp_path):
+  base, _, full = lora_run
+  r = _run([sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(full), "--out",
+            str(tmp_path / "adapters"), "--peft"], script_env())
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+  ref = PeftModel.from_pretrained(Mamba2ForCausalLM.from_pretrained(base), tmp_path / "adapters").eval()
+  with torch.no_grad():
+    got = ref(torch.from_numpy(_ids())).logits.numpy()
+  assert rel(got, np.asarray(load_model(full)(jnp.asarray(_ids())))) < 1e-5
+  # Adapters peft will not load are refused with the way out, before anything is written.
+  cfg = _plan().model
+  spec = _spec(cfg, targets="in_proj,out_proj")
+  model = Mamba2LM.from_params(cfg, load_model(base).params(), lora=spec,
+                               adapters=lora.init_adapters(load_model(base).params(), spec, jax.random.PRNGKey(0)))
+  with pytest.raises(peft_export.PeftExportError, match="export them merged"):
+    peft_export.save_peft(model, tmp_path / "refused")
+  assert not (tmp_path / "refused").exists()
+
+
+def test_generate_takes_checkpoint_as_an_alias_of_model(lora_run):
+  _, _, full = lora_run
+  r = _run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(full), "--ids=1,2,3",
+            "--max_new_tokens=4", "--ignore_eos"], script_env())
+  assert r.returncode == 0, r.stderr[-3000:]
+  want = generate(load_model(full), [1, 2, 3], 4)[3:]
+  assert ",".join(str(int(t)) for t in want) in r.stdout.splitlines()
