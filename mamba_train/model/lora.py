@@ -77,6 +77,13 @@ class LoraSpec:
   alpha: float
   targets: tuple[str, ...]  # resolved names from TARGETS and HEAD
   base_dtype: str = ""
+  # int4 values two to a byte. XLA:CPU's compiled programs want int4 arguments packed,
+  # but JAX's CPU client makes them one to a byte (JAX 0.10), so a CPU run stores them
+  # in int8 (the same numbers, int8's memory): the caller says which for its backend.
+  packed_int4: bool = True
+
+  def replace(self, **kw) -> "LoraSpec":
+    return dataclasses.replace(self, **kw)
 
   @property
   def scale(self) -> float:
@@ -175,15 +182,18 @@ def adapter_logical_axes(adapters: dict[str, Any]) -> dict[str, Any]:
 # The quantized base (QLoRA).
 
 
-def quantize(w, base_dtype: str, n_in: int, stacked: bool):
+def quantize(w, base_dtype: str, n_in: int, stacked: bool, packed_int4: bool = True):
   """A weight (stacked over layers when `stacked`) as a qwix QArray: symmetric absmax,
   one scale per output channel (and per layer), int4 per block of input rows too."""
   lead = 1 if stacked else 0
   channel = tuple(range(lead)) + tuple(range(lead + n_in, w.ndim))
   # A row count no block divides (a small test model) keeps one scale per output channel.
   tiles = {lead: INT4_BLOCK} if base_dtype == "int4" and w.shape[lead] % INT4_BLOCK == 0 else {}
-  return qwix.quantize(w, {"int8": jnp.int8, "int4": jnp.int4}[base_dtype], channelwise_axes=channel,
-                       tiled_axes=tiles)
+  q = qwix.quantize(w, {"int8": jnp.int8, "int4": jnp.int4}[base_dtype], channelwise_axes=channel,
+                    tiled_axes=tiles)
+  if base_dtype == "int4" and not packed_int4:  # qtype stays int4: dequantize reads it so
+    q = dataclasses.replace(q, qvalue=q.qvalue.astype(jnp.int8))
+  return q
 
 
 def quantize_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
@@ -196,11 +206,12 @@ def quantize_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
     if t == HEAD:
       key = "lm_head" if "lm_head" in params else "embedding"
       if key == "lm_head":  # a tied head is also the embedding lookup: kept whole
-        out[key] = quantize(params[key], spec.base_dtype, 1, stacked=False)
+        out[key] = quantize(params[key], spec.base_dtype, 1, stacked=False, packed_int4=spec.packed_int4)
       continue
     stack, names, n_in = TARGETS[t]
     for n in names:
-      out[stack][n] = quantize(params[stack][n], spec.base_dtype, n_in, stacked=True)
+      out[stack][n] = quantize(params[stack][n], spec.base_dtype, n_in, stacked=True,
+                               packed_int4=spec.packed_int4)
   return out
 
 

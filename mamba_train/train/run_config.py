@@ -210,6 +210,8 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if platform is None:
     import jax  # only here: planning for this host is the one case that asks it
     platform = jax.default_backend()
+  if lora is not None:
+    lora = lora.replace(packed_int4=platform != "cpu")  # see LoraSpec.packed_int4
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora)
