@@ -108,6 +108,16 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.init_from = ""  # '' = random init; else a transformers or mamba_ssm model directory
 
+  # --- what the run minimises ---
+  # lm: cross entropy on the unmasked tokens (pretraining, finetuning, SFT).
+  # dpo: DPO on a preference set (prepare_data.py --preference; mamba_train/train/dpo.py),
+  #   against the initial weights frozen as the reference (with LoRA: the base).
+  c.objective = "lm"
+  c.dpo = ml_collections.ConfigDict(dict(
+      beta=0.1,  # the strength of the pull towards the reference (KL weight)
+      label_smoothing=0.0,  # in [0, 0.5): the share of pairs assumed mislabelled (cDPO)
+  ))
+
   # --- LoRA adapters (mamba_train/model/lora.py); rank 0 = off, the whole model trains ---
   # With rank > 0 only the adapters train (and have optimizer state); the base
   # (init_from, or the random init) stays frozen, and checkpoints hold the adapters.

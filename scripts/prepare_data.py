@@ -9,6 +9,10 @@
   # with the tokenizer's chat template, loss on assistant tokens only, packed into rows:
   python scripts/prepare_data.py --chat --source=chats.jsonl --name=sft \
       --tokenizer=EleutherAI/gpt-neox-20b --seq_len=2048 --too_long=drop
+  # Preference pairs for DPO ({"prompt", "chosen", "rejected"} per line: strings, or lists of
+  # messages as UltraFeedback has), rendered and masked as --chat does, one pair a row:
+  python scripts/prepare_data.py --preference --source='prefs/*.jsonl' --name=prefs \
+      --tokenizer=EleutherAI/gpt-neox-20b --seq_len=2048
   # The embedded default corpus (Python standard library, byte tokenizer, offline):
   python scripts/prepare_data.py --default_corpus
 
@@ -41,7 +45,8 @@ _NUM_PROC = flags.DEFINE_integer("num_proc", None, "Tokenizer processes (default
 _FORCE = flags.DEFINE_bool("force", False, "Rebuild even if already prepared.")
 _DEFAULT = flags.DEFINE_bool("default_corpus", False, "Prepare the embedded default corpus.")
 _CHAT = flags.DEFINE_bool("chat", False, "--source is a chat/instruction jsonl file.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Chat: packed row length (the run's seq_len).")
+_PREFERENCE = flags.DEFINE_bool("preference", False, "--source is DPO preference jsonl (path or glob).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Chat, preference: packed row length (the run's seq_len).")
 _TOO_LONG = flags.DEFINE_enum("too_long", "drop", ["drop", "truncate"],
                               "Chat: examples longer than a row are dropped or truncated.")
 _TEMPLATE = flags.DEFINE_string("chat_template", None,
@@ -64,6 +69,14 @@ def prepare():
     path = data.ensure_default_corpus(_ROOT.value)
   elif _SOURCE.value is None:
     raise app.UsageError("Pass --source=... (or --default_corpus).")
+  elif _PREFERENCE.value:
+    try:
+      path = data.prepare_preference_dataset(
+          _SOURCE.value, _NAME.value, root=_ROOT.value, seq_len=_SEQ_LEN.value,
+          tokenizer=_TOKENIZER.value, eos_token=_EOS.value, template=_TEMPLATE.value,
+          too_long=_TOO_LONG.value, val_fraction=_VAL.value)
+    except data.ChatFormatError as e:
+      raise SystemExit(f"error: {e}") from None
   elif _CHAT.value:
     try:
       path = data.prepare_chat_dataset(

@@ -48,6 +48,13 @@ def make_loaders(plan: Plan, sources: list[data.Source], workdir: str | None = N
     for m in metas:
       data.validate_for_model(m, vocab_size)
     data.check_sources(sources, metas, config.seq_len)
+    preference = [s.dir for s, m in zip(sources, metas) if m.get("packed", {}).get("preference")]
+    if plan.dpo is not None and len(preference) != len(sources):
+      raise ValueError(f"objective='dpo' needs a preference set, and {sources[0].dir} is not one: "
+                       "prepare it with scripts/prepare_data.py --preference")
+    if plan.dpo is None and preference:
+      raise ValueError(f"{preference} hold preference pairs: train on them with configs/dpo.py "
+                       "(objective='dpo'), which learns from the pairs, not from both responses")
     no_val = [s.dir for s, m in zip(sources, metas) if "validation" not in m["splits"]]
     if config.eval_every > 0 and no_val:
       raise ValueError(f"{no_val} hold no validation split; prepare them with a nonzero "

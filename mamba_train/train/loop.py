@@ -130,7 +130,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
            "param_norm": m["param_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
            "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
-           **share.read()}
+           **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
@@ -288,8 +288,9 @@ def check_base(ckpt: checkpoint.Checkpointer, base: dict, *, force: bool) -> Non
 
 
 def load_init_params(path: str, model_cfg: Mamba2Config):
-  """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
-  model = load_model(path)
+  """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model
+  (a LoRA run's: its adapters merged into its base)."""
+  model = load_model(path).merged()
   differ = model_cfg.weight_differences(model.config, init=False)
   if differ:
     raise ConfigError(f"init_from {path!r} does not match config.model in "

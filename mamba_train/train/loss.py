@@ -65,6 +65,7 @@ def _lce(h, w, targets, weights, vocab_size, compute_dtype, block):
 
 
 def _lce_fwd(h, w, targets, weights, vocab_size, compute_dtype, block):
+  # weights (b, l, k): k sums per row, (b, k) (one for the loss, two for DPO's responses).
   wc = w.astype(compute_dtype)
 
   def body(total, xs):
@@ -72,10 +73,11 @@ def _lce_fwd(h, w, targets, weights, vocab_size, compute_dtype, block):
     logits = _block_logits(hb, wc, vocab_size)
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, tb[..., None], -1)[..., 0]
-    return total + jnp.sum((lse - tgt) * mb), lse
+    return total + jnp.einsum("bt,btk->bk", lse - tgt, mb), lse
 
   xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
-  total, lse = jax.lax.scan(body, jnp.zeros((), F32), xs, unroll=_unroll(xs[0]))
+  b, k = weights.shape[0], weights.shape[-1]
+  total, lse = jax.lax.scan(body, jnp.zeros((b, k), F32), xs, unroll=_unroll(xs[0]))
   return total, (h, w, targets, weights, lse)
 
 
@@ -88,7 +90,7 @@ def _lce_bwd(vocab_size, compute_dtype, block, res, g):
     hb, tb, mb, lb = xs
     p = jnp.exp(_block_logits(hb, wc, vocab_size) - lb[..., None])  # softmax; 0 on padding rows
     p = p - jax.nn.one_hot(tb, wc.shape[0], dtype=F32)
-    p = (p * (mb * g)[..., None]).astype(cd)
+    p = (p * jnp.einsum("btk,bk->bt", mb, g)[..., None]).astype(cd)
     dh = jnp.einsum("btv,vd->btd", p, wc, preferred_element_type=F32)
     dw = dw + jnp.einsum("btv,btd->vd", p, hb.astype(cd), preferred_element_type=F32)
     return dw, dh
@@ -113,10 +115,19 @@ def linear_cross_entropy(h, w, targets, weights, vocab_size: int, compute_dtype=
   Gradients flow to h and w. batch_shards: the devices the (b, l) tokens are
   split over (a block holds block_tokens tokens per device).
   """
+  return jnp.sum(row_cross_entropy(h, w, targets, weights[..., None], vocab_size, compute_dtype,
+                                   block_tokens, batch_shards))
+
+
+def row_cross_entropy(h, w, targets, weights, vocab_size: int, compute_dtype="float32",
+                      block_tokens: int = BLOCK_TOKENS, batch_shards: int = 1):
+  """`linear_cross_entropy` summed per row and per weight channel: weights (b, l, k)
+  -> (b, k) float32, sum over positions of weights[..., k] * (logsumexp - target logit)."""
   b, l = targets.shape
-  if h.shape[:2] != (b, l) or w.shape[-1] != h.shape[-1]:
-    raise ValueError(f"linear_cross_entropy: h {h.shape}, w {w.shape}, targets {targets.shape} "
-                     f"do not agree: need h (b, l, d), w (v, d), targets (b, l)")
+  if h.shape[:2] != (b, l) or w.shape[-1] != h.shape[-1] or weights.shape[:2] != (b, l):
+    raise ValueError(f"linear_cross_entropy: h {h.shape}, w {w.shape}, targets {targets.shape}, "
+                     f"weights {weights.shape} do not agree: need h (b, l, d), w (v, d), "
+                     "targets (b, l), weights (b, l[, k])")
   block = _block_len(b, l, block_tokens * batch_shards)
   return _lce(h, w, targets.astype(jnp.int32), weights.astype(F32), vocab_size,
               jnp.dtype(compute_dtype), block)

@@ -22,9 +22,11 @@ from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
+from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
 
 WANDB_MODES = ("online", "offline", "disabled")
+OBJECTIVES = ("lm", "dpo")
 DATA_SOURCES = ("synthetic", "corpus")
 
 
@@ -112,6 +114,7 @@ class Plan:
   schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
   default_corpus: str = ""
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
+  dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -191,6 +194,8 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
   if cfg["data"].get("source") not in DATA_SOURCES:
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
+  dpo, dpo_problems = _dpo(cfg)
+  problems += dpo_problems
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})
@@ -214,7 +219,29 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     lora = lora.replace(packed_int4=platform != "cpu")  # see LoraSpec.packed_int4
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
-              sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora)
+              sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
+              dpo=dpo)
+
+
+def _dpo(cfg: Mapping) -> tuple[DpoSpec | None, list[str]]:
+  objective = cfg.get("objective", "lm")
+  if objective not in OBJECTIVES:
+    return None, [f"objective must be one of {OBJECTIVES}, got {objective!r}"]
+  if objective != "dpo":
+    return None, []
+  d, data, problems = cfg.get("dpo", {}), cfg["data"], []
+  beta, ls = d.get("beta"), d.get("label_smoothing")
+  if not (_number(beta) and beta > 0):
+    problems.append(f"dpo.beta must be a number > 0, got {beta!r}")
+  if not (_number(ls) and 0 <= ls < 0.5):
+    problems.append(f"dpo.label_smoothing must be in [0, 0.5), got {ls!r}")
+  if data.get("source") != "corpus" or not data.get("dir") or data.get("mixture"):
+    problems.append("objective='dpo' reads one preference set: set data.source='corpus' and data.dir "
+                    "to a directory from scripts/prepare_data.py --preference (no data.mixture)")
+  if not data.get("use_seq_idx", True):
+    problems.append("objective='dpo' needs data.use_seq_idx=True: it keeps a row's chosen and "
+                    "rejected responses apart")
+  return (DpoSpec(float(beta), float(ls)) if not problems else None), problems
 
 
 def _lora(c: Mapping, model: Mamba2Config) -> lora_lib.LoraSpec | None:

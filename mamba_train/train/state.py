@@ -1,8 +1,9 @@
 """The train state: one pytree, `TrainState(step, params, opt_state, rng, frozen)`,
 with `params` what trains: the plain nested dict of `Mamba2LM.params()`, or with
 LoRA (`lora` a `model.lora.LoraSpec`) the adapters alone, and `frozen` the base they
-adapt (None without LoRA; quantized for QLoRA). Checkpoints hold the state without
-`frozen` (`trainable`): the base is named by the run config, not copied.
+adapt (quantized for QLoRA), or without LoRA a frozen copy of the initial weights
+(`frozen_copy`: DPO's reference), else None. Checkpoints hold the state without
+`frozen` (`trainable`): the run config names it (init_from), and a resume rebuilds it.
 
 The shardings come from the parameters' logical axes and the rules table in
 parallel/sharding.py; the optimizer state mirrors the parameters' shardings, so
@@ -83,22 +84,25 @@ def _trainable_shapes(cfg: Mamba2Config, lora: LoraSpec | None):
 
 
 def weight_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES,
-                     lora: LoraSpec | None = None):
-  """(params, frozen) shardings: the model's parameters and None, or with LoRA the
-  adapters' (replicated but for their layers axis) and the base's."""
+                     lora: LoraSpec | None = None, frozen_copy: bool = False):
+  """(params, frozen) shardings: the model's parameters and None (or theirs again with
+  `frozen_copy`), or with LoRA the adapters' (replicated but for their layers axis)
+  and the base's."""
   if lora is None:
-    return param_shardings(cfg, mesh, rules), None
+    p_sh = param_shardings(cfg, mesh, rules)
+    return p_sh, (p_sh if frozen_copy else None)
   shapes = _trainable_shapes(cfg, lora)
   return (sharding.tree_shardings(shapes, lora_lib.adapter_logical_axes(shapes), mesh, rules),
           _frozen_shardings(cfg, lora, mesh, rules))
 
 
 def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                    rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None) -> TrainState:
+                    rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None,
+                    frozen_copy: bool = False) -> TrainState:
   """Shardings of the whole TrainState: the optimizer's per-parameter state
   follows the parameters; its counters and the rest are replicated."""
   replicated = NamedSharding(mesh, P())
-  p_sh, frozen = weight_shardings(cfg, mesh, rules, lora)
+  p_sh, frozen = weight_shardings(cfg, mesh, rules, lora, frozen_copy)
   abstract_opt = jax.eval_shape(optimizer.init, _trainable_shapes(cfg, lora))
   opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
                                  transform_non_params=lambda _: replicated,
@@ -106,11 +110,12 @@ def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, 
   return TrainState(step=replicated, params=p_sh, opt_state=opt_sh, rng=replicated, frozen=frozen)
 
 
-def _make_state(cfg, optimizer, key, params=None, lora: LoraSpec | None = None) -> TrainState:
+def _make_state(cfg, optimizer, key, params=None, lora: LoraSpec | None = None,
+                frozen_copy: bool = False) -> TrainState:
   init_key, rng = jax.random.split(key)
   if params is None:
     params = Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
-  frozen = None
+  frozen = jax.tree.map(jnp.copy, params) if frozen_copy and lora is None else None
   if lora is not None:  # the adapters train; the base is kept as given, or quantized
     frozen = lora_lib.quantize_base(params, lora)
     params = lora_lib.init_adapters(params, lora, jax.random.fold_in(init_key, 1))
@@ -124,22 +129,27 @@ def with_shardings(tree, shardings):
 
 
 def abstract_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                         rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None) -> TrainState:
+                         rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None,
+                         frozen_copy: bool = False) -> TrainState:
   """The TrainState's shapes and dtypes with its shardings, allocating nothing."""
-  shapes = jax.eval_shape(lambda key: _make_state(cfg, optimizer, key, lora=lora), jax.random.PRNGKey(0))
-  return with_shardings(shapes, state_shardings(cfg, optimizer, mesh, rules, lora=lora))
+  shapes = jax.eval_shape(lambda key: _make_state(cfg, optimizer, key, lora=lora, frozen_copy=frozen_copy),
+                          jax.random.PRNGKey(0))
+  return with_shardings(shapes, state_shardings(cfg, optimizer, mesh, rules, lora=lora,
+                                                frozen_copy=frozen_copy))
 
 
 def init_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     seed: int, params=None, lora: LoraSpec | None = None) -> TrainState:
+                     seed: int, params=None, lora: LoraSpec | None = None,
+                     frozen_copy: bool = False) -> TrainState:
   """A fresh TrainState, created directly in its shardings (no full copy on one device).
 
   `params`, if given (e.g. loaded for finetuning), replace the random init; with
-  `lora` they (or the random init) become the frozen base of fresh adapters.
+  `lora` they (or the random init) become the frozen base of fresh adapters;
+  `frozen_copy` keeps a frozen copy of them besides (DPO's reference, without LoRA).
   """
-  shardings = state_shardings(cfg, optimizer, mesh, lora=lora)
+  shardings = state_shardings(cfg, optimizer, mesh, lora=lora, frozen_copy=frozen_copy)
   if params is not None:
     params = jax.device_put(params, param_shardings(cfg, mesh))
-  make = lambda key, params: _make_state(cfg, optimizer, key, params, lora)
+  make = lambda key, params: _make_state(cfg, optimizer, key, params, lora, frozen_copy)
   with sharding.use_rules(mesh):
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed), params)

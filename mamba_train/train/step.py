@@ -21,7 +21,8 @@ from mamba_train.model.lora import LoraSpec
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
-from mamba_train.train import run_config
+from mamba_train.train import dpo as dpo_lib, run_config
+from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import make_optimizer, nonfinite_streak
 from mamba_train.train.state import (
@@ -33,6 +34,7 @@ from mamba_train.train.state import (
 )
 
 F32 = jnp.float32
+DPO_METRICS = dpo_lib.METRICS
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
 
 
@@ -60,6 +62,20 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
   return total, jnp.sum(mask)
 
 
+def objective_sums(params, frozen, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
+                   use_seq_idx: bool = True, lora: LoraSpec | None = None, dpo: DpoSpec | None = None):
+  """(loss sum, count, {metric: sum}) of the run's objective: cross entropy over the
+  unmasked tokens, or with `dpo` the DPO loss over the pairs (train/dpo.py), against
+  the reference the state holds: the base with adapters off (LoRA), or `frozen`."""
+  if dpo is None:
+    total, count = loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora)
+    return total, count, {}
+  policy = model_of(params, frozen, cfg, runtime, lora)
+  reference = (model_of(jax.tree.map(jnp.zeros_like, params), frozen, cfg, runtime, lora) if lora
+               else Mamba2LM.from_params(cfg, frozen, runtime))
+  return dpo_lib.dpo_sums(policy, reference, batch, dpo, batch_shards=_batch_shards())
+
+
 def _batch_shards() -> int:
   """Devices the (b, l) tokens are split over under the active sharding rules (1 without)."""
   act = sharding.active()
@@ -85,10 +101,12 @@ def _split_micro(batch, k: int, mesh: Mesh, rules):
 def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh, *, grad_accum: int = 1,
                     rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True,
-                    lora: LoraSpec | None = None) -> Callable:
+                    lora: LoraSpec | None = None, dpo: DpoSpec | None = None) -> Callable:
   """`step(state, batch) -> (state, metrics)`: one jax.jit with explicit
   shardings; the incoming state is donated. With `lora` only the adapters
   (`state.params`) are differentiated and updated; the base (`state.frozen`) is read.
+  With `dpo` the loss is DPO's over the batch's pairs (`objective_sums`), and the
+  metrics add dpo.METRICS, each a mean over the pairs.
 
   With grad_accum = k the global batch is scanned as k micro-batches; loss and
   gradient sums are added up and divided by the total token count once, so the
@@ -96,31 +114,34 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, lr,
   tokens (unmasked), nonfinite_streak.
   """
-  st_sh = state_shardings(cfg, optimizer, mesh, rules, lora=lora)
+  st_sh = state_shardings(cfg, optimizer, mesh, rules, lora=lora, frozen_copy=dpo is not None)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
   replicated = NamedSharding(mesh, P())
+  extra = dpo_lib.METRICS if dpo is not None else ()
 
   def sums_and_grads(params, mb, frozen):
-    loss = lambda p: loss_sums(p, mb, cfg, runtime, use_seq_idx, frozen, lora)
-    (loss_sum, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    return loss_sum, count, grads
+    def loss(p):
+      total, count, sums = objective_sums(p, frozen, mb, cfg, runtime, use_seq_idx, lora, dpo)
+      return total, (count, sums)
+    (loss_sum, (count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return loss_sum, count, sums, grads
 
   def step(state: TrainState, batch):
     with sharding.use_rules(mesh, rules):
       params = state.params
       if grad_accum == 1:
-        loss_sum, count, grads = sums_and_grads(params, batch, state.frozen)
+        loss_sum, count, sums, grads = sums_and_grads(params, batch, state.frozen)
       else:
         def body(carry, mb):
-          loss_sum, count, grads = sums_and_grads(params, mb, state.frozen)
-          acc_loss, acc_count, acc_grads = carry
+          loss_sum, count, sums, grads = sums_and_grads(params, mb, state.frozen)
+          acc_loss, acc_count, acc_sums, acc_grads = carry
           acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
           acc_grads = jax.lax.with_sharding_constraint(acc_grads, st_sh.params)
-          return (acc_loss + loss_sum, acc_count + count, acc_grads), None
+          return (acc_loss + loss_sum, acc_count + count, jax.tree.map(jnp.add, acc_sums, sums), acc_grads), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss_sum, count, grads), _ = jax.lax.scan(
-            body, (jnp.zeros((), F32), jnp.zeros((), F32), zeros), _split_micro(batch, grad_accum, mesh, rules))
+        start = (jnp.zeros((), F32), jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in extra}, zeros)
+        (loss_sum, count, sums, grads), _ = jax.lax.scan(body, start, _split_micro(batch, grad_accum, mesh, rules))
       denom = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denom, grads)
       loss = loss_sum / denom
@@ -136,6 +157,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           "nonfinite_streak": nonfinite_streak(opt_state),
+          **{k: v / denom for k, v in sums.items()},
       }
       return new_state, metrics
 
@@ -144,15 +166,17 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
 
 def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=sharding.DEFAULT_RULES,
-                   use_seq_idx: bool = True, lora: LoraSpec | None = None) -> Callable:
-  """`eval_step(params, batch, frozen) -> (loss_sum, token_count)`, jitted with the
-  state's shardings (frozen: the LoRA base, None without)."""
-  p_sh, f_sh = weight_shardings(cfg, mesh, rules, lora)
+                   use_seq_idx: bool = True, lora: LoraSpec | None = None,
+                   dpo: DpoSpec | None = None) -> Callable:
+  """`eval_step(params, batch, frozen) -> (loss_sum, count)` of the objective (tokens,
+  or DPO's pairs), jitted with the state's shardings (frozen: the LoRA base or DPO's
+  reference, None without)."""
+  p_sh, f_sh = weight_shardings(cfg, mesh, rules, lora, frozen_copy=dpo is not None)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
 
   def step(params, batch, frozen):
     with sharding.use_rules(mesh, rules):
-      return loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora)
+      return objective_sums(params, frozen, batch, cfg, runtime, use_seq_idx, lora, dpo)[:2]
 
   return jax.jit(step, in_shardings=(p_sh, b_sh, f_sh), out_shardings=NamedSharding(mesh, P()))
 
@@ -220,14 +244,16 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) 
   if platform != plan.platform:
     raise ValueError(f"the plan's runtime is resolved for {plan.platform!r} devices, but the "
                      f"mesh's are {platform!r}: validate the run config for the mesh's platform")
-  config, model_cfg, runtime, lora = plan.config, plan.model, plan.runtime, plan.lora
+  config, model_cfg, runtime, lora, dpo = plan.config, plan.model, plan.runtime, plan.lora, plan.dpo
   optimizer, schedule = make_optimizer(config.optim, config.steps)
+  copy = dpo is not None  # DPO's reference: the initial weights, frozen (with LoRA: the base)
   if init:
-    state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params, lora=lora)
+    state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params, lora=lora,
+                             frozen_copy=copy)
   else:
-    state = abstract_train_state(model_cfg, optimizer, mesh, lora=lora)
+    state = abstract_train_state(model_cfg, optimizer, mesh, lora=lora, frozen_copy=copy)
   docs = bool(config.data.use_seq_idx)
   train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
-                               grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora)
+                               grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora, dpo=dpo)
   return Built(optimizer, schedule, state, train_step,
-               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs, lora=lora))
+               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs, lora=lora, dpo=dpo))
