@@ -69,17 +69,10 @@ def prepare():
     path = data.ensure_default_corpus(_ROOT.value)
   elif _SOURCE.value is None:
     raise app.UsageError("Pass --source=... (or --default_corpus).")
-  elif _PREFERENCE.value:
+  elif _CHAT.value or _PREFERENCE.value:  # rendered with the chat template, packed with a loss mask
+    prepare_packed = data.prepare_preference_dataset if _PREFERENCE.value else data.prepare_chat_dataset
     try:
-      path = data.prepare_preference_dataset(
-          _SOURCE.value, _NAME.value, root=_ROOT.value, seq_len=_SEQ_LEN.value,
-          tokenizer=_TOKENIZER.value, eos_token=_EOS.value, template=_TEMPLATE.value,
-          too_long=_TOO_LONG.value, val_fraction=_VAL.value)
-    except data.ChatFormatError as e:
-      raise SystemExit(f"error: {e}") from None
-  elif _CHAT.value:
-    try:
-      path = data.prepare_chat_dataset(
+      path = prepare_packed(
           _SOURCE.value, _NAME.value, root=_ROOT.value, seq_len=_SEQ_LEN.value,
           tokenizer=_TOKENIZER.value, eos_token=_EOS.value, template=_TEMPLATE.value,
           too_long=_TOO_LONG.value, val_fraction=_VAL.value)

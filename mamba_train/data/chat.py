@@ -215,6 +215,66 @@ def pack(examples, row_len: int, too_long: str, eos_id: int):
   return tokens, masks, seq_idx, stats
 
 
+def resolve_template(tokenizer: str, template: str | None):
+  """(compiled template, its name for the metadata): a jinja file, else the tokenizer's
+  own chat template, else DEFAULT_TEMPLATE."""
+  if template:
+    with open(template, encoding="utf-8") as f:
+      return compile_template(f.read()), template
+  source = chat_template(tokenizer)
+  return compile_template(source or DEFAULT_TEMPLATE), "tokenizer" if source else "default"
+
+
+def split_order(n: int, val_fraction: float, seed: int) -> dict[str, list[int]]:
+  """{train, validation}: example indices, in file order within each split."""
+  order = np.random.default_rng(seed).permutation(n)
+  n_val = min(n - 1, max(1, round(val_fraction * n))) if val_fraction > 0 else 0
+  return {"train": sorted(order[n_val:]), "validation": sorted(order[:n_val])}
+
+
+def write_packed(source: str, name: str, root: str, tok: tokenizer_lib.TokenizerInfo, packed: dict,
+                 splits: dict, pack_split) -> str:
+  """Writes a packed dataset `root/name/` (the layout in the module doc): for each split
+  with examples, `pack_split(indices) -> (tokens, mask, seq_idx, stats)`. Returns the path."""
+  out = os.path.join(root, name)
+  tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  dtype = prepare.shard_dtype(tok.vocab_size)
+  try:
+    meta = dict(format_version=prepare.FORMAT_VERSION, name=name, source=source,
+                tokenizer=tok.name, tokenizer_fingerprint=tok.fingerprint,
+                vocab_size=tok.vocab_size, eos_id=tok.eos_id, dtype=dtype.name,
+                fingerprint=None, packed=packed, splits={},
+                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    tok.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    max_id = 0
+    for split, idx in splits.items():
+      if not idx:
+        continue
+      tokens, masks, seq_idx, stats = pack_split(idx)
+      if not len(tokens):
+        raise ValueError(f"{source}: no {split} example fits in {packed['seq_len'] + 1} tokens "
+                         f"(too_long={packed['too_long']!r}); raise seq_len or use too_long='truncate'.")
+      files = {}
+      for field, arr in (("tokens", tokens.astype(dtype)), ("loss_mask", masks), ("seq_idx", seq_idx)):
+        files[field] = f"{split}.{field}.npy"
+        np.save(os.path.join(tmp, files[field]), arr)
+      max_id = max(max_id, int(tokens.max()))
+      meta["splits"][split] = dict(files=files, documents=len(idx), **stats)
+      log.info("%s (%s): %d examples in %d rows (%.1f%% of tokens are not padding), "
+               "%d dropped, %d truncated (too_long=%s).", source, split, len(idx),
+               stats["rows"], 100 * stats["efficiency"], stats["dropped"], stats["truncated"],
+               packed["too_long"])
+    meta["max_token_id"] = max_id
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+      json.dump(meta, f, indent=2)
+    prepare._publish(tmp, out, None)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
 def prepare_chat_dataset(source: str, name: str | None = None, *, root: str = "data",
                          seq_len: int = 2048, tokenizer: str = tokenizer_lib.BYTE,
                          eos_token: str | None = None, template: str | None = None,
@@ -225,57 +285,10 @@ def prepare_chat_dataset(source: str, name: str | None = None, *, root: str = "d
   DEFAULT_TEMPLATE. Returns the dataset directory.
   """
   tok = tokenizer_lib.load_tokenizer(tokenizer, eos_token=eos_token)
-  if template:
-    with open(template, encoding="utf-8") as f:
-      template_src, template_name = f.read(), template
-  else:
-    template_src = chat_template(tokenizer)
-    template_name = "tokenizer" if template_src else "default"
-    template_src = template_src or DEFAULT_TEMPLATE
-  compiled = compile_template(template_src)
+  compiled, template_name = resolve_template(tokenizer, template)
   eos_name = tok.tokenizer.id_to_token(tok.eos_id)
-  convs = read_chat_jsonl(source)
-  examples = [encode(tok, render(compiled, c, eos_name)) for c in convs]
-  order = np.random.default_rng(seed).permutation(len(examples))
-  n_val = min(len(examples) - 1, max(1, round(val_fraction * len(examples)))) if val_fraction > 0 else 0
-  splits = {"train": sorted(order[n_val:]), "validation": sorted(order[:n_val])}
-  name = name or prepare._default_name(source)
-  out = os.path.join(root, name)
-  tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  dtype = prepare.shard_dtype(tok.vocab_size)
-  try:
-    meta = dict(format_version=prepare.FORMAT_VERSION, name=name, source=source,
-                tokenizer=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                vocab_size=tok.vocab_size, eos_id=tok.eos_id, dtype=dtype.name,
-                fingerprint=None, packed=dict(seq_len=seq_len, too_long=too_long,
-                                              template=template_name), splits={},
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    tok.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    max_id = 0
-    for split, idx in splits.items():
-      if not idx:
-        continue
-      tokens, masks, seq_idx, stats = pack([examples[i] for i in idx], seq_len + 1, too_long,
-                                           tok.eos_id)
-      if not len(tokens):
-        raise ValueError(f"{source}: no {split} example fits in {seq_len + 1} tokens "
-                         f"(too_long={too_long!r}); raise seq_len or use too_long='truncate'.")
-      files = {}
-      for field, arr in (("tokens", tokens.astype(dtype)), ("loss_mask", masks), ("seq_idx", seq_idx)):
-        files[field] = f"{split}.{field}.npy"
-        np.save(os.path.join(tmp, files[field]), arr)
-      max_id = max(max_id, int(tokens.max()))
-      meta["splits"][split] = dict(files=files, documents=len(idx), **stats)
-      log.info("%s (%s): %d examples in %d rows (%.1f%% of tokens are not padding), "
-               "%d dropped, %d truncated (too_long=%s).", source, split, len(idx),
-               stats["rows"], 100 * stats["efficiency"], stats["dropped"], stats["truncated"],
-               too_long)
-    meta["max_token_id"] = max_id
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-      json.dump(meta, f, indent=2)
-    prepare._publish(tmp, out, None)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return out
+  examples = [encode(tok, render(compiled, c, eos_name)) for c in read_chat_jsonl(source)]
+  return write_packed(source, name or prepare._default_name(source), root, tok,
+                      dict(seq_len=seq_len, too_long=too_long, template=template_name),
+                      split_order(len(examples), val_fraction, seed),
+                      lambda idx: pack([examples[i] for i in idx], seq_len + 1, too_long, tok.eos_id))

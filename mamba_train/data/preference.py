@@ -24,8 +24,6 @@ import glob
 import json
 import logging
 import os
-import shutil
-import time
 
 import numpy as np
 
@@ -123,52 +121,11 @@ def prepare_preference_dataset(source: str, name: str | None = None, *, root: st
     if not os.path.isfile(f):
       raise FileNotFoundError(f"{f} does not exist")
   tok = tokenizer_lib.load_tokenizer(tokenizer, eos_token=eos_token)
-  if template:
-    with open(template, encoding="utf-8") as f:
-      template_src, template_name = f.read(), template
-  else:
-    template_src = chat.chat_template(tokenizer)
-    template_name = "tokenizer" if template_src else "default"
-    template_src = template_src or chat.DEFAULT_TEMPLATE
-  compiled = chat.compile_template(template_src)
+  compiled, template_name = chat.resolve_template(tokenizer, template)
   eos_name = tok.tokenizer.id_to_token(tok.eos_id)
   pairs = [tuple(encode_response(tok, compiled, conv, eos_name) for conv in pair)
            for f in files for pair in read_pairs(f)]
-  order = np.random.default_rng(seed).permutation(len(pairs))
-  n_val = min(len(pairs) - 1, max(1, round(val_fraction * len(pairs)))) if val_fraction > 0 else 0
-  splits = {"train": sorted(order[n_val:]), "validation": sorted(order[:n_val])}
-  name = name or prepare._default_name(files[0])
-  out, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  dtype = prepare.shard_dtype(tok.vocab_size)
-  try:
-    meta = dict(format_version=prepare.FORMAT_VERSION, name=name, source=source,
-                tokenizer=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                vocab_size=tok.vocab_size, eos_id=tok.eos_id, dtype=dtype.name, fingerprint=None,
-                packed=dict(seq_len=seq_len, too_long=too_long, template=template_name, preference=True),
-                splits={}, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    tok.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    max_id = 0
-    for split, idx in splits.items():
-      if not idx:
-        continue
-      tokens, masks, seq_idx, stats = pack_pairs([pairs[i] for i in idx], seq_len + 1, too_long, tok.eos_id)
-      if not len(tokens):
-        raise ValueError(f"{source}: no {split} pair fits in {seq_len + 1} tokens (too_long={too_long!r}); "
-                         "raise seq_len or use too_long='truncate'.")
-      files_out = {}
-      for field, arr in (("tokens", tokens.astype(dtype)), ("loss_mask", masks), ("seq_idx", seq_idx)):
-        files_out[field] = f"{split}.{field}.npy"
-        np.save(os.path.join(tmp, files_out[field]), arr)
-      max_id = max(max_id, int(tokens.max()))
-      meta["splits"][split] = dict(files=files_out, documents=len(idx), **stats)
-      log.info("%s (%s): %d pairs in %d rows, %d dropped, %d truncated (too_long=%s).", source, split,
-               len(idx), stats["rows"], stats["dropped"], stats["truncated"], too_long)
-    meta["max_token_id"] = max_id
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-      json.dump(meta, f, indent=2)
-    prepare._publish(tmp, out, None)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return out
+  return chat.write_packed(source, name or prepare._default_name(files[0]), root, tok,
+                           dict(seq_len=seq_len, too_long=too_long, template=template_name, preference=True),
+                           chat.split_order(len(pairs), val_fraction, seed),
+                           lambda idx: pack_pairs([pairs[i] for i in idx], seq_len + 1, too_long, tok.eos_id))
