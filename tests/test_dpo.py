@@ -40,8 +40,10 @@ def _write_prefs(directory, n=32):
       q = [{"role": "user", "content": f"Is {rng.randint(99)} even?"}]
       side = lambda text: q + [{"role": "assistant", "content": text}]
       # UltraFeedback's binarized layout: a string prompt, and whole conversations.
+      # and TRL's implicit prompt: no "prompt", the conversations whole.
       obj = ({"prompt": q[0]["content"], "chosen": side("yes yes yes"), "rejected": side("no no no"),
-              "score_chosen": 8.0} if i % 2 else
+              "score_chosen": 8.0} if i % 3 == 1 else
+             {"chosen": side("yes yes yes"), "rejected": side("no no no")} if i % 3 == 2 else
              {"prompt": q, "chosen": side("yes yes yes")[1:], "rejected": side("no no no")[1:]})
       f.write(json.dumps(obj) + "\n")
 

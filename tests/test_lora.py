@@ -18,7 +18,7 @@ from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
 from mamba_train.interop import export, peft as peft_export
 from mamba_train.model import lora
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import run_config, step as steps
+from mamba_train.train import loop, run_config, step as steps
 from mamba_train.workdir import checkpoint
 
 from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, script_env, train_command
@@ -223,6 +223,11 @@ def test_lora_run_killed_after_a_save_resumes_to_the_uninterrupted_losses(lora_r
   assert sum(p.stat().st_size for p in (step / "state").rglob("*") if p.is_file()) < 100_000
   saved = checkpoint.saved_config(step)["lora_base"]
   assert saved["init_from"] == str(base) and saved["fingerprint"] == lora.fingerprint(load_model(base).params())
+  # Resuming it with other adapters (or none) is refused before anything is built.
+  ckpt = checkpoint.Checkpointer(tmp_path / "cut")
+  with pytest.raises(run_config.ConfigError, match=r"holds checkpoints of LoRA adapters \(rank 4"):
+    loop.check_resumable(ckpt, _plan(rank=8, targets="in_proj,lm_head"), force=False)
+  ckpt.close()
 
 
 def test_merged_export_gives_the_adapted_logits(lora_run, tmp_path):

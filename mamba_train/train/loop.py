@@ -23,6 +23,7 @@ from mamba_train import data, metrics as metrics_lib
 from mamba_train.interop.load import load_model
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
+from mamba_train.model.mamba2 import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
@@ -265,10 +266,21 @@ def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -
   except Exception:  # a damaged newest step: the restore falls back and checks shapes
     return
   differ = checkpoint.saved_configs(saved)[0].weight_differences(plan.model)
+  saved_lora = lora_lib.spec_from_config(saved.get("lora", {}), weight_names(plan.model))
+  if _trains(saved_lora) != _trains(plan.lora):  # the same model, another set of trained weights
+    raise ConfigError(f"{ckpt.directory} holds checkpoints of {_trains(saved_lora)}, but this run "
+                      f"trains {_trains(plan.lora)}; use another --workdir, or the lora settings it was run with")
   if differ and not force:
     raise ConfigError(
         f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "
         f"Use another --workdir, or pass --force_resume to restore them anyway.")
+
+
+def _trains(spec) -> str:
+  """What a run trains, as the resume check compares it."""
+  if spec is None:
+    return "the whole model"
+  return f"LoRA adapters (rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)})"
 
 
 def check_base(ckpt: checkpoint.Checkpointer, base: dict, *, force: bool) -> None:
