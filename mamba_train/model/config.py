@@ -65,6 +65,12 @@ class Mamba2Config(FrozenFields):
   # record it. Every chunk size computes the same function, so no parameter
   # depends on it; the runtime may cap it (`runtime.Runtime`).
   chunk_size: int = 256
+  # The SSD's truncated horizon: 0 (the default) is the exact model; W > 0 is the
+  # model in which each position's state holds only the last W positions' inputs
+  # (`ssd.ssd_chunked`'s `window`). It changes the function, so it is recorded with
+  # the weights and checkpoints with another window are refused; transformers and
+  # mamba_ssm cannot express it, so exports refuse it. At least chunk_size.
+  ssd_window: int = 0
   dt_min: float = 0.001
   dt_max: float = 0.1
   dt_init_floor: float = 1e-4
@@ -104,6 +110,12 @@ class Mamba2Config(FrozenFields):
       elif self.nheads % self.ngroups:
         problems.append(f"the number of heads ({self.nheads}) must be a multiple of "
                         f"ngroups ({self.ngroups})")
+    w = self.ssd_window
+    if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+      problems.append(f"ssd_window must be 0 (exact) or a number of positions, got {w!r}")
+    elif 0 < w < self.chunk_size and isinstance(self.chunk_size, int):
+      problems.append(f"ssd_window ({w}) must be at least chunk_size ({self.chunk_size}): "
+                      f"set ssd_window >= {self.chunk_size}, a smaller chunk_size, or 0 for the exact model")
     if not 0.0 <= self.dt_limit[0] < self.dt_limit[1]:
       problems.append(f"dt_limit must be (low, high) with 0 <= low < high, got {self.dt_limit}")
     if not 0.0 < self.dt_min <= self.dt_max:

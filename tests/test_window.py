@@ -1,0 +1,112 @@
+"""The windowed SSD (`Mamba2Config.ssd_window`): the chunked form against a direct
+float64 sum over each window, the model's cached decoding against its full forward,
+8 simulated devices against one, and what refuses a window."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import packed_ids, rel, ssd_inputs
+from mamba_train.model import ssd
+
+chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames=("form", "window"))
+
+
+def direct_window(x, dt, A, B, C, D, window, seq_idx=None):
+  """The definition, in float64 with no chunks: for each t, the sum over s in
+  (t - W, t] of its document of (C_t . B_s) exp(sum_{s<r<=t} dt_r A) dt_s x_s, plus
+  D x_t; and the windowed state after the last position. Every decay is a masked
+  sum over r of the terms it covers, so it is differentiable for the gradients."""
+  b, l, h, p = x.shape
+  g = B.shape[2]
+  t, s = jnp.arange(l)[:, None], jnp.arange(l)[None, :]
+  r = jnp.arange(l)
+  a = dt * A  # (b, l, h)
+  covers = (r[None, None, :] > s[..., None]) & (r[None, None, :] <= t[..., None])  # (t, s, r)
+  logd = jnp.einsum("tsr,brh->bhts", covers.astype(a.dtype), a)
+  keep = (s <= t) & (t - s < window)
+  keep = jnp.broadcast_to(keep, (b, l, l))
+  if seq_idx is not None:
+    keep = keep & (seq_idx[:, :, None] == seq_idx[:, None, :])
+  cb = jnp.repeat(jnp.einsum("btgn,bsgn->bgts", C, B), h // g, axis=1)  # (b, h, t, s)
+  m = jnp.where(keep[:, None], cb * jnp.exp(logd), 0.0)
+  y = jnp.einsum("bhts,bsh,bshp->bthp", m, dt, x) + x * D[:, None]
+  last = jnp.where(keep[:, None, -1], jnp.exp(logd[:, :, -1]), 0.0)  # (b, h, s): to the end
+  Bh = jnp.repeat(B, h // g, axis=2)
+  final = jnp.einsum("bhs,bsh,bshp,bshn->bhpn", last, dt, x, Bh)
+  return y, final
+
+
+def f64(*ts):
+  return tuple(jnp.asarray(np.asarray(t, np.float64)) for t in ts)
+
+
+# (l, chunk, groups, window, seq_idx): W a multiple of the chunk (one partial chunk)
+# and not (two), W = chunk (no band), a band of several chunks (the doubling's
+# rounds: 1, 2, 3 and 6 chunks), ragged tails, W >= l.
+CASES = [(37, 8, 1, 8, False), (37, 8, 3, 13, True), (61, 8, 1, 24, True), (61, 8, 3, 32, False),
+         (70, 8, 1, 60, True), (50, 16, 3, 40, True), (30, 8, 1, 64, True)]
+
+
+@pytest.mark.parametrize("l,q,g,w,docs", CASES)
+def test_windowed_matches_direct_sum(l, q, g, w, docs):
+  x, dt, A, B, C, D, _ = ssd_inputs(l + w, 2, l, 6, 4, g, 5, jnp.float32)
+  seq = packed_ids(l, 2, l) if docs else None
+  y, final = chunked(x, dt, A, B, C, q, D=D, seq_idx=seq, window=w)
+  with jax.enable_x64(True):
+    y_ref, f_ref = direct_window(*f64(x, dt, A, B, C, D), w, seq)
+  assert y.dtype == jnp.float32
+  assert rel(y, y_ref) < 1e-5
+  assert rel(final, f_ref) < 1e-5
+
+
+def test_windowed_float64_is_exact_and_forms_agree():
+  with jax.enable_x64(True):
+    x, dt, A, B, C, D, _ = ssd_inputs(2, 2, 45, 6, 3, 3, 5, jnp.float64)
+    seq = packed_ids(5, 2, 45)
+    y_ref, f_ref = direct_window(x, dt, A, B, C, D, 20, seq)
+    for form in ("scan", "parallel"):
+      y, final = chunked(x, dt, A, B, C, 8, D=D, seq_idx=seq, window=20, form=form)
+      assert rel(y, y_ref) < 1e-12
+      assert rel(final, f_ref) < 1e-12
+
+
+def test_window_at_least_the_length_is_the_exact_ssd():
+  x, dt, A, B, C, D, _ = ssd_inputs(3, 2, 40, 4, 4, 1, 6, jnp.float32)
+  seq = packed_ids(4, 2, 40)
+  y0, s0 = chunked(x, dt, A, B, C, 8, D=D, seq_idx=seq)
+  for w in (40, 64):
+    y, s = chunked(x, dt, A, B, C, 8, D=D, seq_idx=seq, window=w)
+    assert rel(y, y0) < 1e-6
+    assert rel(s, s0) < 1e-6
+
+
+@pytest.mark.parametrize("l,q,g,w", [(45, 8, 3, 20), (40, 8, 1, 16)])
+def test_windowed_gradients_match_direct_sum(l, q, g, w):
+  x, dt, A, B, C, D, _ = ssd_inputs(l, 2, l, 6, 3, g, 5, jnp.float32)
+  seq = packed_ids(l + 1, 2, l)
+  wy = jax.random.normal(jax.random.PRNGKey(9), x.shape)
+  ws = jax.random.normal(jax.random.PRNGKey(10), (2, 6, 3, 5))
+
+  def loss(fn, x, dt, A, B, C, D):
+    y, s = fn(x, dt, A, B, C, D)
+    return jnp.sum(y * wy.astype(y.dtype)) + jnp.sum(s * ws.astype(s.dtype))
+
+  args = (x, dt, A, B, C, D)
+  win = lambda *a: ssd.ssd_chunked(*a[:5], q, D=a[5], seq_idx=seq, window=w)
+  g32 = jax.jit(jax.grad(lambda *a: loss(win, *a), argnums=tuple(range(6))))(*args)
+  with jax.enable_x64(True):
+    ref = lambda *a: direct_window(*a, w, seq)
+    g64 = jax.jit(jax.grad(lambda *a: loss(ref, *a), argnums=tuple(range(6))))(*f64(*args))
+  for name, a, b in zip("x dt A B C D".split(), g32, g64):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert rel(a, b) < 1e-5, name
+
+
+def test_window_refusals():
+  x, dt, A, B, C, D, h0 = ssd_inputs(1, 1, 16, 2, 2, 1, 2, jnp.float32)
+  with pytest.raises(ValueError, match="at least the chunk"):
+    ssd.ssd_chunked(x, dt, A, B, C, 8, window=4)
+  with pytest.raises(ValueError, match="no initial_state"):
+    ssd.ssd_chunked(x, dt, A, B, C, 8, window=8, initial_state=h0)
