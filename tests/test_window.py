@@ -110,3 +110,62 @@ def test_window_refusals():
     ssd.ssd_chunked(x, dt, A, B, C, 8, window=4)
   with pytest.raises(ValueError, match="no initial_state"):
     ssd.ssd_chunked(x, dt, A, B, C, 8, window=8, initial_state=h0)
+
+
+# ---------------------------------------------------------------------------
+# The model: cached decoding, checkpoints and exports.
+
+
+def window_model(window=12, **kw):
+  from helpers import random_model
+  from mamba_train import config_for
+  cfg = config_for("tiny", d_model=32, n_layer=2, d_state=16, headdim=16, chunk_size=8,
+                   vocab_size=64, ssd_window=window, **kw)
+  return random_model(cfg, np.random.default_rng(0))
+
+
+def test_cached_decoding_matches_the_full_forward():
+  """A prompt longer than the window (W = 12, not a multiple of the chunk 8), one
+  row left-padded: prefill and steps give the full forward's logits at each
+  position, and greedy tokens are the full forward's argmax."""
+  from flax import nnx
+  from mamba_train.generation import prefill, step
+  model = window_model()
+  graphdef, params = nnx.split(model)
+  prompt, new = 30, 8
+  ids = np.random.default_rng(1).integers(0, 64, (2, prompt)).astype(np.int32)
+  mask = np.ones((2, prompt), bool)
+  mask[1, :5] = False  # left padding
+  pre = jax.jit(lambda p, ids, mask: prefill(nnx.merge(graphdef, p), ids, mask))
+  stp = jax.jit(lambda p, tok, cache: step(nnx.merge(graphdef, p), tok, cache))
+  logits, cache = pre(params, ids, mask)
+  assert cache.ssm is None and cache.win_x.shape == (2, 2, 12, 4, 16)
+  seen, tokens = [logits], []
+  for _ in range(new):
+    tok = jnp.argmax(seen[-1], -1).astype(jnp.int32)
+    tokens.append(tok)
+    logits, cache = stp(params, tok, cache)
+    seen.append(logits)
+  full_ids = np.concatenate([ids, np.stack(tokens, 1)], 1)
+  full_mask = np.concatenate([mask, np.ones((2, new), bool)], 1)
+
+  def forward(p, ids, mask):
+    m = nnx.merge(graphdef, p)
+    return m.logits(m.backbone(ids, mask=mask)[0])
+  full = jax.jit(forward)(params, full_ids, full_mask)
+  cached = jnp.stack(seen, 1)  # logits after positions prompt-1 .. prompt+new-1
+  assert rel(cached, full[:, prompt - 1:]) < 1e-5
+  assert np.array_equal(np.asarray(jnp.argmax(full[:, prompt - 1:-1], -1)), np.stack(tokens, 1))
+  # The window changes the function: the exact model's logits differ.
+  exact = window_model(window=0)
+  assert rel(exact(jnp.asarray(full_ids)), model(jnp.asarray(full_ids))) > 1e-4
+
+
+def test_window_cache_size_is_per_position():
+  from mamba_train.model.cache import Mamba2Cache
+  cfg = window_model(window=16).config
+  per = Mamba2Cache.window_bytes_per_position(cfg, 3)
+  assert per == 2 * 3 * 4 * (4 * 16 + 16 + 4)
+  assert (Mamba2Cache.bytes_for(cfg, 3) - Mamba2Cache.bytes_for(cfg.replace(ssd_window=8), 3)
+          == 8 * per)
+  assert Mamba2Cache.window_bytes_per_position(cfg.replace(ssd_window=0), 3) == 0

@@ -490,6 +490,35 @@ def ssd_step(state, x, dt, A, B, C, *, D=None):
   return y.astype(x.dtype), state
 
 
+def ssd_window_step(window, x, dt, A, B, C, *, D=None):
+  """One step of the windowed SSD, for decoding: the output from the last W
+  positions' inputs, summed directly (as attention reads its keys), so nothing
+  leaving the window is ever subtracted from a state.
+
+  window: (xdt (b, W, h, p), B (b, W, g, n), a (b, W, h)) float32, the W positions
+  before this one, oldest first: dt*x, B and the log decay dt*A (zeros where no
+  position is). x: (b, h, p); dt: (b, h); A: (h,); B, C: (b, g, n).
+  Returns y (b, h, p) in x's dtype and the window moved on by this position.
+  Costs O(W (h p + g n)) per step, not O(h p n): the state is never formed.
+  """
+  wx, wb, wa = window
+  b, h, p = x.shape
+  g = B.shape[1]
+  f32 = _acc_dtype(x)
+  dt = dt.astype(f32)
+  wx = jnp.concatenate([wx[:, 1:], (dt[..., None] * x.astype(f32))[:, None]], axis=1)
+  wb = jnp.concatenate([wb[:, 1:], B.astype(f32)[:, None]], axis=1)
+  wa = jnp.concatenate([wa[:, 1:], (dt * A.astype(f32))[:, None]], axis=1)
+  # Log decay from each s to now: an exclusive running sum from the newest.
+  after = jnp.concatenate([jnp.cumsum(wa[:, :0:-1], axis=1)[:, ::-1], jnp.zeros_like(wa[:, :1])], axis=1)
+  cb = jnp.einsum("bgn,bsgn->bsg", C.astype(f32), wb, precision=_HIGHEST)
+  w = jnp.repeat(cb, h // g, axis=2) * jnp.exp(after)  # (b, W, h)
+  y = jnp.einsum("bsh,bshp->bhp", w, wx, precision=_HIGHEST)
+  if D is not None:
+    y = y + x.astype(f32) * D.astype(f32)[:, None]
+  return y.astype(x.dtype), (wx, wb, wa)
+
+
 def ssd_sequential(x, dt, A, B, C, *, D=None, initial_state=None, seq_idx=None):
   """The plain recurrence with `jax.lax.scan`, one position at a time.
 
