@@ -2,13 +2,20 @@
 float64 sum over each window, the model's cached decoding against its full forward,
 8 simulated devices against one, and what refuses a window."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import json
+import os
+import sys
 
-from helpers import packed_ids, rel, ssd_inputs
-from mamba_train.model import ssd
+if __name__ == "__main__":  # the multi-device worker: this checkout's package, not an installed one
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from helpers import packed_ids, rel, ssd_inputs  # noqa: E402
+from mamba_train.model import ssd  # noqa: E402
 
 chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames=("form", "window"))
 
@@ -169,3 +176,60 @@ def test_window_cache_size_is_per_position():
   assert (Mamba2Cache.bytes_for(cfg, 3) - Mamba2Cache.bytes_for(cfg.replace(ssd_window=8), 3)
           == 8 * per)
   assert Mamba2Cache.window_bytes_per_position(cfg.replace(ssd_window=0), 3) == 0
+
+
+# ---------------------------------------------------------------------------
+# 8 simulated devices against one: slices shorter than the window (each takes the
+# tails of two neighbours) and at least as long (its left neighbour's alone).
+
+SPLITS = {"seq8_l128": ({"sequence": 8}, 128), "s4d2_l128": ({"sequence": 4, "data": 2}, 128),
+          "s4d2_l96": ({"sequence": 4, "data": 2}, 96)}
+
+
+def _split_worker(out_dir):
+  from mamba_train import Mamba2LM
+  from mamba_train.parallel import sharding
+  from mamba_train.parallel.mesh import make_mesh
+  assert jax.device_count() == 8
+  model = window_model(window=24)
+  cfg, rt = model.config, model.runtime
+  params = model.params()
+  rng = np.random.default_rng(0)
+  out = {}
+  for name, (mesh_cfg, l) in SPLITS.items():
+    ids = jnp.asarray(rng.integers(0, 64, (2, l)), jnp.int32)
+    seq = np.zeros((2, l), np.int32)
+    seq[0, 30:] += 1  # a document starting inside a slice's window reach
+    seq[1, 64:] += 1  # and on a device edge
+    weights = jnp.asarray(rng.normal(size=(2, l, 64)), jnp.float32)
+
+    def f(params, seq=jnp.asarray(seq), ids=ids, weights=weights):
+      m = Mamba2LM.from_params(cfg, params, rt)
+      return jnp.sum(m(ids, seq_idx=seq) * weights)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(f))(params)
+    mesh = make_mesh(mesh_cfg)
+
+    def sharded(params, mesh=mesh, f=f):
+      with sharding.use_rules(mesh):
+        return jax.value_and_grad(f)(params)
+    loss, grads = jax.jit(sharded)(params)
+    out[name] = {"loss": [float(loss), float(ref_loss)],
+                 "grads": max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+                              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))}
+  with open(os.path.join(out_dir, "results.json"), "w") as fh:
+    json.dump(out, fh)
+
+
+def test_split_sequence_with_window_equals_one_device(on_simulated_devices, tmp_path):
+  results = on_simulated_devices(os.path.abspath(__file__), tmp_path)
+  assert sorted(results) == sorted(SPLITS)
+  for name, r in results.items():
+    got, want = r["loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), name
+    assert r["grads"] < 1e-5, name
+
+
+if __name__ == "__main__":
+  from mamba_train.xla_flags import apply_cpu_defaults
+  apply_cpu_defaults()
+  _split_worker(sys.argv[1])
