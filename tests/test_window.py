@@ -178,6 +178,72 @@ def test_window_cache_size_is_per_position():
   assert Mamba2Cache.window_bytes_per_position(cfg.replace(ssd_window=0), 3) == 0
 
 
+def test_export_refuses_a_window(tmp_path):
+  from mamba_train.interop.export import NotExpressibleError, save_hf, save_mamba_ssm
+  model = window_model(window=16)
+  for save, fmt in ((save_hf, "transformers"), (save_mamba_ssm, "mamba_ssm")):
+    with pytest.raises(NotExpressibleError, match=f"ssd_window=16 as {fmt}"):
+      save(model, tmp_path / fmt)
+    assert not (tmp_path / fmt).exists()
+
+
+@pytest.fixture(scope="module")
+def windowed_run(tmp_path_factory):
+  """A 2-step train.py run of a windowed model (W = 32 < seq_len 64), and a small
+  prepared byte-level data set with a validation split."""
+  from helpers import run_train
+  from mamba_train import data
+  work = tmp_path_factory.mktemp("windowed") / "w"
+  r = run_train(work, "--config.model.ssd_window=32", "--config.seq_len=64", "--config.steps=2",
+                "--config.checkpoint_every=2")
+  assert r.returncode == 0, r.stderr[-3000:]
+  root = tmp_path_factory.mktemp("data")
+  rng = np.random.default_rng(0)
+  docs = ["".join(rng.choice(list("abcdefgh "), 400)) for _ in range(8)]
+  with open(root / "docs.jsonl", "w") as f:
+    f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+  return work, data.prepare_dataset(str(root / "docs.jsonl"), "val", root=str(root), val_fraction=0.5)
+
+
+def test_window_mismatch_is_refused(windowed_run, tmp_path):
+  """A windowed checkpoint does not load or resume as an exact model, nor an exact
+  model as a windowed one: the window is part of the architecture."""
+  from helpers import run_train
+  from mamba_train import load_model
+  from mamba_train.interop.export import save_hf
+  work, _ = windowed_run
+  assert load_model(work).config.ssd_window == 32
+  with pytest.raises(ValueError, match="ssd_window"):
+    load_model(work, ssd_window=0)
+  r = run_train(work, "--config.seq_len=64", "--config.steps=4")  # the exact model: ssd_window 0
+  assert r.returncode != 0
+  assert "holds checkpoints of another model" in r.stderr and "'ssd_window': (32, 0)" in r.stderr
+  save_hf(window_model(window=0), tmp_path / "hf")
+  with pytest.raises(ValueError, match="ssd_window"):
+    load_model(tmp_path / "hf", ssd_window=16)
+
+
+def test_window_search_script(windowed_run, tmp_path):
+  import subprocess
+  from helpers import ROOT, script_env
+  work, data_dir = windowed_run
+  out = tmp_path / "report.json"
+  cmd = [sys.executable, str(ROOT / "scripts" / "window_search.py"), f"--model={work}",
+         f"--data={data_dir}", "--seq_len=64", "--batch_size=2", "--batches=2", "--windows=32,16",
+         "--tolerance=10", f"--out={out}"]
+  r = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rep = json.loads(out.read_text())
+  assert rep["tokens"] == 2 * 2 * 64 and np.isfinite(rep["exact"])
+  assert sorted(rep["overall"]) == ["16", "32"] and len(rep["per_layer"]) == 2
+  # Every candidate is within 10 nats: the smallest is reported, overall and per layer.
+  assert rep["smallest_overall"] == 16 and rep["smallest_per_layer"] == [16, 16]
+  assert "smallest W" in r.stdout
+  bad = subprocess.run(cmd[:-3] + ["--windows=8"], cwd=ROOT, env=script_env(), capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode == 2 and "shorter than the model's chunk_size (16)" in bad.stderr
+
+
 # ---------------------------------------------------------------------------
 # 8 simulated devices against one: slices shorter than the window (each takes the
 # tails of two neighbours) and at least as long (its left neighbour's alone).
