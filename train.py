@@ -32,7 +32,7 @@ from configs import base  # noqa: E402
 from mamba_train import data, errors  # noqa: E402
 from mamba_train import metrics as metrics_lib  # noqa: E402
 from mamba_train.interop.load import load_model  # noqa: E402
-from mamba_train.model.config import NOT_IN_WEIGHTS  # noqa: E402
+from mamba_train.model.config import FINETUNE_MAY_CHANGE, NOT_IN_WEIGHTS  # noqa: E402
 from mamba_train.parallel import distributed  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
 from mamba_train.train import hooks, run_config, step as steps  # noqa: E402
@@ -168,7 +168,7 @@ def make_harness(config, model_cfg, tokenizer_path):
 def load_init_params(path, model_cfg):
   """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
   model = load_model(path)
-  ignored = ("dt_min", "dt_max", "dt_init_floor", "A_init_range") + NOT_IN_WEIGHTS  # init only
+  ignored = ("dt_min", "dt_max", "dt_init_floor", "A_init_range") + NOT_IN_WEIGHTS + FINETUNE_MAY_CHANGE
   theirs, ours = model.config.to_dict(), model_cfg.to_dict()
   differ = {k: (ours[k], theirs[k]) for k in ours if k not in ignored and ours[k] != theirs[k]}
   if differ:

@@ -20,6 +20,9 @@ import math
 
 # Fields on which no parameter depends: a checkpoint restores across them.
 NOT_IN_WEIGHTS = ("chunk_size",)
+# Architecture fields a run may set apart from the model it starts from (init_from):
+# the window changes the function, and finetuning is how an exact model learns it.
+FINETUNE_MAY_CHANGE = ("ssd_window",)
 
 # The layer kinds of `layer_pattern`, by their character.
 MAMBA, ATTENTION, MLP = "M", "*", "-"
