@@ -13,7 +13,10 @@ The recurrence, per head:
 within a chunk the recurrence is a masked matrix product (the diagonal blocks),
 between chunks only the (h, p, n) state passes (the low-rank off-diagonal blocks).
 `ssd_sequential` is the plain recurrence the tests hold it against; `ssd_step`
-is one step of it, for decoding.
+is one step of it, for decoding. With a `window` W (the truncated horizon) each
+output reads only the last W positions: `_windowed` keeps the diagonal blocks,
+passes states only over the band of whole chunks inside the window, and masks
+the far edge's one or two partly-visible chunks; `ssd_window_step` decodes it.
 
 Numerical rules kept throughout:
   * every decay (dt * A, its cumulative sums and their exponentials) is float32
