@@ -43,7 +43,14 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks import compile as compile_bench, decode, loader, model, report, ssd  # noqa: E402
+from benchmarks import (
+  compile as compile_bench,  # noqa: E402
+  decode,
+  loader,
+  model,
+  report,
+  ssd,
+)
 from benchmarks.common import CORES, log  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
 

@@ -23,6 +23,7 @@ from mamba_train import metrics
 from mamba_train.model.config import Mamba2Config, config_for
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
+from mamba_train.train.run_config import validate
 
 F32 = jnp.float32
 CORES = os.cpu_count() or 1
@@ -103,16 +104,17 @@ def runtime(args, backend: str | None = None) -> Runtime:
   return unresolved_runtime(args).resolve(backend)
 
 
-def run_config(args, size: str, batch: int, seq_len: int, **model_overrides):
-  """configs/base.py with the bench's model, runtime and shapes, on one device.
-  `train.step.build` resolves the runtime for the mesh's platform."""
+def run_plan(args, size: str, batch: int, seq_len: int, **model_overrides):
+  """The plan (`run_config.validate`) of configs/base.py with the bench's model,
+  runtime and shapes, on one device of this process's platform, as
+  `train.step.build` takes it."""
   from configs import base  # the repository's run configs (python -m benchmarks runs from its root)
   c = base.get_config()
   c.model.update(model_cfg(args, size, **model_overrides).to_dict())
   c.runtime.update(unresolved_runtime(args).to_dict())
   c.batch_size, c.seq_len = batch, seq_len
   c.mesh.update(data=1, fsdp=1, tensor=1)
-  return c
+  return validate(c, num_devices=1, platform=jax.devices()[0].platform)
 
 
 def one_device_mesh():

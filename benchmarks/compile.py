@@ -20,8 +20,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import peers
-from benchmarks.common import (F32, add_rows, compile_fn, log, model_cfg, one_device_mesh,
-                               run_config, runtime)
+from benchmarks.common import F32, add_rows, compile_fn, log, model_cfg, one_device_mesh, run_plan, runtime
 from mamba_train import metrics
 from mamba_train.model.config import config_for
 from mamba_train.model.mamba2 import Mamba2LM
@@ -52,7 +51,7 @@ def bench_compile(args, results, size):
     _, info = compile_fn(fwd, params, jax.ShapeDtypeStruct((batch, l), jnp.int32))
     rows.append({"bench": "compile", "impl": "ours", "program": "forward", "config": size, "n_layer": depth,
                  "batch": batch, "seq_len": l, "target": "cpu", **info})
-    built = build(run_config(args, size, batch, l, n_layer=depth), mesh, init=False)
+    built = build(run_plan(args, size, batch, l, n_layer=depth), mesh, init=False)
     _, info = compile_fn(built.train_step, built.state, abstract_batch(batch, l, mesh))
     rows.append({"bench": "compile", "impl": "ours", "program": "train step", "config": size, "n_layer": depth,
                  "batch": batch, "seq_len": l, "target": "cpu", **info})
@@ -69,7 +68,7 @@ def bench_memory(args, results, size, lengths, batch):
   mesh = one_device_mesh()
   rows = []
   fwd, params = abstract_forward(model_cfg(args, size), runtime(args))
-  built = build(run_config(args, size, batch, lengths[0]), mesh, init=False)
+  built = build(run_plan(args, size, batch, lengths[0]), mesh, init=False)
   for l in lengths:
     for program, fn, a in (("forward", fwd, (params, jax.ShapeDtypeStruct((batch, l), jnp.int32))),
                            ("train step", built.train_step, (built.state, abstract_batch(batch, l, mesh)))):
@@ -148,7 +147,7 @@ def scaled_forward_counts(cfg, rt: Runtime, batch: int, seq_len: int) -> dict[st
   in the forward is a loop (the Pallas SSD and the parallel XLA form have none)."""
   one = compile_forward(cfg.replace(n_layer=1), rt, batch, seq_len)
   r1, r0 = one["cost"], outside_scan_cost(cfg, rt, batch, seq_len)
-  return {**{k: r1[k] + (cfg.n_layer - 1) * (r1[k] - r0[k]) for k in ("flops", "bytes accessed")},
+  return {**metrics.every_layer_counts(r1, cfg.n_layer, more=r1, fewer=r0),
           "one_layer_cpu_s": one["lower_cpu_s"] + one["compile_cpu_s"], "head_cpu_s": r0["cpu_s"]}
 
 
@@ -223,6 +222,7 @@ def bench_compile_tpu(args):
                  "target": "TPU v6e (AOT)", "n_layer": 64, "seq_len": 4096, "batch": 1,
                  **info, "xla_flops": cost.get("flops"), "xla_bytes": cost.get("bytes accessed"),
                  "roofline": rl, "roofline_ms": rl["time_s"] * 1e3})
-    log(f"  mamba2-jax 2.7b fwd l4096 for v6e: compile {info['compile_s']:.1f}s ({info['compile_cpu_s']:.1f}s cpu); {cost.get('flops', 0):.2e} FLOPs, "
+    log(f"  mamba2-jax 2.7b fwd l4096 for v6e: compile {info['compile_s']:.1f}s "
+        f"({info['compile_cpu_s']:.1f}s cpu); {cost.get('flops', 0):.2e} FLOPs, "
         f"{cost.get('bytes accessed', 0):.2e} bytes")
   return rows

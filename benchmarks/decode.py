@@ -413,10 +413,9 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   hands them to the step (matmul weights and LM head already in the compute dtype)
   rather than the float32 parameters cast inside the step. hlo: also return the
   compiled module's text."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from mamba_train.metrics import compiled_cost
+  from mamba_train.metrics import compiled_cost, every_layer_counts
   from mamba_train.model.cache import Mamba2Cache
   from mamba_train.parallel.mesh import make_mesh
   from mamba_train.parallel.topology import tpu_devices
@@ -462,7 +461,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
       m = nnx.merge(gd, params)
       return jnp.argmax(m.logits(m.embed(token), head), -1).astype(jnp.int32)
     c0 = compiled_cost(jax.jit(outside).lower(*args[:1], *args[2:4]).compile())
-    out["xla_bytes"] = cost["bytes accessed"] + (cfg.n_layer - 1) * (cost["bytes accessed"] - c0["bytes accessed"])
+    out["xla_bytes"] = every_layer_counts(cost, cfg.n_layer, more=cost, fewer=c0)["bytes accessed"]
   return {**out, "xla_flops_raw": cost.get("flops"),
           **executed_kernels(compiled.as_text()), "compile_cpu_s": t.cpu_seconds,
           **({"hlo": compiled.as_text()} if hlo else {})}

@@ -9,14 +9,25 @@ decay and clipping).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from benchmarks import peers, roofline
-from benchmarks.common import (add_rows, compile_fn, log, median_time, model_cfg, one_device_mesh,
-                               random_batch, run_config, runtime)
+from benchmarks.common import (
+  add_rows,
+  compile_fn,
+  log,
+  median_time,
+  model_cfg,
+  one_device_mesh,
+  random_batch,
+  run_plan,
+  runtime,
+)
 from mamba_train import metrics
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel.sharding import batch_sharding
@@ -52,7 +63,8 @@ def bench_forward(args, results, size, lengths, batch):
     graphdef, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt))
     fwd = jax.jit(lambda params, ids: nnx.merge(graphdef, params)(ids))
     compiled, info = compile_fn(fwd, params, ids)
-    add("ours", median_time(lambda: compiled(params, ids), args.repeats), info)
+    # partial, not a lambda: the del below must not leave a closure over deleted names.
+    add("ours", median_time(functools.partial(compiled, params, ids), args.repeats), info)
     del params, compiled
     if "torch" in compared:
       import torch
@@ -77,10 +89,11 @@ def bench_train(args, results, size, lengths, batch):
   rows = []
   mesh = one_device_mesh()
   for l in lengths:
-    built = build(run_config(args, size, batch, l), mesh)
-    cfg = built.model_cfg
-    chunk = built.runtime.ssd_plan(cfg.chunk_size)[1]
-    fl = metrics.train_flops_per_token(cfg, built.runtime, l)
+    plan = run_plan(args, size, batch, l)
+    built = build(plan, mesh)
+    cfg = plan.model
+    chunk = plan.runtime.ssd_plan(cfg.chunk_size)[1]
+    fl = metrics.train_flops_per_token(cfg, plan.runtime, l)
     data = jax.device_put(random_batch(cfg, batch, l), batch_sharding(mesh))
 
     def add(impl, sec, info=None):

@@ -94,7 +94,8 @@ def markdown(results) -> str:
       ("decode_tpu", ("Batch-1 decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
                       "fusions, DMAs and other ops a token (a scanned body counted per layer)"),
        [("config", ""), ("dtype", ""), ("layers", ""), ("weights", ""), ("xla_bytes", ""),
-        ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""), ("compile_cpu_s", "")]),
+        ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""),
+        ("compile_cpu_s", "")]),
       ("compile", "Compile time (wall and this process's CPU seconds)",
        [("impl", ""), ("program", ""), ("config", ""), ("n_layer", ""), ("batch", ""), ("seq_len", ""),
         ("target", ""), ("lower_cpu_s", ""), ("compile_s", ""), ("compile_cpu_s", ""), ("count_cpu_s", ""),
@@ -112,7 +113,8 @@ def markdown(results) -> str:
              "mfu": "MFU", "compile_s": "compile s", "compile_cpu_s": "compile cpu s",
              "lower_cpu_s": "lower cpu s", "count_cpu_s": "counting compiles cpu s",
              "peak_bytes": "peak MiB", "temp_bytes": "scratch MiB", "ours_over_this": "ours / this",
-             "bw_util": "of copy bandwidth", "matvec_util": "of matvec read rate", "xla_flops": "XLA FLOPs", "xla_bytes": "XLA bytes",
+             "bw_util": "of copy bandwidth", "matvec_util": "of matvec read rate", "xla_flops": "XLA FLOPs",
+             "xla_bytes": "XLA bytes",
              "min_bytes_f32": "f32 params + state once",
              "hbm_bytes_est": "HBM bytes (est.)", "fusions": "fusions a token",
              "dmas": "DMAs a token", "other": "other ops a token"}

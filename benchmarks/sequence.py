@@ -12,8 +12,8 @@ step is timed at the lengths up to --time_max_len; the simulated devices share
 this machine's cores, so tokens/s shows the cost of the exchange, not a speed-up.
 
 --part tpu compiles the 1.3b and 2.7b train steps for TPU slices on this CPU
-(`scripts/aot_compile.py`'s `compile_train_step`) at 32k, 64k and 128k tokens, one
-sequence per data x fsdp group, doubling `mesh.sequence` from 1 until the step
+(`mamba_train.train.aot.compile_train_step`, which scripts/aot_compile.py runs) at
+32k, 64k and 128k tokens, one sequence per data x fsdp group, doubling `mesh.sequence` from 1 until the step
 fits the chip's HBM. XLA's cost analysis counts the scanned layer body once, so
 the roofline uses the model's FLOP count (`metrics.train_flops_per_token`).
 
@@ -46,7 +46,11 @@ import numpy as np  # noqa: E402
 from mamba_train import Runtime, config_for, metrics  # noqa: E402
 from mamba_train.parallel import sharding  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
-from mamba_train.train import optim, state as train_state, step as trainer  # noqa: E402
+from mamba_train.train import (
+  optim,  # noqa: E402
+  state as train_state,
+  step as trainer,
+)
 
 MIB = 2**20
 OPTIM = dict(lr=1e-3, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,
@@ -107,10 +111,10 @@ def cpu_part(args):
 
 def tpu_part(args):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, os.path.join(root, "scripts"))
   sys.path.insert(0, root)
-  import aot_compile  # noqa: E402  (sets libtpu's compile-only environment)
   from configs import base  # noqa: E402
+  from mamba_train.parallel.topology import tpu_devices  # noqa: E402
+  from mamba_train.train import aot  # noqa: E402
   print("| model | slice | length | sequence | mesh (data, fsdp, sequence, tensor) | batch | "
         "GiB/chip (HBM) | step s at roofline | MFU at roofline | compile s |")
   print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
@@ -122,7 +126,7 @@ def tpu_part(args):
           c = base.mamba2_pretrain(size)
           c.runtime.remat = "full"
           c.seq_len = l
-          gen, name, devices = aot_compile.tpu_devices(topo)
+          gen, name, devices = tpu_devices(topo)
           n = len(devices)
           if sp > n or l % sp:
             print(f"| {size} | {topo} | {l // 1024}k | > {n} | does not fit | | | | | |", flush=True)
@@ -130,9 +134,9 @@ def tpu_part(args):
           c.mesh.update(data=1, fsdp=n // sp, sequence=sp, tensor=1)
           c.batch_size = n // sp  # one sequence per fsdp group
           try:
-            r = aot_compile.compile_train_step(c, topo)
+            r = aot.compile_train_step(c, topo, reference=base.get_config())
             done = True
-          except aot_compile.DoesNotFit as e:
+          except aot.DoesNotFit as e:
             print(f"<!-- {size} {topo} {l} sequence={sp}: {str(e).splitlines()[0][:160]} -->",
                   flush=True)
             sp *= 2

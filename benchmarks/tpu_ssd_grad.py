@@ -22,13 +22,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_train import metrics
 from mamba_train.model import ssd, ssd_pallas
 from mamba_train.parallel.topology import tpu_devices
-
 
 # name -> SSD fn(x, dt, A, B, C, chunk, *, D, seq_idx) -> (y, final state)
 FORMS = {

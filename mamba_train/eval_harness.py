@@ -54,10 +54,10 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 if _XET_BEFORE is None:
   os.environ.pop("HF_XET_HIGH_PERFORMANCE", None)
 
-from mamba_train.data.tokenizer import TokenizerInfo, token_bytes
-from mamba_train.generation import generate, round_up_pow2, token_byte_table
-from mamba_train.model.mamba2 import Mamba2LM
-from mamba_train.parallel import sharding
+from mamba_train.data.tokenizer import TokenizerInfo, token_bytes  # noqa: E402
+from mamba_train.generation import generate, round_up_pow2, token_byte_table  # noqa: E402
+from mamba_train.model.mamba2 import Mamba2LM  # noqa: E402
+from mamba_train.parallel import sharding  # noqa: E402
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's own default for models that state none

@@ -182,6 +182,15 @@ def compiled_cost(compiled) -> dict[str, float]:
   return {k: float(c[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in c}
 
 
+def every_layer_counts(one_layer: dict, n_layer: int, *, more: dict, fewer: dict) -> dict[str, float]:
+  """XLA's FLOPs and bytes of a program whose n_layer layers run as a loop, every layer
+  counted: `compiled_cost` of its one-layer program, plus n_layer - 1 layer bodies,
+  a body being the difference of two programs one layer apart (`more` - `fewer`:
+  two unrolled layers and one, or one layer and none)."""
+  return {k: one_layer.get(k, 0.0) + (n_layer - 1) * (more.get(k, 0.0) - fewer.get(k, 0.0))
+          for k in ("flops", "bytes accessed")}
+
+
 def memory_stats(device: jax.Device) -> dict[str, float]:
   """Bytes in use and peak, in GiB, where the backend reports them (not on CPU)."""
   try:

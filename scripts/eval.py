@@ -47,8 +47,8 @@ def main(argv):
   del argv
   import mamba_train  # pylint: disable=import-outside-toplevel
   from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
-  from mamba_train.workdir import storage  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from mamba_train.workdir import storage  # pylint: disable=import-outside-toplevel
   manager = eval_harness.task_manager(_INCLUDE.value, _TASKS.value)
   try:
     eval_harness.parse_batch_size(_BATCH.value)
@@ -76,7 +76,8 @@ def main(argv):
     tracker = EvaluationTracker(output_path=_OUT.value)
     # As lm_eval's command line: files go under a directory named after the model.
     tracker.general_config_tracker.log_experiment_args(
-        model_source="mamba_train", model_args=f"pretrained={path if storage.is_remote(path) else os.path.abspath(path)}",
+        model_source="mamba_train",
+        model_args=f"pretrained={path if storage.is_remote(path) else os.path.abspath(path)}",
         system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)

@@ -22,9 +22,9 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
-from mamba_train.workdir import storage  # noqa: E402
 from mamba_train.generation import MAX_PROMPT_LEN, generate_with_stats  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
+from mamba_train.workdir import storage  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Model directory (transformers, mamba_ssm, ...).",
                              required=True)

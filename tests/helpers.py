@@ -4,6 +4,7 @@ small model that end-to-end runs train, a train.py command line, and small check
 Test files import these from here, never from one another (`import helpers`: pytest
 puts tests/ on the path)."""
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -24,6 +25,15 @@ def rel(a, b) -> float:
   """max |a - b| / max |b|, in float64."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def require_libtpu() -> None:
+  """Fail (not skip) without libtpu: the TPU compiler is part of the test extra, so its
+  absence is a broken install. No TPU is needed to compile for one."""
+  import pytest
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings libtpu from PyPI, "
+                "the TPU compiler these tests compile with; no TPU is needed)")
 
 
 def free_port() -> int:

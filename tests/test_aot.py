@@ -1,26 +1,19 @@
-"""scripts/aot_compile.py and mamba_train/parallel/topology.py: TPU slice names, and
-the real train step compiled for a TPU slice on this CPU
+"""scripts/aot_compile.py, mamba_train/train/aot.py and mamba_train/parallel/topology.py:
+TPU slice names, and the real train step compiled for a TPU slice on this CPU
 (libtpu from PyPI, part of the `test` extra), its memory report, and the refusal
 of a config that cannot fit a chip's HBM."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, require_libtpu
+
 SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
 
 from mamba_train.parallel.topology import topology_name  # noqa: E402
-
-
-def _require_libtpu():
-  # Not a skip: the TPU compiler is part of the test extra, so its absence is a broken install.
-  if importlib.util.find_spec("libtpu") is None:
-    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings libtpu from PyPI, "
-                "the TPU compiler these tests compile with; no TPU is needed)")
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -45,7 +38,7 @@ def test_bad_topology_names():
 def _run(*flags, config="tiny"):
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
+  env["PYTHONPATH"] = str(ROOT)
   return subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", f"{config}.py"),
                          *flags], capture_output=True, text=True, env=env, timeout=900)
 
@@ -59,7 +52,7 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   """A hybrid train step (Mamba-2, attention and MLP layers) for a v6e slice of four
   chips. (The pure Mamba-2 model compiles for v5e in the test below: one compile
   each, as the TPU compiler is most of this file's time.)"""
-  _require_libtpu()
+  require_libtpu()
   out = tmp_path / "report.json"
   # Narrower than the recipe (d_model 64): the TPU compile takes half the time.
   narrow = ("--config.model.d_model=64", "--config.model.d_intermediate=128", "--config.model.headdim=32",
@@ -81,7 +74,7 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
 
 
 def test_too_large_for_hbm_is_refused():
-  _require_libtpu()
+  require_libtpu()
   # A 4M-row vocabulary: 1e9 embedding parameters, 4 GB, plus gradients and two Adam
   # moments, replicated over data=4: far past a v5e chip's 16 GiB.
   r = _run("--topology", "v5e:2x2", *_SMALL, "--config.model.vocab_size=4000000")
@@ -91,30 +84,22 @@ def test_too_large_for_hbm_is_refused():
 
 
 def test_every_layer_cost_counts_each_layer():
-  """aot_compile's every-layer counts (one layer, plus n - 1 times the difference
-  two unrolled layers make) against XLA's counts of the whole step compiled with
-  its layers unrolled (which XLA counts in full). On CPU: the arithmetic is the
-  same for any backend."""
+  """The every-layer counts (one layer, plus n - 1 times the difference two unrolled
+  layers make) against XLA's counts of the whole step compiled with its layers
+  unrolled (which XLA counts in full). On CPU: the arithmetic is the same for any
+  backend."""
   import jax
-  from absl import flags
-  spec = importlib.util.spec_from_file_location("aot_compile", SCRIPT)
-  aot = importlib.util.module_from_spec(spec)
-  before = set(flags.FLAGS)
-  try:
-    spec.loader.exec_module(aot)
-  finally:
-    # The script defines absl flags (--config, ...) in the process-wide registry; a
-    # later test in this worker that imports train.py defines --config again.
-    for name in set(flags.FLAGS) - before:
-      delattr(flags.FLAGS, name)
+
   from configs import base
   from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.train import aot, run_config
   c = base.get_config()
   c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8)
   c.seq_len, c.batch_size = 8, 1
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  got = aot.every_layer_cost(c, mesh, {})
-  want = aot._cost_with_layers(c, mesh, 3, True)
+  plan = run_config.validate(c, num_devices=1, platform=mesh.devices.flat[0].platform)
+  got = aot.every_layer_cost(plan, mesh, {})
+  want = aot.cost_with_layers(plan, mesh, 3, unroll=True)
   for k in ("flops", "bytes accessed"):
     assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
 
@@ -122,15 +107,12 @@ def test_every_layer_cost_counts_each_layer():
 def test_long_length_asks_for_more_sequence_parallelism():
   # The advice alone (no compile): 300 GiB of activations per device against a
   # 95 GiB chip holding 10 GiB of state needs the sequence split 4 ways more.
-  code = ("import aot_compile as a; from configs import base; c = base.get_config(); "
-          "c.seq_len = 131072; G = 2**30; "
-          "print(a.sequence_advice(c, 10 * G, 95 * G, 300 * G)); "
-          "print(a.sequence_advice(c, 10 * G, 95 * G, 20 * G))")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")])
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
-  first, second = r.stdout.strip().splitlines()[-2:]
+  from configs import base
+  from mamba_train.train import aot
+  c = base.get_config()
+  c.seq_len = 131072
+  G = 2**30
+  first = aot.sequence_advice(c, 10 * G, 95 * G, 300 * G)
   assert "seq_len 131072 needs more sequence parallelism" in first
   assert "--config.mesh.sequence=4 devices (now 1; 32768 positions per device)" in first
-  assert second == "None"  # fits: nothing to say
+  assert aot.sequence_advice(c, 10 * G, 95 * G, 20 * G) is None  # fits: nothing to say

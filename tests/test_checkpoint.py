@@ -211,8 +211,8 @@ def test_reshard_restore_onto_fewer_devices(tmp_path):
 
 
 def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, caplog):
-  from mamba_train.workdir import checkpoint
   from mamba_train.data import SyntheticLoader
+  from mamba_train.workdir import checkpoint
   work = tmp_path / "w"
   shutil.copytree(reference, work)
   for f in (work / "checkpoints" / "6" / "state").rglob("*"):

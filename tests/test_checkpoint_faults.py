@@ -17,8 +17,9 @@ def _tiny_state(value):
 def test_restore_checks_the_config_item_too(tmp_path, caplog):
   """Garbage in a step's config/metadata alone went unnoticed until an export failed."""
   import jax
-  from mamba_train.workdir import checkpoint
+
   from mamba_train.data import SyntheticLoader
+  from mamba_train.workdir import checkpoint
   loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
   ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
   for step in (1, 2):
@@ -61,9 +62,11 @@ ocp.JsonCheckpointHandler._save_fn = _full
 
 def test_failed_async_save_is_raised_with_path_and_free_space(tmp_path, monkeypatch):
   import errno
+
   import orbax.checkpoint as ocp
-  from mamba_train.workdir import checkpoint
+
   from mamba_train.data import SyntheticLoader
+  from mamba_train.workdir import checkpoint
   loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
   ck = checkpoint.Checkpointer(tmp_path, keep=0)
   ck.save(1, _tiny_state(1), loader, {})
@@ -85,6 +88,7 @@ def test_failed_async_save_is_raised_with_path_and_free_space(tmp_path, monkeypa
 
 def test_preflight_warns_when_the_checkpoints_cannot_fit(tmp_path, caplog):
   import shutil
+
   from mamba_train.workdir import checkpoint
   ck = checkpoint.Checkpointer(tmp_path, keep=3)
   free = shutil.disk_usage(tmp_path).free
@@ -112,8 +116,8 @@ def test_full_disk_stops_train_py_with_one_line(tmp_path):
 
 def test_reading_a_checkpoint_logs_no_library_warnings(tmp_path, caplog):
   """generate.py printed five Orbax read_only warnings before its answer."""
-  from mamba_train.workdir import checkpoint
   from mamba_train.data import SyntheticLoader
+  from mamba_train.workdir import checkpoint
   loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
   ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
   ck.save(3, _tiny_state(3), loader, {"k": 1})

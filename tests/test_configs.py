@@ -9,8 +9,9 @@ import sys
 import ml_collections
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
 
 from configs import base  # noqa: E402
 from mamba_train import SIZES  # noqa: E402
@@ -33,8 +34,8 @@ def load(name) -> ml_collections.ConfigDict:
 def test_config_loads_and_validates(name):
   c = load(name)
   assert all(k in c for k in CONTRACT)
-  resolved = validate(c, num_devices=8, reference=base.get_config())
-  m = resolved["mesh"]
+  plan = validate(c, num_devices=8, reference=base.get_config())
+  m = plan.mesh_shape
   assert m["data"] * m["fsdp"] * m["sequence"] * m["tensor"] == 8
   assert c.wandb.mode == "offline"
 
@@ -42,11 +43,11 @@ def test_config_loads_and_validates(name):
 @pytest.mark.parametrize("size", ["130m", "370m", "780m", "1.3b", "2.7b"])
 def test_size_recipes(size):
   c = load(size)
-  resolved = validate(c, num_devices=1, reference=base.get_config())
-  m = resolved["model"]
+  plan = validate(c, num_devices=1, reference=base.get_config())
+  m = plan.model
   assert {k: getattr(m, k) for k in SIZES[size]} == SIZES[size]
   assert (m.d_state, m.headdim, m.expand, m.chunk_size, m.padded_vocab_size) == (128, 64, 2, 256, 50288)
-  assert resolved["runtime"].compute_dtype == "bfloat16"
+  assert plan.runtime.compute_dtype == "bfloat16"
   o = c.optim
   assert (o.b1, o.b2, o.weight_decay, o.clip_norm, o.schedule, o.final_lr_frac) == (
       0.9, 0.95, 0.1, 1.0, "cosine", 0.1)
@@ -109,10 +110,10 @@ def test_seq_len_must_split_over_sequence_axis():
   c.seq_len = 8  # slices of 2 positions: shorter than the conv halo (d_conv - 1 = 3)
   assert "slices of at least d_conv - 1 = 3 positions" in _errors(c, num_devices=8)
   c.seq_len = 2048
-  assert validate(c, num_devices=8, reference=base.get_config())["mesh"]["sequence"] == 4
+  assert validate(c, num_devices=8, reference=base.get_config()).mesh_shape["sequence"] == 4
   c.mesh.update(data=2, sequence=2, dcn_sequence=2)  # across two processes: 2 x 2 per host
   assert validate(c, num_devices=8, process_count=2,
-                  reference=base.get_config())["mesh"]["sequence"] == 4
+                  reference=base.get_config()).mesh_shape["sequence"] == 4
 
 
 def test_bad_choices_error():
@@ -154,6 +155,7 @@ def test_runtime_fields_change_no_weights():
 
   import jax
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   from mamba_train.model.config import NOT_IN_WEIGHTS
   shapes = lambda cfg, rt: jax.tree.map(lambda a: a.shape, nnx.state(
@@ -170,6 +172,19 @@ def test_runtime_fields_change_no_weights():
   assert shapes(cfg.replace(chunk_size=32), rt) == shapes(cfg, rt)
 
 
+def test_weight_differences_name_each_field_in_the_callers_order():
+  """The one check behind the resume refusal and init_from's: NOT_IN_WEIGHTS never
+  counts, the initialization-only fields only with init=True; (self, other) order."""
+  from mamba_train import config_for
+  a = config_for("tiny")
+  assert a.weight_differences(a.replace(chunk_size=32)) == {}
+  b = a.replace(d_model=128, dt_min=0.01, dt_limit=(0.0, 1.0))
+  assert a.weight_differences(b) == {"d_model": (256, 128), "dt_min": (0.001, 0.01),
+                                     "dt_limit": ([0.0, float("inf")], [0.0, 1.0])}
+  assert b.weight_differences(a, init=False) == {"d_model": (128, 256),
+                                                 "dt_limit": ([0.0, 1.0], [0.0, float("inf")])}
+
+
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
     ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("pallas", 64))])
@@ -180,6 +195,7 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   parallel_chunk_size. Unresolved, the model resolves for JAX's default backend."""
   import jax
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   rt = Runtime()
   assert rt.resolve(backend).ssd_plan(chunk) == want

@@ -12,10 +12,10 @@ import socket
 import numpy as np
 import pytest
 
-from helpers import orbax_round_trip, random_model
 from mamba_train import data
-from mamba_train.data import loader as loader_lib
-from mamba_train.data import tokenizer as tokenizer_lib
+from mamba_train.data import loader as loader_lib, tokenizer as tokenizer_lib
+
+from helpers import orbax_round_trip, random_model
 
 EOS = 256
 SEQ_LEN = 16
@@ -260,6 +260,7 @@ def test_eval_loader_covers_validation_once_and_pads(jsonl_dataset):
 
 def test_to_global_single_process(jsonl_dataset):
   import jax
+
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   path, _ = jsonl_dataset
@@ -273,6 +274,7 @@ def test_to_global_single_process(jsonl_dataset):
 def test_packed_window_with_seq_idx_equals_documents_alone():
   import jax.numpy as jnp
   from flax import nnx
+
   from mamba_train import config_for
   rng = np.random.default_rng(0)
   # Lengths straddle the tiny config's 64-token chunks; each document ends with EOS.

@@ -11,7 +11,6 @@ run as subprocesses started at the top, in parallel with the in-process tests.""
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,22 +19,22 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from helpers import ROOT, SMALL_MODEL, free_port, random_model
+
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "data", "harness")
 NAMES = ["tiny_mc", "tiny_ppl", "tiny_gen"]
 # A one-layer model (small shapes compile fast; lm-eval's torch run is quick); at seed 2
 # it answers every prompt with " K K K...", which tiny_gen.yaml's "K K" stops.
-SMALL = dict(n_layer=1, d_model=64, d_state=16, headdim=16, chunk_size=16)
+SMALL = dict(SMALL_MODEL, n_layer=1)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   """A random byte-level model exported for transformers, and the local tasks with
   their data path made absolute."""
-  from test_data import _random_model
   from mamba_train import config_for
   from mamba_train.data import tokenizer as tokenizer_lib
   from mamba_train.interop.export import save_hf
@@ -46,20 +45,14 @@ def setup(tmp_path_factory):
   for f in glob.glob(os.path.join(TASKS, "*.yaml")):
     text = open(f).read().replace("tests/data/harness/tiny.jsonl", os.path.join(TASKS, "tiny.jsonl"))
     (tasks / os.path.basename(f)).write_text(text)
-  model = _random_model(config_for("tiny", vocab_size=257, **SMALL), np.random.default_rng(2))
+  model = random_model(config_for("tiny", vocab_size=257, **SMALL), np.random.default_rng(2))
   tokenizer_lib.byte_tokenizer().save(str(tmp / "tokenizer.json"))
   hf = save_hf(model, tmp / "hf", tokenizer_file=tmp / "tokenizer.json",
                eos_token=tokenizer_lib.EOS_TOKEN, eos_token_id=256)
   return model, str(hf), str(tasks), tmp
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-# train.py's harness hook in a two-process job (one CPU device each, the parameters
+# The trainer's harness hook in a two-process job (one CPU device each, the parameters
 # split over both by fsdp): every process runs it, process 0 writes.
 _HOOK_WORKER = textwrap.dedent("""
     import os, sys
@@ -67,20 +60,20 @@ _HOOK_WORKER = textwrap.dedent("""
     from mamba_train.parallel import distributed
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=120)
     import jax
-    import train
     from configs import tiny
     from mamba_train.workdir import record
     from mamba_train.parallel.mesh import make_mesh
-    from mamba_train.train import hooks, run_config, step as steps
+    from mamba_train.train import hooks, loop, run_config, step as steps
     c = tiny.get_config()
     c.model.update({small!r})
     c.mesh.update(dcn_fsdp=2, data=1, fsdp=1)
     c.harness.update(tasks={tasks!r}, every=1, include_path={include!r}, batch_size="auto",
                      max_batch_size=8)
-    model_cfg = run_config.validate(c, num_devices=jax.device_count(), process_count=2)["model"]
-    state = steps.build(c, make_mesh(c.mesh), params=train.load_init_params({hf!r}, model_cfg)).state
+    plan = run_config.validate(c, num_devices=jax.device_count(), process_count=2)
+    state = steps.build(plan, make_mesh(c.mesh, shape=plan.mesh_shape),
+                        params=loop.load_init_params({hf!r}, plan.model)).state
     assert not state.params["embedding"].is_fully_addressable  # split over the processes
-    run = train.make_harness(c, model_cfg, os.path.join({hf!r}, "tokenizer.json"))
+    run = loop.make_harness(plan, os.path.join({hf!r}, "tokenizer.json"))
     writer = record.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},
                                   is_main=jax.process_index() == 0)
     run(7, state.params, writer, hooks.Throughput())
@@ -94,7 +87,7 @@ def background(setup):
   in-process tests do. -> {name: (process(es), log paths, output dir)}."""
   _, hf, tasks, tmp = setup
   # The suite's XLA flags (tests/conftest.py) and compilation cache, one CPU device each.
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": ROOT}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
   def start(args, log):
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=open(log, "w"),
@@ -103,7 +96,7 @@ def background(setup):
   script = [os.path.join(ROOT, "scripts", "eval.py"), "--model", hf, "--include_path", tasks,
             "--limit", "3", "--batch_size", "auto:2", "--max_batch_size", "4", "--tasks", "tiny_mc",
             "--log_samples", "--output_path", str(tmp / "out"), "--num_fewshot", "1"]
-  worker = _HOOK_WORKER.format(root=ROOT, port=_free_port(), small=SMALL, tasks="tiny_ppl,tiny_gen",
+  worker = _HOOK_WORKER.format(root=str(ROOT), port=free_port(), small=SMALL, tasks="tiny_ppl,tiny_gen",
                                include=tasks, hf=hf, out=str(tmp / "two"))
   os.makedirs(tmp / "two")
   procs = {"script": ([start(script, tmp / "script.log")], [tmp / "script.log"], tmp / "out"),
@@ -128,6 +121,7 @@ def _finish(entry, timeout=600):
 def theirs(setup):
   """lm-eval's own hf backend on the exported weights, every task."""
   import lm_eval.evaluator  # the submodule: lm_eval imports it lazily
+
   from mamba_train import eval_harness
   _, hf, tasks, _ = setup
   with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # runs pip
@@ -239,6 +233,7 @@ def test_token_bytes_join_to_the_decoded_text():
   """ByteLevel BPE: a sequence's bytes are its tokens' bytes (special tokens none);
   a Metaspace tokenizer gets none, so stops are cut on the host only."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
   from mamba_train.data.tokenizer import token_bytes
   texts = ["Tōkyō and Zürich; naïve café.\n", "def add(a, b):\n    return a + b\n", "The sky  is blue."]
   tok = Tokenizer(models.BPE())
@@ -297,16 +292,17 @@ def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
 
 
 def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
-  """train.py's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
-  import train
+  """The trainer's harness hook on the parity model: it logs what lm-eval's hf backend scores."""
   from configs import tiny
+  from mamba_train.train import hooks, loop, run_config
   from mamba_train.workdir import record
-  from mamba_train.train import hooks, run_config
   model, hf, tasks, _ = setup
   c = tiny.get_config()
   c.model.update(SMALL)
   c.harness.update(tasks="tiny_mc,tiny_ppl", every=1, include_path=tasks, batch_size="8")
-  run = train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+  plan = run_config.validate(c, num_devices=1)
+  assert plan.model == model.config
+  run = loop.make_harness(plan, os.path.join(hf, "tokenizer.json"))
   writer = record.MetricsWriter(str(tmp_path), wandb_cfg={"mode": "disabled"}, run_config={})
   run(5, model.params(), writer, hooks.Throughput())
   writer.close()
@@ -316,7 +312,7 @@ def test_training_hook_logs_task_scores(setup, theirs, tmp_path):
                        rtol=1e-4)
   c.harness.update(batch_size="many")  # refused before any task is indexed
   with pytest.raises(run_config.ConfigError, match="as lm-eval reads it"):
-    train.make_harness(c, model.config, os.path.join(hf, "tokenizer.json"))
+    loop.make_harness(run_config.validate(c, num_devices=1), os.path.join(hf, "tokenizer.json"))
 
 
 def test_training_hook_in_a_two_process_job(background, theirs):

@@ -65,9 +65,10 @@ def test_gcs_lock_and_record_without_renames(gcs_env, caplog, monkeypatch):
   """The lock (create-if-absent, take-over-if-unchanged) and the record's set-aside on a
   bucket: whole-object writes and generation preconditions, no rename."""
   from google.cloud import storage as gcs_client
+
   from mamba_train.workdir import storage
-  from mamba_train.workdir.record import MetricsWriter
   from mamba_train.workdir.lock import WorkdirLock, WorkdirLockedError
+  from mamba_train.workdir.record import MetricsWriter
   work = "gs://bkt/lockrun"
   with pytest.raises(storage.StorageError, match="gs://nobucket does not exist"):
     storage.check_workdir("gs://nobucket/run")  # a typo: refused, never created
@@ -118,8 +119,8 @@ def test_gcs_workdir_trains_resumes_past_a_damaged_step_and_exports(gcs_env, tmp
   whose newest step is damaged falls back a step, sets the damaged one aside
   (copy, marker, delete) and relogs the set-aside steps with the same losses as the run
   that logged them first; export reads the bucket."""
-  from mamba_train.workdir import checkpoint, storage
   from mamba_train.interop.load import load_model
+  from mamba_train.workdir import checkpoint, storage
   work = "gs://bkt/run"
   extra = ["--config.steps=6", "--config.checkpoint_keep=2"]
   cmd, env = train_command(work, extra, 1)
@@ -145,7 +146,8 @@ def test_gcs_workdir_trains_resumes_past_a_damaged_step_and_exports(gcs_env, tmp
   assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
   assert {r["step"]: r["loss"] for r in rows if "loss" in r} == first  # bit-identical
   assert {"step": 4, "event": "resumed", "set_aside": "metrics.jsonl.after-4"} in rows
-  assert [json.loads(l)["step"] for l in storage.path(f"{work}/metrics.jsonl.after-4").read_text().splitlines()] == [5, 6]
+  aside = storage.path(f"{work}/metrics.jsonl.after-4").read_text().splitlines()
+  assert [json.loads(l)["step"] for l in aside] == [5, 6]
 
   r = export_cli(work, tmp_path / "exp", env=gcs_env)
   assert r.returncode == 0, r.stderr[-3000:]

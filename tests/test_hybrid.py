@@ -12,17 +12,16 @@ import torch
 from flax import nnx
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from helpers import rel
-
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
 from mamba_train.generation import prefill, step
 from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
-from mamba_train.model import attention as attn_lib
-from mamba_train.model import pattern as pattern_lib
+from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.parallel import sharding
+
+from helpers import rel
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
 

@@ -14,12 +14,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer, Mamba2Config as HFConfig, Mamba2ForCausalLM
 
-from helpers import ROOT, rel
-
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, load_model
-from mamba_train.interop import export
 from mamba_train.data import byte_tokenizer
+from mamba_train.interop import export
+
+from helpers import ROOT, rel
 
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
                    vocab_size=257)
@@ -189,7 +189,8 @@ def test_bad_inputs(tmp_path, model):
   del bad["backbone.layers.1.mixer.D"]
   bad["backbone.layers.1.mixer.E"] = bad["backbone.layers.0.mixer.D"]
   write_mamba_ssm(tmp_path / "names", bad, config)
-  with pytest.raises(ValueError, match=r"missing \['backbone.layers.1.mixer.D'\].*unknown \['backbone.layers.1.mixer.E'\]"):
+  with pytest.raises(ValueError, match=r"missing \['backbone.layers.1.mixer.D'\]"
+                                       r".*unknown \['backbone.layers.1.mixer.E'\]"):
     load_model(tmp_path / "names")
   bad = dict(sd, **{"backbone.layers.0.mixer.A_log": torch.zeros(3)})
   write_mamba_ssm(tmp_path / "shapes", bad, config)

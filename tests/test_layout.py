@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 PACKAGE = "mamba_train"
 
 # Names that belong to the outside layouts (transformers' Mamba2ForCausalLM and
@@ -287,6 +289,99 @@ def test_errors_and_metrics_import_nothing_of_the_package(module):
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_outside_names_live_only_in_interop(module):
   assert outside_names(MODULES[module]) == []
+
+
+# ---------------------------------------------------------------------------
+# Tests import the library, never an entry point: train.py and scripts/ are run as
+# programs (in a subprocess), and what a test needs of them lives in the library.
+
+SCRIPT_MODULES = frozenset(f.stem for f in (ROOT / "scripts").glob("*.py"))
+# A line of code handed to a subprocess (`python -c`) that imports something.
+_CODE_IMPORT = re.compile(r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import\b)")
+_LOAD_BY_PATH = ("spec_from_file_location", "run_path", "SourceFileLoader")
+
+
+def read_test(name: str, source: str, *, path: str = "<source>", code_strings: bool = True) -> Module:
+  """`read_module`, plus the imports a test makes out of the checker's usual sight:
+  those in the code it hands a subprocess (each line or `;` statement of a string
+  constant that begins with import or from; not with code_strings=False), and each
+  file it loads by path (importlib.util.spec_from_file_location, runpy.run_path,
+  SourceFileLoader), as the target '<file> ' + the string parts of the call's path."""
+  module = read_module(name, source, path=path)
+  extra = []
+  if code_strings:
+    for line, value in module.strings:
+      for i, text in enumerate(value.splitlines()):
+        for statement in text.split(";"):
+          m = _CODE_IMPORT.match(statement)
+          if m:
+            extra.append(Import(m.group(1) or m.group(2), line + i, statement.strip()))
+  lines = source.splitlines()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Call):
+      func = node.func
+      called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+      if called in _LOAD_BY_PATH:
+        parts = [c.value for a in node.args for c in ast.walk(a)
+                 if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        extra.append(Import("<file> " + "/".join(parts), node.lineno, lines[node.lineno - 1].strip()))
+  return dataclasses.replace(module, imports=tuple(sorted(module.imports + tuple(extra),
+                                                          key=lambda i: i.line)))
+
+
+def _entry_point(target: str) -> bool:
+  if target.startswith("<file> "):  # only a run recipe (configs/) may be loaded by its path
+    return "configs" not in target[len("<file> "):].split("/")
+  head = target.split(".")[0]
+  return head in ("train", "scripts") or head in SCRIPT_MODULES
+
+
+TESTS = Rule(
+    "tests", "no test imports train.py or scripts/ (run them as programs; import the library)",
+    governs=lambda m: within(m, "tests"),
+    broken_by=_entry_point)
+
+# This file's own strings are the checker's synthetic sources: their imports are not its.
+TEST_MODULES = {f"tests.{f.stem}": read_test(f"tests.{f.stem}", f.read_text(), path=f"tests/{f.name}",
+                                             code_strings=f.name != "test_layout.py")
+                for f in sorted((ROOT / "tests").glob("*.py"))}
+
+
+@pytest.mark.parametrize("module", sorted(TEST_MODULES))
+def test_tests_never_import_entry_points(module):
+  assert TESTS.violations(TEST_MODULES[module]) == []
+
+
+# (source, whether the rule must report it)
+_TEST_CASES = [
+    ("from mamba_train.train import loop, inputs\nimport jax", False),
+    ("from test_data import _random_model\nfrom configs import tiny", False),
+    ("subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config.steps=2'])", False),
+    ("spec = importlib.util.spec_from_file_location('c', os.path.join(ROOT, 'configs', 'tiny.py'))",
+     False),
+    ("import train", True),
+    ("def f():\n  from train import make_loaders", True),
+    ("import scripts.aot_compile", True),
+    ("from scripts import export", True),
+    ("import aot_compile as a", True),  # a script by its module name, scripts/ on the path
+    ('WORKER = """\nimport sys\nimport train\ntrain.make_loaders()\n"""', True),
+    ("code = 'import jax; from train import load_init_params'", True),
+    ("SCRIPT = os.path.join(ROOT, 'scripts', 'aot_compile.py')\n"
+     "spec = importlib.util.spec_from_file_location('aot_compile', SCRIPT)", True),
+    ("runpy.run_path(os.path.join(ROOT, 'train.py'))", True),
+]
+
+
+@pytest.mark.parametrize("case", _TEST_CASES, ids=lambda c: c[0].splitlines()[-1].strip()[:60])
+def test_tests_rule_reports_exactly_the_entry_point_imports(case):
+  source, breaks = case
+  found = TESTS.violations(read_test("tests.test_x", source, path="x.py"))
+  if breaks:
+    assert found, f"{TESTS.name} missed an entry-point import: {source!r}"
+    assert all("tests.test_x (x.py:" in f and TESTS.says in f for f in found), found
+  else:
+    assert found == [], found
+  assert TESTS.violations(read_test("mamba_train.train.loop", source)) == []  # governs tests only
 
 
 _IMPORT_EVERYTHING = textwrap.dedent("""

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel
-
 from mamba_train.train.loss import linear_cross_entropy
+
+from helpers import rel
 
 
 def plain(h, w, targets, mask, vocab_size):

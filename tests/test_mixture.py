@@ -15,6 +15,8 @@ from mamba_train import data
 from mamba_train.data import mixture as mixture_lib
 from mamba_train.train import run_config
 
+from helpers import FAST_XLA, ROOT, model_flags, orbax_round_trip
+
 SEQ_LEN, BATCH = 16, 8
 LETTERS = {"a": "abcdefgh", "b": "ijklmnop", "c": "qrstuvwx"}
 
@@ -89,7 +91,6 @@ def test_mixture_resumes_through_orbax_after_a_source_ended(sources, tmp_path):
   """The checkpoint train.py writes (Grain's handler in an Orbax Composite), across a
   schedule change and a capped source's end; the pipeline also pickles for workers."""
   import pickle
-  from test_data import orbax_round_trip
   srcs = data.parse_mixture(f"{sources['a']}:1,{sources['b']}:1:epochs=0.5,{sources['c']}:0")
   kw = dict(seq_len=SEQ_LEN, global_batch_size=BATCH, seed=1,
             schedule=data.parse_schedule("2:1,1,1", 3))
@@ -151,13 +152,17 @@ def test_bad_mixture_specs_refused_by_validate(sources, spec, message):
 
 
 def test_missing_source_and_other_tokenizer_refused_before_compile(sources, tmp_path):
-  import train
   from configs import tiny
+  from mamba_train.train import inputs
+
+  def make_loaders(c):
+    plan = run_config.validate(c, num_devices=1)
+    return inputs.make_loaders(plan, inputs.data_sources(plan))
+
   c = tiny.get_config()
-  model_cfg = run_config.model_config(c)
   c.data.mixture = f"{sources['a']}:1,{tmp_path}/nope:1"
   with pytest.raises(run_config.ConfigError, match="nope.*does not exist"):
-    train.make_loaders(c, model_cfg)
+    make_loaders(c)
   # Same bytes, but a tokenizer with an extra token: other ids, so refused by name.
   from mamba_train.data import tokenizer as tokenizer_lib
   tok = tokenizer_lib.byte_tokenizer()
@@ -167,21 +172,16 @@ def test_missing_source_and_other_tokenizer_refused_before_compile(sources, tmp_
   c.model.vocab_size = 258
   c.data.mixture = f"{sources['a']}:1,{other}:1"
   with pytest.raises(run_config.ConfigError, match="other.*tokenized with"):
-    train.make_loaders(c, run_config.model_config(c))
+    make_loaders(c)
 
 
 def test_mixture_run_logs_share_and_eval_per_source(tmp_path):
   """train.py on a two-source mixture: realised token share and eval loss per source."""
-  from test_train_run import ROOT, SMALL
   a, b = (_prepare(tmp_path, k, LETTERS[k], n_docs=40) for k in "ab")
-  small = [f for f in SMALL if not f.startswith(("--config.data.source", "--config.model.vocab_size",
-                                                  "--config.steps", "--config.eval_every",
-                                                  "--config.model.n_layer", "--config.seq_len",
-                                                  "--config.model.chunk_size"))]
-  small += ["--config.model.n_layer=1", "--config.seq_len=32", "--config.model.chunk_size=16"]
+  small = [*model_flags(n_layer=1), "--config.seq_len=32", "--config.batch_size=8",
+           "--config.optim.lr=1e-2", "--config.eval_batches=2"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true",
-         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                      "--xla_cpu_use_fusion_emitters=false"}
+         "XLA_FLAGS": FAST_XLA}
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "train.py"), "--workdir", str(tmp_path / "run"), *small,
        "--config.data.source=corpus", f"--config.data.mixture={a}:0.75,{b}:0.25",

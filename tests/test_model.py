@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import rel
-
 from mamba_train import Mamba2Config, Mamba2LM, Runtime, config_for
+
+from helpers import rel
 
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=16,
                    vocab_size=100)

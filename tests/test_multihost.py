@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,23 +20,17 @@ import time
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, free_port, model_flags
+
 STEPS = 4
 SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.source=synthetic",
-         "--config.model.d_model=64", "--config.model.n_layer=1", "--config.model.d_state=16",
-         "--config.model.headdim=16", "--config.model.chunk_size=16", "--config.model.vocab_size=64",
-         "--config.seq_len=32", "--config.batch_size=4", f"--config.steps={STEPS}",
+         *model_flags(n_layer=1, vocab_size=64), "--config.seq_len=32", "--config.batch_size=4",
+         f"--config.steps={STEPS}",
          "--config.log_every=1", "--config.eval_every=0", "--config.wandb.mode=disabled"]
 ONE_HOST_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
 TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
 SEQUENCE_MESH = ["--config.mesh.dcn_sequence=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
@@ -81,11 +74,11 @@ def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
   train_py = os.path.join(ROOT, "train.py")
   two = _start_two([train_py, *SMALL, *TWO_HOST_MESH, "--config.checkpoint_every=2",
-                    "--workdir", str(tmp / "two")], _free_port(), tmp, "two")
+                    "--workdir", str(tmp / "two")], free_port(), tmp, "two")
   one = _start([train_py, *SMALL, *ONE_HOST_MESH, "--config.checkpoint_every=0",
                 "--workdir", str(tmp / "one")], 4, tmp / "one.log")
   seq = _start_two([train_py, *SMALL, *SEQUENCE_MESH, "--config.checkpoint_every=0",
-                    "--workdir", str(tmp / "seq")], _free_port(), tmp, "seq")
+                    "--workdir", str(tmp / "seq")], free_port(), tmp, "seq")
   codes = _wait([*two, one, *seq], timeout=500)
   logs = {name: (tmp / f"{name}.log").read_text() for name in ("two0", "two1", "one", "seq0", "seq1")}
   assert codes == [0] * 5, "\n\n".join(f"== {k} ==\n{v[-3000:]}" for k, v in logs.items())
@@ -144,7 +137,7 @@ def test_two_process_checkpoint_resumes_in_one_process(runs):
 
 
 # A worker that joins a two-process job and saves the batches train.py would feed it:
-# its own rows (from train.make_loaders) and the global batch assembled from both.
+# its own rows (from the trainer's inputs.make_loaders) and the global batch assembled from both.
 _DATA_WORKER = textwrap.dedent("""
     import sys
     import numpy as np
@@ -153,15 +146,15 @@ _DATA_WORKER = textwrap.dedent("""
     distributed.initialize("127.0.0.1:{port}", 2, int(sys.argv[1]), init_timeout=60)
     import jax
     from jax.experimental import multihost_utils
-    import train
     from configs import tiny
     from mamba_train.parallel.mesh import make_mesh
-    from mamba_train.train import run_config, step as trainer
+    from mamba_train.train import inputs, run_config, step as trainer
     c = tiny.get_config()
     c.data.source, c.data.dir, c.seq_len, c.batch_size, c.seed = "corpus", {data_dir!r}, 16, 4, 7
     c.mesh.update(dcn_data=2, data=1, fsdp=2)
-    mesh = make_mesh(c.mesh)
-    loader, _ = train.make_loaders(c, run_config.model_config(c))
+    plan = run_config.validate(c, num_devices=jax.device_count(), process_count=2)
+    mesh = make_mesh(c.mesh, shape=plan.mesh_shape)
+    loader, _ = inputs.make_loaders(plan, inputs.data_sources(plan))
     local, glob = [], []
     for _ in range(3):
       batch = next(loader)
@@ -173,12 +166,13 @@ _DATA_WORKER = textwrap.dedent("""
 
 def test_each_process_reads_its_own_rows(tmp_path):
   import datasets
+
   from mamba_train import data
   rng = np.random.default_rng(1)
   docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 99)) for _ in range(10)]
   data_dir = data.prepare_dataset(datasets.Dataset.from_dict({"text": docs}), "w",
                                   root=str(tmp_path), val_fraction=0.1, num_proc=1)
-  script = _DATA_WORKER.format(root=ROOT, port=_free_port(), data_dir=data_dir)
+  script = _DATA_WORKER.format(root=str(ROOT), port=free_port(), data_dir=data_dir)
   out = [tmp_path / f"p{rank}.npz" for rank in range(2)]
   procs = [_start(["-c", script, str(rank), str(out[rank])], 2, tmp_path / f"p{rank}.log")
            for rank in range(2)]
@@ -203,7 +197,7 @@ def test_killed_process_stops_the_job(tmp_path, killed):
   heartbeat = 3
   args = [os.path.join(ROOT, "train.py"), *SMALL, *TWO_HOST_MESH, "--config.steps=100000",
           "--workdir", str(tmp_path / "run"), f"--heartbeat_timeout={heartbeat}", "--init_timeout=60"]
-  procs = _start_two(args, _free_port(), tmp_path, "p")
+  procs = _start_two(args, free_port(), tmp_path, "p")
   victim, survivor = procs[killed], procs[1 - killed]
   log0 = tmp_path / "p0.log"
   try:
@@ -232,10 +226,10 @@ def test_missing_peer_times_out_with_a_message(tmp_path):
   """Process 0 of 2 alone gives up after init_timeout, having said what it waited for."""
   script = textwrap.dedent(f"""
       import logging, sys
-      sys.path.insert(0, {ROOT!r})
+      sys.path.insert(0, {str(ROOT)!r})
       logging.basicConfig(level=logging.INFO)
       from mamba_train.parallel import distributed
-      distributed.initialize("127.0.0.1:{_free_port()}", 2, 0, init_timeout=2)
+      distributed.initialize("127.0.0.1:{free_port()}", 2, 0, init_timeout=2)
   """)
   proc = _start(["-c", script], 2, tmp_path / "p0.log")
   code = _wait([proc], timeout=90)[0]
@@ -259,6 +253,7 @@ class _FakeDevice:
 
 def test_hybrid_grid_matches_create_hybrid_device_mesh():
   from jax.experimental import mesh_utils
+
   from mamba_train.parallel.mesh import MESH_AXES, hybrid_device_grid
   devices = [_FakeDevice(i, i // 4) for i in range(8)]  # two hosts of four
   ids = np.vectorize(lambda d: d.id)

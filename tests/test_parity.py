@@ -13,11 +13,10 @@ import torch
 from flax import nnx
 from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
 
-from helpers import rel
-
 import mamba_train
 from mamba_train import load_model
 
+from helpers import rel
 
 # The model is an argument, not a closure: closed-over weights become XLA constants.
 forward = nnx.jit(lambda model, ids: model(ids))

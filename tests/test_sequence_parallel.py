@@ -48,12 +48,13 @@ def _worker(out_dir):
   import jax
   import jax.numpy as jnp
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
-  from mamba_train.workdir.checkpoint import Checkpointer
   from mamba_train.data import SyntheticLoader
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   from mamba_train.train import optim, state as train_state, step as trainer
+  from mamba_train.workdir.checkpoint import Checkpointer
   assert jax.device_count() == 8, jax.devices()
   cfg = config_for("tiny", d_model=32, n_layer=2, d_state=16, headdim=16, chunk_size=CHUNK,
                    vocab_size=64)
@@ -207,6 +208,7 @@ def test_long_sequence_against_sequential_recurrence():
   import jax
   import jax.numpy as jnp
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   from mamba_train.model import mamba2, ssd
 

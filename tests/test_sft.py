@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from mamba_train import data
-from mamba_train.data import chat
-from mamba_train.data import tokenizer as tokenizer_lib
+from mamba_train.data import chat, tokenizer as tokenizer_lib
 
 CONVS = [
     {"messages": [{"role": "system", "content": "Be brief."},
@@ -87,10 +86,12 @@ def test_default_template_packing_and_loader_rows(tmp_path):
 def test_masked_targets_get_zero_gradient_and_packed_row_equals_examples_alone(tmp_path):
   import jax
   import jax.numpy as jnp
-  from helpers import random_model
+
   from mamba_train import Runtime, config_for
   from mamba_train.data import loader as loader_lib
   from mamba_train.train.step import loss_sums
+
+  from helpers import random_model
   src = _write(tmp_path / "chat.jsonl", CONVS[:3] * 2)
   path = data.prepare_chat_dataset(src, "sft", root=str(tmp_path), seq_len=255, val_fraction=0)
   rows, _ = loader_lib._open_split(path, "train", 255)

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import packed_ids, rel, ssd_inputs
 from mamba_train.model import ssd
+
+from helpers import packed_ids, rel, ssd_inputs
 
 # Jitted once per module: eager op-by-op dispatch compiles every primitive anew.
 ssd_chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames="form")

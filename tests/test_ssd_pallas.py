@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from mamba_train.model import ssd, ssd_pallas
-from helpers import packed_ids, rel, ssd_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, packed_ids, rel, require_libtpu, ssd_inputs
 
 
 def _loss(fn, chunk, kw):
@@ -97,6 +96,7 @@ def test_model_with_fused_ssd_matches_xla_model(length):
   whole number of chunks the mixer hands x to the kernels, and takes y back, in their
   chunk-major layout (layout constraints); a ragged length pads the last chunk."""
   from flax import nnx
+
   from mamba_train import Mamba2LM, Runtime, config_for
   cfg = config_for("tiny", n_layer=1, chunk_size=16)
   ids = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
@@ -147,11 +147,10 @@ for topo in sys.argv[1:]:
 
 
 def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
-  from test_aot import _require_libtpu
-  _require_libtpu()
+  require_libtpu()
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
+  env["PYTHONPATH"] = str(ROOT)
   r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
                      text=True, env=env, timeout=600)
   assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import FAST_XLA, ROOT, model_flags
+
 STEPS, LOG_EVERY, EVAL_EVERY = 30, 5, 15
-SMALL = ["--config.model.d_model=64", "--config.model.n_layer=2", "--config.model.d_state=16",
-         "--config.model.headdim=16", "--config.model.chunk_size=32", "--config.model.vocab_size=64",
-         "--config.seq_len=64", "--config.batch_size=8", "--config.data.source=synthetic",
+SMALL = [*model_flags(chunk_size=32, vocab_size=64), "--config.seq_len=64", "--config.batch_size=8",
+         "--config.data.source=synthetic",
          "--config.optim.lr=1e-2", f"--config.steps={STEPS}", f"--config.log_every={LOG_EVERY}",
          f"--config.eval_every={EVAL_EVERY}", "--config.eval_batches=2", "--config.wandb.mode=offline"]
 
@@ -24,8 +24,7 @@ def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true",
          # Faster compiles of these small programs; the numbers do not depend on it.
-         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                      "--xla_cpu_use_fusion_emitters=false"}
+         "XLA_FLAGS": FAST_XLA}
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--workdir", str(workdir), *SMALL],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]

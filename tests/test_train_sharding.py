@@ -32,11 +32,12 @@ HYBRID = dict(layer_pattern="M*-", n_layer=3, attn_num_heads=4, attn_num_heads_k
 
 def _worker(out_dir):
   import jax
+
   from mamba_train import Runtime, config_for
+  from mamba_train.data import SyntheticLoader
   from mamba_train.parallel.mesh import make_mesh
   from mamba_train.parallel.sharding import logical_to_spec
   from mamba_train.train import optim, state as train_state, step as trainer
-  from mamba_train.data import SyntheticLoader
   assert jax.device_count() == 8, jax.devices()
   # Several chunks and a ragged tail (40 = 2.5 chunks of 16); 4 heads split by tensor=2.
   cfg = config_for("tiny", d_model=32, n_layer=2, d_state=16, headdim=16, chunk_size=16, vocab_size=64)
@@ -87,6 +88,7 @@ def _nonfinite_steps(step, state, loader, mesh):
   """Two steps with a NaN loss (a NaN loss mask), then a good one: the bad ones
   change nothing and count a streak; the good one applies and resets it."""
   import jax
+
   from mamba_train.train import step as trainer
   before = jax.device_get(state.params)
   out = []

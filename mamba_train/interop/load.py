@@ -23,11 +23,11 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from mamba_train.workdir import checkpoint, storage
 from mamba_train.interop import convert
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
+from mamba_train.workdir import checkpoint, storage
 
 
 def detect_layout(path: epath.Path) -> str:

@@ -179,8 +179,10 @@ def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
   kv head and its r query heads at a time (its MQA form), mapped over batch and
   kv heads; under a mesh it runs per shard (batch over data/fsdp, kv heads over
   tensor) inside shard_map, as a Pallas call cannot be partitioned by XLA."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as sk,
+    splash_attention_mask as sm,
+  )
   b, l, h, e = q.shape
   kv = k.shape[2]
   r = h // kv

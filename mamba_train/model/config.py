@@ -20,6 +20,9 @@ import math
 
 # Fields on which no parameter depends: a checkpoint restores across them.
 NOT_IN_WEIGHTS = ("chunk_size",)
+# Fields that shape only the random initialization: weights loaded from elsewhere
+# are the same weights whatever they say.
+INIT_ONLY = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
 # Architecture fields a run may set apart from the model it starts from (init_from):
 # the window changes the function, and finetuning is how an exact model learns it.
 FINETUNE_MAY_CHANGE = ("ssd_window",)
@@ -166,6 +169,15 @@ class Mamba2Config(FrozenFields):
       if self.mlp_act not in MLP_ACTS:
         out.append(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
     return out
+
+  def weight_differences(self, other: "Mamba2Config", *, init: bool = True) -> dict[str, tuple]:
+    """{field: (self's value, other's)} for each field that differs and that the
+    weights depend on: every field but NOT_IN_WEIGHTS, and, with init=False (weights
+    a run starts from), but INIT_ONLY and FINETUNE_MAY_CHANGE too. Values as
+    `to_dict` writes them. Empty: the two configs describe the same weights."""
+    skip = NOT_IN_WEIGHTS + (() if init else INIT_ONLY + FINETUNE_MAY_CHANGE)
+    ours, theirs = self.to_dict(), other.to_dict()
+    return {k: (ours[k], theirs[k]) for k in ours if k not in skip and ours[k] != theirs[k]}
 
   @property
   def pattern(self) -> str:

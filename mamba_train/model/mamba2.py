@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from mamba_train.model import attention as attn_lib
-from mamba_train.model import pattern as pattern_lib
+from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
@@ -106,7 +105,8 @@ def init_block_params(cfg: Mamba2Config, u: Array) -> dict[str, Array]:
   uniform [0, 1) draws (see `_init_params` for why the draws come in one piece)."""
   shapes = _block_uniform_shapes(cfg)
   sizes = [math.prod(s) for s in shapes.values()]
-  parts = dict(zip(shapes, (c.reshape(s) for c, s in zip(jnp.split(u, list(itertools.accumulate(sizes))[:-1]), shapes.values()))))
+  pieces = jnp.split(u, list(itertools.accumulate(sizes))[:-1])
+  parts = dict(zip(shapes, (c.reshape(s) for c, s in zip(pieces, shapes.values()))))
   sym = lambda name, bound: (2.0 * parts[name] - 1.0) * bound  # uniform(-bound, bound)
   lin = 1.0 / math.sqrt(cfg.d_model)  # torch nn.Linear default: kaiming_uniform(a=sqrt(5))
   conv = 1.0 / math.sqrt(cfg.d_conv)  # depthwise conv: fan_in = kernel size

@@ -78,12 +78,14 @@ def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int
   return shape
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A Mesh over `devices` (default: all) with axes MESH_AXES ('data', 'fsdp', 'sequence', 'tensor')."""
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None, *,
+              shape: Mapping[str, int] | None = None) -> Mesh:
+  """A Mesh over `devices` (default: all) with axes MESH_AXES ('data', 'fsdp', 'sequence', 'tensor').
+  `shape`: `mesh_cfg` already resolved for as many devices (`resolve_mesh_shape`)."""
   devices = list(jax.devices() if devices is None else devices)
+  shape = resolve_mesh_shape(mesh_cfg, len(devices)) if shape is None else shape
   if math.prod(dcn_shape(mesh_cfg).values()) > 1:
-    return make_hybrid_mesh(mesh_cfg, devices)
-  shape = resolve_mesh_shape(mesh_cfg, len(devices))
+    return make_hybrid_mesh(mesh_cfg, devices, shape=shape)
   dims = [shape[a] for a in MESH_AXES]
   try:  # topology-aware placement on TPU/GPU; plain order elsewhere
     grid = mesh_utils.create_device_mesh(dims, devices)
@@ -101,17 +103,19 @@ def device_granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.D
   return key.split("_")[0], [sorted(groups[k], key=lambda d: d.id) for k in sorted(groups)]
 
 
-def make_hybrid_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device]) -> Mesh:
+def make_hybrid_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device], *,
+                     shape: Mapping[str, int] | None = None) -> Mesh:
   """The mesh of a config with dcn_* keys: each axis is dcn_<axis> granules (slices or
   hosts) times <axis> devices inside one, granule-major, so an axis's granule index
   changes slowest along it (as `mesh_utils.create_hybrid_device_mesh` lays it out)."""
-  return Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES)
+  return Mesh(hybrid_device_grid(mesh_cfg, devices, shape=shape), MESH_AXES)
 
 
-def hybrid_device_grid(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device]) -> np.ndarray:
-  """The device array of `make_hybrid_mesh`."""
+def hybrid_device_grid(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device], *,
+                       shape: Mapping[str, int] | None = None) -> np.ndarray:
+  """The device array of `make_hybrid_mesh` (`shape` as `make_mesh` takes it)."""
   dcn = dcn_shape(mesh_cfg)
-  shape = resolve_mesh_shape(mesh_cfg, len(devices))
+  shape = resolve_mesh_shape(mesh_cfg, len(devices)) if shape is None else shape
   dcn_dims = [dcn[a] for a in MESH_AXES]
   ici_dims = [shape[a] // dcn[a] for a in MESH_AXES]
   kind, granules = device_granules(devices)

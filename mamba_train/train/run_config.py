@@ -1,5 +1,7 @@
 """Checks on a run config, made before anything is traced or compiled, so a
-mistake costs a clear message rather than a compile and a stack trace.
+mistake costs a clear message rather than a compile and a stack trace, and the
+`Plan` they resolve it into: what the trainer, the step builder, the loaders, the
+harness and the resume check take, so that none of them parses the config again.
 
 The keys themselves are defined (and documented) by configs/base.py; the entry
 point passes that config here as the reference for unknown-key checks.
@@ -7,11 +9,14 @@ point passes that config here as the reference for unknown-key checks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
-from mamba_train.errors import UserError
+import ml_collections
+
 from mamba_train.data import mixture
+from mamba_train.errors import UserError
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -84,9 +89,42 @@ def _optim_problems(optim: Mapping) -> list[str]:
   return out
 
 
-def validate(config, *, num_devices: int, process_count: int = 1, reference=None) -> dict[str, Any]:
-  """Raise ConfigError listing every problem found; return the resolved pieces:
-  {'model': Mamba2Config, 'runtime': Runtime, 'mesh': {'data', 'fsdp', 'sequence', 'tensor'}}."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A run config validated and resolved once, for the devices a run spans.
+
+  `config` is the run config as given, frozen: the trainer reads its plain settings
+  (steps, batch_size, optim, the periods) there and records it (`config_dict`); its
+  model, runtime, mesh and data sections are read through the fields below.
+  """
+
+  config: ml_collections.FrozenConfigDict
+  model: Mamba2Config
+  runtime: Runtime  # resolved for `platform`
+  platform: str  # of the devices the mesh spans ('cpu', 'gpu', 'tpu')
+  mesh_shape: Mapping[str, int]  # {'data', 'fsdp', 'sequence', 'tensor'}: -1 filled, dcn_* multiplied in
+  # The datasets a corpus run reads and the mixture's weight schedule [(step, weights)].
+  # A corpus run with neither data.dir nor data.mixture reads the default corpus,
+  # prepared under `default_corpus` on first use (train/inputs.py); then `sources` is empty.
+  sources: tuple[mixture.Source, ...] = ()
+  schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
+  default_corpus: str = ""
+
+  def replace(self, **kw) -> "Plan":
+    return dataclasses.replace(self, **kw)
+
+  def config_dict(self) -> dict:
+    """The run config as a plain dict, as config.json, checkpoints and the run record keep it."""
+    return self.config.as_configdict().to_dict()
+
+
+def validate(config, *, num_devices: int, process_count: int = 1, reference=None,
+             platform: str | None = None, data_root: str = "data") -> Plan:
+  """Raise ConfigError listing every problem found; return the run's `Plan`.
+
+  `platform` is that of the devices the run's mesh spans (default: JAX's default
+  backend, this host's); the runtime is resolved for it. `data_root` is where a
+  corpus run without data.dir or data.mixture prepares the default corpus."""
   cfg = _to_dict(config)
   problems = []
   if reference is not None:
@@ -144,7 +182,8 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
   if cfg["data"].get("source") not in DATA_SOURCES:
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
-  problems += _mixture_problems(cfg["data"])
+  mixture_problems, sources, schedule = _mixture(cfg["data"])
+  problems += mixture_problems
   harness = cfg.get("harness", {})
   if harness.get("tasks") and harness.get("every", 0) > 0:
     if cfg["data"].get("source") != "corpus":
@@ -153,19 +192,32 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if len(problems) == 1:  # one line
       raise ConfigError(f"Invalid run config: {problems[0]}")
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
-  return {"model": model, "runtime": rt, "mesh": mesh}
+  default_corpus = ""
+  if cfg["data"]["source"] == "corpus" and not sources:
+    if cfg["data"].get("dir"):
+      sources = (mixture.Source(cfg["data"]["dir"], 1.0),)
+    else:
+      default_corpus = data_root
+  if platform is None:
+    import jax  # only here: planning for this host is the one case that asks it
+    platform = jax.default_backend()
+  return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
+              runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
+              sources=sources, schedule=schedule, default_corpus=default_corpus)
 
 
-def _mixture_problems(data: Mapping) -> list[str]:
+def _mixture(data: Mapping) -> tuple[list[str], tuple[mixture.Source, ...], tuple]:
+  """(problems, sources, weight schedule) of `data.mixture` (no sources without one)."""
   if not data.get("mixture"):
-    return [f"data.mixture_schedule {data['mixture_schedule']!r} needs a data.mixture"] \
-        if data.get("mixture_schedule") else []
-  problems = []
+    return ([f"data.mixture_schedule {data['mixture_schedule']!r} needs a data.mixture"]
+            if data.get("mixture_schedule") else []), (), ()
+  problems, sources, schedule = [], (), ()
   if data.get("source") != "corpus" or data.get("dir"):
     problems.append("data.mixture needs data.source='corpus' and no data.dir")
   try:
-    sources = mixture.parse_mixture(data["mixture"])
-    mixture.parse_schedule(data.get("mixture_schedule", ""), len(sources))
+    sources = tuple(mixture.parse_mixture(data["mixture"]))
+    schedule = tuple((step, tuple(w)) for step, w in
+                     mixture.parse_schedule(data.get("mixture_schedule", ""), len(sources)))
   except mixture.MixtureError as e:
     problems.append(str(e))
-  return problems
+  return problems, sources, schedule

@@ -1,5 +1,5 @@
 """The loss and the jitted train and eval steps, and `build`: everything a run
-(or a benchmark, or an ahead-of-time compile) needs, from the run config.
+(or a benchmark, or an ahead-of-time compile) needs, from the run's plan.
 
 Shapes: b batch (global, in sequences), l sequence length, k micro-batches.
 """
@@ -7,6 +7,7 @@ Shapes: b batch (global, in sequences), l sequence length, k micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -22,8 +23,7 @@ from mamba_train.parallel import sharding
 from mamba_train.train import run_config
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import make_optimizer, nonfinite_streak
-from mamba_train.train.state import (TrainState, abstract_train_state, init_train_state,
-                                     param_shardings, state_shardings)
+from mamba_train.train.state import TrainState, abstract_train_state, init_train_state, param_shardings, state_shardings
 
 F32 = jnp.float32
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
@@ -51,11 +51,8 @@ def _batch_shards() -> int:
   if act is None:
     return 1
   mesh, rules = act
-  n = 1
-  for axes in sharding.logical_to_spec(("batch", "act_length"), rules):
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    n *= int(np.prod([mesh.shape[a] for a in axes]))
-  return n
+  return math.prod(sharding.axes_size(mesh, axes)
+                   for axes in sharding.logical_to_spec(("batch", "act_length"), rules))
 
 
 def _split_micro(batch, k: int, mesh: Mesh, rules):
@@ -176,13 +173,11 @@ def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 
 
 # ----------------------------------------------------------------------------
-# Everything a run (or a benchmark) needs, built from the run config.
+# Everything a run (or a benchmark) needs, built from the run's plan.
 
 
 @dataclasses.dataclass
 class Built:
-  model_cfg: Mamba2Config
-  runtime: Runtime  # resolved for the mesh's devices
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
   state: TrainState  # concrete, or abstract (shapes and shardings) with init=False
@@ -190,20 +185,22 @@ class Built:
   eval_step: Callable  # jitted (params, batch) -> (loss_sum, count)
 
 
-def build(config, mesh: Mesh, *, params=None, init: bool = True) -> Built:
-  """Model config and runtime, optimizer, the initial sharded TrainState and the
-  jitted steps.
+def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) -> Built:
+  """Optimizer, the initial sharded TrainState and the jitted steps of `plan`'s
+  model, run by its runtime.
 
-  `config` is a validated run config (see run_config.validate). The runtime is
-  resolved for the platform of the mesh's devices, so a mesh of TPU topology
-  devices on a CPU host compiles what the TPU would run. `params` (e.g. loaded for
-  finetuning) replace the random init; `init=False` builds the state's shapes and
-  shardings only (for an ahead-of-time compile). To time the step:
-  `b = build(config, mesh)`, then `b.train_step.lower(b.state, batch).compile()`
-  with a batch from `to_global`.
+  `plan` is `run_config.validate`'s, made for the platform of the mesh's devices,
+  so a mesh of TPU topology devices on a CPU host compiles what the TPU would run.
+  `params` (e.g. loaded for finetuning) replace the random init; `init=False`
+  builds the state's shapes and shardings only (for an ahead-of-time compile). To
+  time the step: `b = build(plan, mesh)`, then `b.train_step.lower(b.state,
+  batch).compile()` with a batch from `to_global`.
   """
-  model_cfg = run_config.model_config(config)
-  runtime = run_config.runtime(config).resolve(mesh.devices.flat[0].platform)
+  platform = mesh.devices.flat[0].platform
+  if platform != plan.platform:
+    raise ValueError(f"the plan's runtime is resolved for {plan.platform!r} devices, but the "
+                     f"mesh's are {platform!r}: validate the run config for the mesh's platform")
+  config, model_cfg, runtime = plan.config, plan.model, plan.runtime
   optimizer, schedule = make_optimizer(config.optim, config.steps)
   if init:
     state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params)
@@ -212,5 +209,5 @@ def build(config, mesh: Mesh, *, params=None, init: bool = True) -> Built:
   docs = bool(config.data.use_seq_idx)
   train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
                                grad_accum=config.optim.grad_accum, use_seq_idx=docs)
-  return Built(model_cfg, runtime, optimizer, schedule, state, train_step,
+  return Built(optimizer, schedule, state, train_step,
                make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs))

@@ -24,7 +24,6 @@ from typing import Any
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 

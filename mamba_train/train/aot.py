@@ -1,0 +1,182 @@
+"""The run's train step compiled ahead of time for a TPU slice, on any host (a CPU
+laptop too), and whether it fits, before renting the slice (scripts/aot_compile.py).
+
+The train step is the trainer's own (`step.build`), with the run's mesh over the
+slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
+state and batch shardings it trains with; the state and batch are abstract (shapes
+and shardings only), so nothing is allocated. The report: per-device memory from
+XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
+layer counted (two more small compiles: one layer, and two layers unrolled), the
+step time and MFU they imply at the datasheet peaks, and the compile time. A step
+that does not fit raises `DoesNotFit`, saying what to change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from mamba_train import metrics
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.parallel.topology import tpu_devices
+from mamba_train.train import run_config
+from mamba_train.train.step import abstract_batch, build
+
+GIB = metrics.GIB
+
+
+class DoesNotFit(RuntimeError):
+  pass
+
+
+def state_bytes_per_device(state) -> int:
+  """Bytes of one device's shards of an abstract (sharded) state."""
+  total = 0
+  for leaf in jax.tree.leaves(state):
+    shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def sequence_advice(config, state_bytes: int, hbm: float, temp_bytes: float | None) -> str | None:
+  """A larger `mesh.sequence` when the activations of one sequence are what does not
+  fit: they shrink about in proportion to the positions each device holds, the
+  state does not. None when the sequence axis would not help. `config`: the run config."""
+  sp, l = int(config.mesh.get("sequence", 1)), config.seq_len
+  room = 0.9 * hbm - state_bytes  # leave XLA a margin
+  if room <= 0:  # the state alone does not fit: shard it (fsdp), splitting l cannot help
+    return None
+  if temp_bytes is not None:
+    if temp_bytes <= room:
+      return None
+    need = sp * 2 ** math.ceil(math.log2(temp_bytes / room))
+  elif l // sp >= 4096:  # XLA refused outright: at long lengths, try twice the split
+    need = 2 * sp
+  else:
+    return None
+  if l % need or l // need < 4:
+    return None
+  return (f"seq_len {l} needs more sequence parallelism: split each sequence over "
+          f"--config.mesh.sequence={need} devices (now {sp}; {l // need} positions per device), "
+          f"taking them from data / fsdp")
+
+
+def _advice(config, state_bytes: int, hbm: float, temp_bytes: float | None = None) -> str:
+  """What to change, from where the bytes are: the state (arguments) or the activations."""
+  tips = []
+  seq_tip = sequence_advice(config, state_bytes, hbm, temp_bytes)
+  if seq_tip:
+    tips.append(seq_tip)
+  if state_bytes > 0.5 * hbm:
+    tips.append(f"the train state alone takes {state_bytes / GIB:.1f} GiB per device: shard it "
+                f"over more devices with --config.mesh.fsdp=-1 --config.mesh.data=1 (now "
+                f"{dict(config.mesh)}), or use a larger slice")
+  tips.append(f"lower the per-device batch: --config.batch_size (now {config.batch_size}) or "
+              f"--config.optim.grad_accum (now {config.optim.grad_accum}) to split it into micro-batches")
+  if config.runtime.remat != "full":
+    tips.append(f"recompute activations in the backward pass: --config.runtime.remat=full "
+                f"(now {config.runtime.remat!r})")
+  if config.runtime.compute_dtype != "bfloat16":
+    tips.append("--config.runtime.compute_dtype=bfloat16")
+  return "; ".join(tips)
+
+
+def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll: bool) -> dict:
+  """XLA's counts of the plan's train step with n_layer layers (an unrolled loop if asked)."""
+  plan = plan.replace(model=plan.model.replace(n_layer=n_layer),
+                      runtime=plan.runtime.replace(unroll_layers=unroll))
+  built = build(plan, mesh, init=False)
+  batch = abstract_batch(plan.config.batch_size, plan.config.seq_len, mesh)
+  return metrics.compiled_cost(built.train_step.lower(built.state, batch).compile())
+
+
+def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
+  """XLA's FLOPs and bytes of the train step with every layer counted.
+
+  XLA's cost analysis counts a loop body once, and the layers run in a scan (the
+  backward pass too), so `cost` (of the real program) covers one layer. Two small
+  compiles give the rest: one layer, and two layers as an unrolled loop; their
+  difference is one layer's forward, backward and optimizer update, added
+  n_layer - 1 times to the one-layer step. (A grad_accum loop is still counted once.)
+  """
+  n = plan.model.n_layer
+  if n == 1:
+    return {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  one = cost_with_layers(plan, mesh, 1, unroll=False)
+  two = cost_with_layers(plan, mesh, 2, unroll=True)
+  return metrics.every_layer_counts(one, n, more=two, fewer=one)
+
+
+def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
+  """Compile the run's train step for `topology`; return the report (see the module
+  doc). `reference`: the config of every key (configs/base.py) for the unknown-key
+  check. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
+  or the per-device peak exceeds HBM."""
+  gen, topo, devices = tpu_devices(topology)
+  chip = metrics.CHIPS[gen]
+  chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
+  per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
+  hbm, peak = chip.hbm_bytes * per_device, chip.peak_flops * per_device
+  bandwidth = chip.hbm_bandwidth * per_device
+
+  plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
+                             reference=reference)
+  mesh = make_mesh(config.mesh, devices, shape=plan.mesh_shape)
+  built = build(plan, mesh, init=False)
+  state, model_cfg = built.state, plan.model
+  batch = abstract_batch(config.batch_size, config.seq_len, mesh)
+  state_bytes = state_bytes_per_device(state)
+
+  report = {"topology": topo, "chip": chip.name, "devices": len(devices), "mesh": dict(mesh.shape),
+            "model": model_cfg.to_dict(), "runtime": plan.runtime.to_dict(),
+            "batch_size": config.batch_size, "seq_len": config.seq_len,
+            "grad_accum": config.optim.grad_accum, "hbm_bytes_per_device": hbm,
+            "state_bytes_per_device": state_bytes}
+  with metrics.Timer() as t:
+    lowered = built.train_step.lower(state, batch)
+  report["lower_s"] = t.seconds
+  try:
+    with metrics.Timer() as t:
+      compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001 - XLA:TPU refuses programs that overflow HBM
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
+      first = msg.strip().splitlines()[0][:400]
+      raise DoesNotFit(f"XLA could not fit the train step on {topo} ({chip.name}, "
+                       f"{hbm / GIB:.0f} GiB HBM per device): {first}\nTo fit: "
+                       f"{_advice(config, state_bytes, hbm)}") from None
+    raise
+  report["compile_s"] = t.seconds
+  mem = metrics.compiled_memory(compiled)
+  report["memory"] = mem
+  cost = metrics.compiled_cost(compiled)
+  report["cost"] = cost
+  tokens = config.batch_size * config.seq_len
+  model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
+                 * tokens / len(devices))
+  report["model_flops_per_device"] = model_flops
+  if mem is not None and mem["peak_bytes"] > hbm:
+    raise DoesNotFit(f"the train step needs {mem['peak_bytes'] / GIB:.2f} GiB per device "
+                     f"(state {mem['argument_bytes'] / GIB:.2f} GiB + scratch {mem['temp_bytes'] / GIB:.2f} GiB"
+                     f" + outputs {mem['output_bytes'] / GIB:.2f} GiB - donated {mem['alias_bytes'] / GIB:.2f} GiB)"
+                     f" but a {chip.name} device has {hbm / GIB:.0f} GiB of HBM.\nTo fit: "
+                     f"{_advice(config, state_bytes, hbm, mem['temp_bytes'])}")
+  # XLA's cost analysis counts a while-loop body once, and the layers run in a
+  # scan: `every_layer_cost` counts every layer. The step time takes the larger of
+  # those FLOPs and the model's count (metrics.train_flops_per_token).
+  # A hybrid's pattern fixes its depth (n_layer cannot shrink to one or two layers), so
+  # its count stays the compiled one: the loop bodies once, the bytes a lower bound.
+  full = every_layer_cost(plan, mesh, cost) if every_layer and not model_cfg.layer_pattern else None
+  report["cost_every_layer"] = full
+  if full is None:  # the scanned body counted once: bytes a lower bound
+    full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  flops = max(full["flops"], model_flops)
+  rl = metrics.roofline_seconds(flops, full["bytes accessed"], peak, bandwidth)
+  report["roofline"] = rl
+  report["step_time_s"] = rl["time_s"]
+  report["tokens_per_s"] = tokens / rl["time_s"]
+  report["mfu_at_roofline"] = model_flops / peak / rl["time_s"]
+  return report

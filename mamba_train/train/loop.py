@@ -1,0 +1,309 @@
+"""The training loop: a run's plan (`run_config.validate`) in, a workdir of
+checkpoints and metrics out.
+
+`train` reads top to bottom in sections: config (the workdir, its lock and the
+resume check), mesh, data, model and optimizer (sharded), checkpoint and resume,
+step function, hooks and loop. Periodic work hangs on the loop as hooks
+(train/hooks.py); what the loop does about a loss spike (`RollBack`) and which
+states it saves (`guarded_save`) are its policy, below it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+
+import jax
+import tqdm
+
+from mamba_train import data, metrics as metrics_lib
+from mamba_train.interop.load import load_model
+from mamba_train.model.config import Mamba2Config
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.train import hooks, inputs, step as steps
+from mamba_train.train.run_config import ConfigError, Plan
+from mamba_train.train.state import with_shardings
+from mamba_train.workdir import checkpoint, record, storage
+from mamba_train.workdir.lock import lock_workdir
+
+MAX_ROLLBACKS = 3  # loss spikes a run may roll back from before it stops
+
+
+def train(plan: Plan, workdir: str = "", *, force_resume: bool = False) -> None:
+  """Train `plan` in `workdir` (default runs/<config name>-<time>), resuming from its
+  newest complete checkpoint. `force_resume`: resume even if the checkpoints hold a
+  different model config. Every process of a job calls it with the same arguments."""
+  config = plan.config
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  if not workdir and jax.process_count() > 1:
+    # Each process would stamp its own time: they must share one directory.
+    raise ConfigError("--workdir is required when the job spans several processes "
+                      "(a directory every process can reach, e.g. gs://BUCKET/runs/NAME)")
+  workdir = workdir or os.path.join("runs", f"{config.name}-{stamp}")
+  storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
+  lock = lock_workdir(workdir)  # before anything is read or written there
+  try:
+    _run(plan, workdir, stamp, force_resume)
+  finally:
+    lock.release()
+
+
+def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
+
+  # ===== config =====
+  config, model_cfg = plan.config, plan.model
+  is_main = jax.process_index() == 0
+  # A workdir that holds checkpoints of another model is refused before anything is written.
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
+  check_resumable(ckpt, plan, force=force_resume)
+  if is_main:
+    storage.makedirs(workdir)
+    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
+
+  # ===== mesh =====
+  mesh = make_mesh(config.mesh, shape=plan.mesh_shape)
+  logging.info("mesh %s over %d %s devices", dict(mesh.shape), mesh.size, plan.platform)
+
+  # ===== data =====
+  sources = inputs.data_sources(plan)
+  train_loader, held_out = inputs.make_loaders(plan, sources, workdir)
+  harness = make_harness(plan, inputs.tokenizer_path(sources))  # task names checked before compiling
+
+  # ===== model and optimizer, sharded =====
+  params = load_init_params(config.init_from, model_cfg) if config.init_from else None
+  built = steps.build(plan, mesh, params=params)
+  state = built.state
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  flops_per_token = metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
+  peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
+  tokens_per_step = config.batch_size * config.seq_len
+  logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
+               n_params / 1e6, flops_per_token, tokens_per_step)
+
+  # ===== checkpoint and resume =====
+  # The newest complete checkpoint in the workdir, restored into this run's
+  # shardings (which may differ from the saving run's), with the data iterator.
+  target = with_shardings(state, jax.tree.map(lambda x: x.sharding, state))
+  restored_step, restored = ckpt.restore(target, train_loader)
+  if restored_step is not None:
+    state = restored
+    logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
+  start_step = int(state.step)
+  ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))  # disk space
+  preemption = hooks.PreemptionWatcher()
+
+  # ===== step function =====
+  first_host_batch = next(train_loader)
+  first_batch = steps.to_global(first_host_batch, mesh)
+  with metrics_lib.Timer() as compile_time:
+    train_step = built.train_step.lower(state, first_batch).compile()
+  logging.info("train step compiled in %.1f s", compile_time.seconds)
+
+  # ===== hooks and loop =====
+  writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
+                                                    or f"{config.name}-{stamp}"},
+                                run_config=plan.config_dict(), is_main=is_main,
+                                resumed_from=restored_step)
+  throughput = hooks.Throughput()
+  share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
+  bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
+
+  def log(step, state, metrics):
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    speed = throughput.read(tokens_per_step)
+    row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
+           "param_norm": m["param_norm"], "lr": m["lr"], **speed,
+           "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
+           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
+           **share.read()}
+    writer.write(step, row)
+    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
+
+  def evaluate(step, state, metrics):
+    rows = {name: steps.evaluate(built.eval_step, state.params,
+                                 (steps.to_global(b, mesh) for b in batches()))
+            for name, batches in held_out.items()}
+    row = steps.pool_eval(rows.values())  # over all sources' tokens
+    for name, r in rows.items():
+      if name:
+        row.update({f"{k}/{name}": v for k, v in r.items()})
+    writer.write(step, row)
+    logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
+    throughput.reset()  # evaluation time is not training time
+
+  save = guarded_save(ckpt, train_loader, plan.config_dict(), writer)
+  guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
+  spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)
+  roll_back = RollBack(ckpt, target, train_loader, writer, spikes, bar)
+  periodic = [
+      hooks.Hook("nonfinite", 1, guard),
+      hooks.Hook("save_failed", 1, lambda *_: ckpt.check()),  # a failed async save stops the run
+      hooks.Hook("log", config.log_every, log),
+      hooks.Hook("spike", 1 if config.optim.spike_factor > 0 else 0, spikes),  # before the save
+      # Before eval: a failing evaluation cannot cost the step's checkpoint.
+      # Asynchronous: returns once the state is copied to host memory.
+      hooks.Hook("checkpoint", config.checkpoint_every, save),
+      hooks.Hook("eval", config.eval_every, evaluate),
+      hooks.Hook("harness", config.harness.every if harness else 0,
+                 lambda step, state, _: harness(step, state.params, writer, throughput)),
+  ]
+
+  batch, step_metrics, done, step = first_batch, None, start_step, start_step
+  share.add(first_host_batch)
+  try:
+    throughput.reset()
+    while step < config.steps:
+      step += 1
+      state, step_metrics = train_step(state, batch)
+      done = step
+      throughput.tick()
+      bar.update(1)
+      try:
+        hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
+      except hooks.LossSpike as spike:
+        state, step = roll_back(spike)
+        step_metrics, done = None, step
+      if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
+        logging.warning("SIGTERM received: saving step %d and exiting", step)
+        break
+      if step < config.steps:
+        host_batch = next(train_loader)
+        share.add(host_batch)
+        batch = steps.to_global(host_batch, mesh)
+    guard.finish()
+    final = int(state.step)
+    if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
+      save(final, state, step_metrics, force=True)
+  finally:
+    bar.close()
+    writer.close()
+    ckpt.close()  # waits for saves in flight
+    logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
+
+
+# ----------------------------------------------------------------------------
+# The loop's policy: which states it saves, and the roll-back after a loss spike.
+
+
+def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, writer):
+  """`save(step, state, metrics, force=False)`, the checkpoint hook: saves the state
+  with the data iterator and the run config, then syncs the record."""
+
+  def save(step, state, metrics, force=False):
+    # Never from a state inside a non-finite streak: its last update was skipped, and the
+    # streak may end the run; the previous save is the one to resume from.
+    if metrics is not None:
+      m = jax.device_get({k: metrics[k] for k in ("loss", "nonfinite_streak")})
+      if int(m["nonfinite_streak"]) > 0 or not math.isfinite(float(m["loss"])):
+        logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
+                        step, int(m["nonfinite_streak"]))
+        return
+    ckpt.save(step, state, train_loader, run_config, force=force)
+    writer.sync()  # on a bucket: the record reaches every saved step
+
+  return save
+
+
+class RollBack:
+  """After a loss spike: back to the newest checkpoint (before the spike: the spiking
+  step is never saved), then past the batches since it, which the next steps would
+  otherwise see again. At most MAX_ROLLBACKS times a run."""
+
+  def __init__(self, ckpt: checkpoint.Checkpointer, target, train_loader, writer,
+               spikes: hooks.SpikeGuard, bar):
+    self.ckpt, self.target, self.train_loader = ckpt, target, train_loader
+    self.writer, self.spikes, self.bar = writer, spikes, bar
+    self.rollbacks: list[int] = []  # the steps that spiked
+
+  def __call__(self, spike: hooks.LossSpike):
+    """-> (the restored state, its step)."""
+    self.ckpt.manager.wait_until_finished()
+    back, restored = self.ckpt.restore(self.target, self.train_loader)
+    rollbacks = self.rollbacks
+    if back is None or len(rollbacks) >= MAX_ROLLBACKS:
+      raise hooks.NonFiniteLossError(f"{spike}; " + (
+          "no checkpoint to roll back to" if back is None else
+          f"already rolled back {len(rollbacks)} times ({rollbacks})") + ". Lower optim.lr or check the data.")
+    for _ in range(spike.step - back):
+      next(self.train_loader)
+    rollbacks.append(spike.step)
+    logging.warning("%s: rolled back to step %d and skipped batches %d..%d", spike, back, back + 1,
+                    spike.step)
+    self.writer.rewind(back, {"event": "rolled_back", "spike_step": spike.step, "spike_loss": spike.loss,
+                              "skipped_batches": [back + 1, spike.step]})
+    self.spikes.reset()
+    self.bar.n = back
+    return restored, back
+
+
+# ----------------------------------------------------------------------------
+# What the loop starts from: the resume check, loaded weights, the harness hook.
+
+
+def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -> None:
+  """Refuse to resume a workdir whose checkpoints hold another model (unless forced)."""
+  saved_steps = ckpt.steps()
+  if not saved_steps:
+    return
+  try:
+    saved = ckpt.saved_config(saved_steps[-1])
+  except Exception:  # a damaged newest step: the restore falls back and checks shapes
+    return
+  differ = checkpoint.saved_configs(saved)[0].weight_differences(plan.model)
+  if differ and not force:
+    raise ConfigError(
+        f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "
+        f"Use another --workdir, or pass --force_resume to restore them anyway.")
+
+
+def load_init_params(path: str, model_cfg: Mamba2Config):
+  """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model."""
+  model = load_model(path)
+  differ = model_cfg.weight_differences(model.config, init=False)
+  if differ:
+    raise ConfigError(f"init_from {path!r} does not match config.model in "
+                      f"(config, checkpoint) = {differ}")
+  return model.params()
+
+
+def make_harness(plan: Plan, tokenizer_path: str):
+  """`fn(step, params, writer, throughput)` running config.harness.tasks with
+  lm-evaluation-harness and logging harness/<task>/<metric>; None when off.
+
+  In a multi-process job every process calls it: the parameters are sharded over
+  the processes, so no process can run the model's forward alone, and lm-eval builds
+  the same requests in the same order everywhere, so all run the same programs (see
+  mamba_train/eval_harness.py). Only process 0's writer writes."""
+  h = plan.config.harness
+  if not (h.tasks and h.every > 0):
+    return None
+  try:
+    from mamba_train import eval_harness
+  except ImportError as e:
+    raise ConfigError(f"config.harness.tasks needs lm-eval ({e}): "
+                      "pip install -e '.[eval]'") from None
+  from mamba_train import Mamba2LM
+  from mamba_train.data.tokenizer import load_tokenizer
+  tasks = h.tasks.split(",")
+  try:
+    eval_harness.parse_batch_size(h.batch_size)
+    manager = eval_harness.task_manager(h.include_path, tasks)
+    tasks = eval_harness.check_tasks(tasks, manager)
+  except ValueError as e:
+    raise ConfigError(f"config.harness: {e}") from None
+  tokenizer = load_tokenizer(tokenizer_path)
+  if jax.process_index() != 0:  # the same tables and progress bars as process 0's
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+
+  def run(step, params, writer, throughput):
+    lm = eval_harness.HarnessLM(Mamba2LM.from_params(plan.model, params, plan.runtime), tokenizer,
+                                batch_size=h.batch_size, max_batch_size=h.max_batch_size)
+    results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
+                                     num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
+                                     bootstrap_iters=0, env_info=False)
+    writer.write(step, eval_harness.flat_metrics(results))
+    throughput.reset()  # evaluation time is not training time
+  return run
