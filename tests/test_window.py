@@ -119,6 +119,20 @@ def test_window_refusals():
     ssd.ssd_chunked(x, dt, A, B, C, 8, window=8, initial_state=h0)
 
 
+
+def test_config_and_runtime_with_a_window():
+  from mamba_train import Mamba2Config, Runtime
+  with pytest.raises(ValueError, match=r"ssd_window \(32\) must be at least chunk_size \(64\)"):
+    Mamba2Config(chunk_size=64, ssd_window=32)
+  with pytest.raises(ValueError, match="ssd_window must be 0"):
+    Mamba2Config(ssd_window=-1)
+  # The fused kernels have no window: a windowed model runs XLA's form on TPU too.
+  rt = Runtime().resolve("tpu")
+  assert rt.ssd_plan(256)[0] == "pallas"
+  assert rt.ssd_plan(256, 1024) == ("parallel", rt.parallel_chunk_size)
+  assert Runtime().resolve("cpu").ssd_plan(256, 1024) == ("scan", 64)
+
+
 # ---------------------------------------------------------------------------
 # The model: cached decoding, checkpoints and exports.
 
