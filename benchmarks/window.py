@@ -28,7 +28,6 @@ Prints markdown tables (docs/bench/window.md keeps the dated results).
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import re
@@ -38,6 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks.common import log, median_time  # noqa: E402
@@ -67,7 +67,7 @@ def _ssd_args(l, sharding=None):
 
 
 def counts(args):
-  print(f"| backend | form | chunk | GFLOP | GB accessed | vs naive bytes |")
+  print("| backend | form | chunk | GFLOP | GB accessed | vs naive bytes |")
   print("|---|---|---:|---:|---:|---:|")
   for backend in ("cpu", "v6e"):
     if backend == "cpu":
@@ -96,7 +96,7 @@ def speed(args):
   for l in args.lengths:
     for w in (0, args.window):
       cfg = config_for("tiny", vocab_size=257, ssd_window=w)
-      params = jax.jit(lambda: Mamba2LM(cfg, rngs=__import__("flax").nnx.Rngs(0), runtime=rt).params())()
+      params = jax.jit(lambda cfg=cfg: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt).params())()
       ids = jnp.asarray(np.random.default_rng(0).integers(0, 257, (1, l)), jnp.int32)
       batch = {"input_ids": ids, "targets": ids, "seq_idx": jnp.zeros_like(ids),
                "loss_mask": jnp.ones(ids.shape, jnp.float32)}

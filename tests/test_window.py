@@ -9,13 +9,14 @@ import sys
 if __name__ == "__main__":  # the multi-device worker: this checkout's package, not an installed one
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from helpers import packed_ids, rel, ssd_inputs  # noqa: E402
-from mamba_train.model import ssd  # noqa: E402
+from mamba_train.model import ssd
+
+from helpers import packed_ids, rel, ssd_inputs
 
 chunked = jax.jit(ssd.ssd_chunked, static_argnums=5, static_argnames=("form", "window"))
 
@@ -138,8 +139,9 @@ def test_config_and_runtime_with_a_window():
 
 
 def window_model(window=12, **kw):
-  from helpers import random_model
   from mamba_train import config_for
+
+  from helpers import random_model
   cfg = config_for("tiny", d_model=32, n_layer=2, d_state=16, headdim=16, chunk_size=8,
                    vocab_size=64, ssd_window=window, **kw)
   return random_model(cfg, np.random.default_rng(0))
@@ -150,6 +152,7 @@ def test_cached_decoding_matches_the_full_forward():
   row left-padded: prefill and steps give the full forward's logits at each
   position, and greedy tokens are the full forward's argmax."""
   from flax import nnx
+
   from mamba_train.generation import prefill, step
   model = window_model()
   graphdef, params = nnx.split(model)
@@ -205,8 +208,9 @@ def test_export_refuses_a_window(tmp_path):
 def windowed_run(tmp_path_factory):
   """A 2-step train.py run of a windowed model (W = 32 < seq_len 64), and a small
   prepared byte-level data set with a validation split."""
-  from helpers import run_train
   from mamba_train import data
+
+  from helpers import run_train
   work = tmp_path_factory.mktemp("windowed") / "w"
   r = run_train(work, "--config.model.ssd_window=32", "--config.seq_len=64", "--config.steps=2",
                 "--config.checkpoint_every=2")
@@ -222,9 +226,10 @@ def windowed_run(tmp_path_factory):
 def test_window_mismatch_is_refused(windowed_run, tmp_path):
   """A windowed checkpoint does not load or resume as an exact model, nor an exact
   model as a windowed one: the window is part of the architecture."""
-  from helpers import run_train
   from mamba_train import load_model
   from mamba_train.interop.export import save_hf
+
+  from helpers import run_train
   work, _ = windowed_run
   assert load_model(work).config.ssd_window == 32
   with pytest.raises(ValueError, match="ssd_window"):
@@ -239,6 +244,7 @@ def test_window_mismatch_is_refused(windowed_run, tmp_path):
 
 def test_window_search_script(windowed_run, tmp_path):
   import subprocess
+
   from helpers import ROOT, script_env
   work, data_dir = windowed_run
   out = tmp_path / "report.json"
