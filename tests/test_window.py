@@ -180,6 +180,11 @@ def test_cached_decoding_matches_the_full_forward():
   cached = jnp.stack(seen, 1)  # logits after positions prompt-1 .. prompt+new-1
   assert rel(cached, full[:, prompt - 1:]) < 1e-5
   assert np.array_equal(np.asarray(jnp.argmax(full[:, prompt - 1:-1], -1)), np.stack(tokens, 1))
+  # The on-device decode loop, on prompts it left-pads to its own length: padding adds
+  # nothing (x = 0, dt = 0) and precedes every valid position, so no window changes.
+  from mamba_train.generation import generate
+  out = generate(model, [ids[0], ids[1, 5:]], new, eos_id=None)
+  assert np.array_equal(np.stack([o[-new:] for o in out]), np.stack(tokens, 1))
   # The window changes the function: the exact model's logits differ.
   exact = window_model(window=0)
   assert rel(exact(jnp.asarray(full_ids)), model(jnp.asarray(full_ids))) > 1e-4
