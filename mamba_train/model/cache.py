@@ -112,7 +112,8 @@ class Mamba2Cache:
   def bytes_for(cfg: Mamba2Config, batch: int, capacity: int = 0) -> int:
     """Cache size in bytes, computed from the config alone (no allocation).
     Independent of the context length for a pure Mamba-2 model; a hybrid's grows
-    by `bytes_per_position` with the capacity."""
+    by `bytes_per_position` with the capacity, a windowed model's holds W positions
+    (`window_bytes_per_position` each) whatever the context."""
     shapes = jax.eval_shape(lambda: Mamba2Cache.init(cfg, batch, capacity))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
