@@ -100,6 +100,9 @@ class SequenceSplit:
     if D is None:
       D = jnp.zeros((h,), jnp.float32)
     if window:
+      if initial_state is not None:
+        raise ValueError("a windowed SSD takes no initial_state: its state is the last `window` "
+                         "positions' inputs; run those positions too (or window=0)")
       return self._windowed(scan, x, dt, A, B, C, *args, D=D, seq_idx=seq_idx, window=window, **kw)
     if initial_state is None:
       initial_state = jnp.zeros((b, h, p, n), jnp.float32)
