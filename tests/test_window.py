@@ -127,6 +127,9 @@ def test_config_and_runtime_with_a_window():
     Mamba2Config(chunk_size=64, ssd_window=32)
   with pytest.raises(ValueError, match="ssd_window must be 0"):
     Mamba2Config(ssd_window=-1)
+  # An architecture field: a checkpoint's differs; a run may learn it from an exact init_from.
+  assert Mamba2Config(ssd_window=256).weight_differences(Mamba2Config()) == {"ssd_window": (256, 0)}
+  assert Mamba2Config(ssd_window=256).weight_differences(Mamba2Config(), init=False) == {}
   # The fused kernels have no window: a windowed model runs XLA's form on TPU too.
   rt = Runtime().resolve("tpu")
   assert rt.ssd_plan(256)[0] == "pallas"
