@@ -20,7 +20,7 @@ import jax
 
 
 def ssd_flops_per_token(h: int, p: int, n: int, g: int, q: int, seq_len: int,
-                        form: str = "parallel") -> float:
+                        form: str = "parallel", window: int = 0) -> float:
   """Matmul FLOPs of the SSD's forward per token, as `ssd.ssd_chunked` computes them,
   for h heads of dim p, state n, g groups, chunk q and c = ceil(seq_len / q) chunks:
     1. C.B inside a chunk   2 q g n     and its product with x   2 q h p
@@ -30,7 +30,13 @@ def ssd_flops_per_token(h: int, p: int, n: int, g: int, q: int, seq_len: int,
     4. state -> output      2 h p n
   The intra-chunk terms grow with q, the state passing with c: that is the chunk
   size trade-off. The decays' own small matmuls are left out (not the model's).
+  With a window W (either form): no state passing (the band is elementwise), and
+  the one or two partly-visible chunks at the window's far edge (two unless q
+  divides W) each cost term 1 again.
   """
+  if window:
+    far = 1 if window % q == 0 else 2
+    return (1 + far) * (2 * q * g * n + 2 * q * h * p) + 4 * h * p * n
   c = -(-seq_len // q)
   passing = 2 * (c + 1) ** 2 * h * p * n / seq_len if form == "parallel" else 0.0
   return 2 * q * g * n + 2 * q * h * p + 2 * h * p * n + passing + 2 * h * p * n
@@ -49,10 +55,10 @@ def forward_flops_per_token(cfg, runtime, seq_len: int) -> float:
   """
   d, i, h = cfg.d_model, cfg.d_inner, cfg.nheads
   g, n, k = cfg.ngroups, cfg.d_state, cfg.d_conv
-  form, q = runtime.ssd_plan(cfg.chunk_size)
+  form, q = runtime.ssd_plan(cfg.chunk_size, cfg.ssd_window)
   proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
   conv = 2 * k * (i + 2 * g * n)
-  ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form)
+  ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form, cfg.ssd_window)
   return (cfg.count("M") * (proj + conv + ssd) + cfg.count("*") * attention_flops_per_token(cfg, seq_len)
           + cfg.count("-") * mlp_flops_per_token(cfg) + 2 * d * cfg.padded_vocab_size)
 

@@ -45,6 +45,20 @@ class ExportPathError(UserError, ValueError):
   """An --out that would overwrite or delete something it must not."""
 
 
+class NotExpressibleError(UserError, ValueError):
+  """A model the target format cannot hold without changing its function."""
+
+
+def refuse_window(cfg, fmt: str) -> None:
+  """transformers and mamba_ssm have no windowed SSD: the same weights there would
+  compute the exact model, a different function, so a window is refused by name."""
+  if cfg.ssd_window:
+    raise NotExpressibleError(
+        f"Cannot export a model with ssd_window={cfg.ssd_window} as {fmt}: it has no windowed "
+        f"SSD, so the exported weights would compute the exact (unwindowed) model. Serve it "
+        f"with mamba_train (generate), or finetune with ssd_window=0 before exporting")
+
+
 def check_out(out, source) -> None:
   """Refuse an output directory equal to, inside or containing `source` (what is read),
   or on a bucket."""
@@ -100,6 +114,7 @@ def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None
             overwrite: bool = False) -> Path:
   from safetensors.numpy import save_file
   cfg = model.config
+  refuse_window(cfg, "transformers")
   hybrid = cfg.pattern != "M" * cfg.n_layer
   layout = "nemotron_h" if hybrid else "hf"
   to_config = convert.ours_to_nemotron_h_config if hybrid else convert.ours_to_hf_config
@@ -117,6 +132,7 @@ def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None
 
 
 def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: bool = False) -> Path:
+  refuse_window(model.config, "mamba_ssm")
   try:
     import torch
   except ImportError as e:

@@ -13,6 +13,12 @@ axis A, the attention layers): `capacity` positions chosen when decoding starts
 not), and where the next one goes. Its size grows with the capacity; the rest
 does not. MLP layers hold nothing.
 
+A windowed model (`Mamba2Config.ssd_window` = W) is the exception among Mamba-2
+layers: each holds its last W positions' inputs (dt*x, B, dt*A) in place of the
+SSM state, O(W) per layer like a sliding-window attention layer's keys and values
+(`window_bytes_per_position`), because a position leaving the window must leave
+the output exactly and a state cannot forget it without a subtraction.
+
 Shapes: L Mamba-2 layers, A attention layers, b batch, k conv kernel,
 i d_inner, g groups, n d_state, h heads, p headdim, S capacity, kv key/value
 heads, e attention head dim.
@@ -38,6 +44,9 @@ CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "conv_x": ("layers", "batch", None, "act_inner"),  # (L, b, k-1, i)
     "conv_bc": ("layers", "batch", None, None, None),  # (L, b, k-1, 2, g*n)
     "ssm": ("layers", "batch", "act_inner", None, None),  # (L, b, h, p, n)
+    "win_x": ("layers", "batch", None, "act_inner", None),  # (L, b, W, h, p)
+    "win_B": ("layers", "batch", None, None, None),  # (L, b, W, g, n)
+    "win_a": ("layers", "batch", None, "act_inner"),  # (L, b, W, h)
     "k": ("layers", "batch", None, "act_kv_heads", None),  # (A, b, S, kv, e)
     "v": ("layers", "batch", None, "act_kv_heads", None),  # (A, b, S, kv, e)
     "kv_valid": ("layers", "batch", None),  # (A, b, S)
@@ -55,6 +64,9 @@ class Mamba2Cache:
   conv_x: Array | None  # (L, b, k-1, i) float32: the last k-1 x inputs of the conv
   conv_bc: Array | None  # (L, b, k-1, 2, g*n) float32: the same for B and C
   ssm: Array | None  # (L, b, h, p, n) float32
+  win_x: Array | None = None  # (L, b, W, h, p) float32, windowed layers: dt*x of the last W
+  win_B: Array | None = None  # (L, b, W, g, n) float32: their B
+  win_a: Array | None = None  # (L, b, W, h) float32: their log decays dt*A
   k: Array | None = None  # (A, b, S, kv, e) float32: keys, rotary applied
   v: Array | None = None  # (A, b, S, kv, e) float32
   kv_valid: Array | None = None  # (A, b, S) bool: positions holding a key
@@ -100,7 +112,8 @@ class Mamba2Cache:
   def bytes_for(cfg: Mamba2Config, batch: int, capacity: int = 0) -> int:
     """Cache size in bytes, computed from the config alone (no allocation).
     Independent of the context length for a pure Mamba-2 model; a hybrid's grows
-    by `bytes_per_position` with the capacity."""
+    by `bytes_per_position` with the capacity, a windowed model's holds W positions
+    (`window_bytes_per_position` each) whatever the context."""
     shapes = jax.eval_shape(lambda: Mamba2Cache.init(cfg, batch, capacity))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
@@ -109,6 +122,15 @@ class Mamba2Cache:
     """What one more position of capacity costs: keys and values of every
     attention layer (float32) and the valid flag."""
     return Mamba2Cache.bytes_for(cfg, batch, 1) - Mamba2Cache.bytes_for(cfg, batch, 0)
+
+  @staticmethod
+  def window_bytes_per_position(cfg: Mamba2Config, batch: int) -> int:
+    """What one position of a windowed model's window costs (0 for the exact
+    model): dt*x, B and dt*A of every Mamba-2 layer, float32."""
+    if not cfg.ssd_window:
+      return 0
+    per = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.d_state + cfg.nheads
+    return cfg.count(MAMBA) * batch * 4 * per
 
   def constrain(self) -> "Mamba2Cache":
     """Pin the cache to the active mesh by the rules table (no-op without one)."""

@@ -23,6 +23,9 @@ NOT_IN_WEIGHTS = ("chunk_size",)
 # Fields that shape only the random initialization: weights loaded from elsewhere
 # are the same weights whatever they say.
 INIT_ONLY = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
+# Architecture fields a run may set apart from the model it starts from (init_from):
+# the window changes the function, and finetuning is how an exact model learns it.
+FINETUNE_MAY_CHANGE = ("ssd_window",)
 
 # The layer kinds of `layer_pattern`, by their character.
 MAMBA, ATTENTION, MLP = "M", "*", "-"
@@ -68,6 +71,12 @@ class Mamba2Config(FrozenFields):
   # record it. Every chunk size computes the same function, so no parameter
   # depends on it; the runtime may cap it (`runtime.Runtime`).
   chunk_size: int = 256
+  # The SSD's truncated horizon: 0 (the default) is the exact model; W > 0 is the
+  # model in which each position's state holds only the last W positions' inputs
+  # (`ssd.ssd_chunked`'s `window`). It changes the function, so it is recorded with
+  # the weights and checkpoints with another window are refused; transformers and
+  # mamba_ssm cannot express it, so exports refuse it. At least chunk_size.
+  ssd_window: int = 0
   dt_min: float = 0.001
   dt_max: float = 0.1
   dt_init_floor: float = 1e-4
@@ -107,6 +116,12 @@ class Mamba2Config(FrozenFields):
       elif self.nheads % self.ngroups:
         problems.append(f"the number of heads ({self.nheads}) must be a multiple of "
                         f"ngroups ({self.ngroups})")
+    w = self.ssd_window
+    if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+      problems.append(f"ssd_window must be 0 (exact) or a number of positions, got {w!r}")
+    elif 0 < w < self.chunk_size and isinstance(self.chunk_size, int):
+      problems.append(f"ssd_window ({w}) must be at least chunk_size ({self.chunk_size}): "
+                      f"set ssd_window >= {self.chunk_size}, a smaller chunk_size, or 0 for the exact model")
     if not 0.0 <= self.dt_limit[0] < self.dt_limit[1]:
       problems.append(f"dt_limit must be (low, high) with 0 <= low < high, got {self.dt_limit}")
     if not 0.0 < self.dt_min <= self.dt_max:
@@ -157,10 +172,10 @@ class Mamba2Config(FrozenFields):
 
   def weight_differences(self, other: "Mamba2Config", *, init: bool = True) -> dict[str, tuple]:
     """{field: (self's value, other's)} for each field that differs and that the
-    weights depend on: every field but NOT_IN_WEIGHTS, and, with init=False, but
-    INIT_ONLY too. Values as `to_dict` writes them. Empty: the two configs describe
-    the same weights."""
-    skip = NOT_IN_WEIGHTS + (() if init else INIT_ONLY)
+    weights depend on: every field but NOT_IN_WEIGHTS, and, with init=False (weights
+    a run starts from), but INIT_ONLY and FINETUNE_MAY_CHANGE too. Values as
+    `to_dict` writes them. Empty: the two configs describe the same weights."""
+    skip = NOT_IN_WEIGHTS + (() if init else INIT_ONLY + FINETUNE_MAY_CHANGE)
     ours, theirs = self.to_dict(), other.to_dict()
     return {k: (ours[k], theirs[k]) for k in ours if k not in skip and ours[k] != theirs[k]}
 

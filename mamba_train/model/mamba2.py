@@ -31,7 +31,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from mamba_train.model import attention as attn_lib, lora as lora_lib, pattern as pattern_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
-from mamba_train.model.ssd import pass_states, ssd_chunked, ssd_step, state_outputs
+from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
@@ -74,6 +74,14 @@ ADAPTERS = "lora"
 KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
 STATE_KEYS = {MAMBA: ("conv_x", "conv_bc", "ssm"), ATTENTION: ("k", "v", "kv_valid", "kv_pos"),
               MLP: ()}
+# A windowed Mamba-2 layer (`Mamba2Config.ssd_window`) holds its last W positions'
+# inputs instead of an SSM state (`ssd.ssd_window_step`).
+WINDOW_KEYS = ("conv_x", "conv_bc", "win_x", "win_B", "win_a")
+
+
+def state_keys(cfg: Mamba2Config, kind: str) -> tuple[str, ...]:
+  """The keys of one layer's decoding state of `kind`."""
+  return WINDOW_KEYS if kind == MAMBA and cfg.ssd_window else STATE_KEYS[kind]
 
 
 def kind_axes(cfg: Mamba2Config, kind: str) -> dict[str, tuple[str | None, ...]]:
@@ -215,13 +223,32 @@ def _project_out(p, y, z, cfg, cd):
 
 
 def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
-  """One layer's recurrent state: conv inputs of the last k-1 positions, and the SSM state."""
+  """One layer's recurrent state: conv inputs of the last k-1 positions, and the SSM
+  state (h, p, n); with a window, the last W positions' dt*x (W, h, p), B (W, g, n)
+  and dt*A (W, h) instead (`ssd.ssd_window_step`)."""
   k, i, gn = cfg.d_conv, cfg.d_inner, cfg.ngroups * cfg.d_state
-  return {
-      "conv_x": jnp.zeros((batch, k - 1, i), F32),
-      "conv_bc": jnp.zeros((batch, k - 1, 2, gn), F32),
-      "ssm": jnp.zeros((batch, cfg.nheads, cfg.headdim, cfg.d_state), F32),
-  }
+  out = {"conv_x": jnp.zeros((batch, k - 1, i), F32), "conv_bc": jnp.zeros((batch, k - 1, 2, gn), F32)}
+  h, p, n, w = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ssd_window
+  if w:
+    out.update(win_x=jnp.zeros((batch, w, h, p), F32),
+               win_B=jnp.zeros((batch, w, cfg.ngroups, n), F32), win_a=jnp.zeros((batch, w, h), F32))
+  else:
+    out["ssm"] = jnp.zeros((batch, h, p, n), F32)
+  return out
+
+
+def window_tail(x, dt, A, B, window: int, seq_idx=None) -> dict[str, Array]:
+  """A windowed layer's decoding state after a sequence: its last `window`
+  positions' dt*x, B and dt*A, float32 (zeros in front when it is shorter, and for
+  positions of an earlier document than the last: decoding continues the last)."""
+  f32 = lambda t: t[:, -window:].astype(F32)
+  xdt, Bw, a = f32(x) * f32(dt)[..., None], f32(B), f32(dt) * A.astype(F32)
+  if seq_idx is not None:
+    last = (seq_idx == seq_idx[:, -1:])[:, -window:]
+    xdt = jnp.where(last[..., None, None], xdt, 0.0)
+  front = window - xdt.shape[1]
+  pad = lambda t: jnp.pad(t, [(0, 0), (front, 0)] + [(0, 0)] * (t.ndim - 2)) if front else t
+  return {"win_x": pad(xdt), "win_B": pad(Bw), "win_a": pad(a)}
 
 
 # (b, c, q, i) stored (c, b, i, q): the layout the SSD kernels read x in and write
@@ -250,7 +277,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   split = sharding.sequence_split()
   conv = causal_conv if split is None else functools.partial(split.conv, causal_conv)
   ssd = (ssd_chunked if split is None
-         else functools.partial(split.ssd, ssd_chunked, pass_states, state_outputs))
+         else functools.partial(split.ssd, ssd_chunked, state_outputs))
   x, conv_x = conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
   bc, conv_bc = conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
   x, bc = jax.nn.silu(x), jax.nn.silu(bc)
@@ -259,7 +286,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     dt = jnp.where(mask[..., None], dt, 0.0)
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
-  form, chunk = rt.ssd_plan(cfg.chunk_size)
+  form, chunk = rt.ssd_plan(cfg.chunk_size, cfg.ssd_window)
   x = x.astype(cd)
   fused = form in ("pallas", "interpret") and split is None
   if fused and l % chunk == 0:
@@ -267,7 +294,9 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
     x = with_layout_constraint(x.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h, hp)
   ssd_args = (x, dt, A, bc[:, :, 0].reshape(b, l, g, n), bc[:, :, 1].reshape(b, l, g, n), chunk)
-  ssd_kw = dict(D=p["D"], initial_state=state["ssm"], seq_idx=seq_idx)
+  ssd_kw = dict(D=p["D"], initial_state=state.get("ssm"), seq_idx=seq_idx)
+  if cfg.ssd_window:
+    ssd_kw["window"] = cfg.ssd_window
   if fused:
     # XLA cannot partition a Pallas call: under a mesh it runs per device's batch and heads.
     kernel = functools.partial(ssd_fused, interpret=form == "interpret")
@@ -286,6 +315,9 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     # widens y to float32 and transposes and retiles that (3 float32 copies).
     y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
   out = _project_out(p, y, z, cfg, cd)
+  if cfg.ssd_window:
+    return out, {"conv_x": conv_x, "conv_bc": conv_bc,
+                 **window_tail(x, dt, A, ssd_args[3], cfg.ssd_window, seq_idx)}
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
@@ -299,10 +331,15 @@ def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   x, bc = jax.nn.silu(x[:, 0]), jax.nn.silu(bc[:, 0])
   dt, A = _dt_and_A(p, dt_raw, cfg)
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
-  y, ssm = ssd_step(state["ssm"], x.reshape(b, h, hp), dt, A,
-                    bc[:, 0].reshape(b, g, n), bc[:, 1].reshape(b, g, n), D=p["D"])
+  args = (x.reshape(b, h, hp), dt, A, bc[:, 0].reshape(b, g, n), bc[:, 1].reshape(b, g, n))
+  if cfg.ssd_window:
+    y, (wx, wb, wa) = ssd_window_step((state["win_x"], state["win_B"], state["win_a"]), *args, D=p["D"])
+    new = {"win_x": wx, "win_B": wb, "win_a": wa}
+  else:
+    y, ssm = ssd_step(state["ssm"], *args, D=p["D"])
+    new = {"ssm": ssm}
   out = _project_out(p, y.reshape(b, h * hp), z, cfg, cd)
-  return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+  return out, {"conv_x": conv_x, "conv_bc": conv_bc, **new}
 
 
 def block(p, h, cfg, rt, **kw):
@@ -446,7 +483,7 @@ class Mamba2LM(nnx.Module):
 
   def _by_kind(self, states) -> dict[str, Any]:
     """A flat states dict -> {kind: its states} (kinds without state: None)."""
-    return {k: ({n: states[n] for n in STATE_KEYS[k]} if STATE_KEYS[k] else None)
+    return {k: ({n: states[n] for n in state_keys(self.config, k)} if STATE_KEYS[k] else None)
             for k in self._kinds()}
 
   @staticmethod
@@ -493,6 +530,9 @@ class Mamba2LM(nnx.Module):
     if states is not None and cfg.count(ATTENTION):
       raise ValueError("backbone cannot continue attention layers from earlier states; "
                        "run the whole prefix, or decode with `step`")
+    if states is not None and cfg.ssd_window:
+      raise ValueError(f"backbone cannot continue a windowed model (ssd_window={cfg.ssd_window}) "
+                       "from earlier states: run the whole prefix, or decode with `step`")
     init = {}
     if cfg.count(MAMBA):
       init[MAMBA] = (states if states is not None else
@@ -547,7 +587,7 @@ class Mamba2LM(nnx.Module):
     by_kind = {}
     for k in self._kinds():
       mine = [st for kind, st in zip(self.config.pattern, per_layer) if kind == k]
-      if STATE_KEYS[k]:
+      if state_keys(self.config, k):
         by_kind[k] = jax.tree.map(lambda *a: jnp.stack(a), *mine)
     return self._flat(by_kind)
 

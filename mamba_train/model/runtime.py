@@ -139,12 +139,16 @@ class Runtime(FrozenFields):
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))
 
-  def ssd_plan(self, chunk_size: int) -> tuple[str, int]:
+  def ssd_plan(self, chunk_size: int, window: int = 0) -> tuple[str, int]:
     """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is
     `ssd_form` when XLA runs it, else `ssd_impl` ('pallas' or 'interpret', whose
-    kernels run at most parallel_chunk_size)."""
+    kernels run at most parallel_chunk_size). A windowed model (`window` > 0)
+    runs XLA whatever `ssd_impl` says: the fused kernels have no window yet, so
+    it takes XLA's 'parallel' form in their place."""
     if "auto" in (self.ssd_form, self.ssd_impl):
       raise ValueError("ssd_form / ssd_impl 'auto' is not resolved: call Runtime.resolve(backend) first")
+    if window and self.ssd_impl != "xla":
+      return "parallel", min(chunk_size, self.parallel_chunk_size)
     if self.ssd_impl != "xla":
       return self.ssd_impl, min(chunk_size, self.parallel_chunk_size)
     cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size

@@ -13,7 +13,10 @@ The recurrence, per head:
 within a chunk the recurrence is a masked matrix product (the diagonal blocks),
 between chunks only the (h, p, n) state passes (the low-rank off-diagonal blocks).
 `ssd_sequential` is the plain recurrence the tests hold it against; `ssd_step`
-is one step of it, for decoding.
+is one step of it, for decoding. With a `window` W (the truncated horizon) each
+output reads only the last W positions: `_windowed` keeps the diagonal blocks,
+passes states only over the band of whole chunks inside the window, and masks
+the far edge's one or two partly-visible chunks; `ssd_window_step` decodes it.
 
 Numerical rules kept throughout:
   * every decay (dt * A, its cumulative sums and their exponentials) is float32
@@ -246,9 +249,127 @@ def state_outputs(C, state, dt, A, *, keep_in=None):
   y = _state_out(Cg, state.astype(f32).reshape(b, g, h // g, p, n), cs, keep_in)  # (b, g, r, t, p)
   return y.transpose(0, 3, 1, 2, 4).reshape(b, l, h, p)
 
+# ----------------------------------------------------------------------------
+# The truncated horizon (`window`): y_t sums only sources s in (t - W, t].
+# With W = m q + w0 (0 <= w0 < q), a source chunk d chunks before the output
+# chunk is wholly visible for 1 <= d <= m - 1 (the band, passed as states), partly
+# visible for d = m and d = m + 1 (position t - s < W, i.e. i - j < W - d q; the
+# d = m + 1 block is empty when w0 = 0), and invisible beyond.
+
+
+def _shift(t, d: int):
+  """t (c, ...) moved d chunks later: out[c] = t[c - d], zeros for c < d."""
+  if d == 0:
+    return t
+  if d >= t.shape[0]:
+    return jnp.zeros_like(t)
+  return jnp.concatenate([jnp.zeros_like(t[:d]), t[:-d]], axis=0)
+
+
+def _band_states(states, totals, carry, k: int):
+  """The state each chunk receives from the k chunks before it alone (the band):
+  H_c = sum_{d=1..k} T_{c-d+1} ... T_{c-1} S_{c-d}, with T_j = exp(totals_j) where
+  carry_j (the state entering chunk j reaches its end) and 0 where a document starts.
+
+  states (c, b, g, r, p, n) float32, each chunk's end state from its own inputs;
+  totals (c, b, g, r) float32 log decay across each chunk; carry (c, b) bool or None.
+  By doubling, log2(k) rounds over the (c, ...) states: G(a + b)_c = G(a)_c +
+  P(a)_c G(b)_{c-a}, P(a)_c = T_{c-a} ... T_{c-1}, with P kept as a sum of logs
+  (terms of one sign) and a flag, so no state is ever subtracted.
+  """
+  alive = (jnp.ones(totals.shape[:2], bool) if carry is None else carry)
+  alive = alive.reshape(alive.shape + (1,) * (totals.ndim - 2))
+  acc = acc_log = acc_ok = None
+  acc_k = 0
+  pow_g, pow_log, pow_ok = _shift(states, 1), _shift(totals, 1), _shift(alive, 1)
+  size = 1
+  while size <= k:
+    if k & size:
+      if acc is None:
+        acc, acc_log, acc_ok = pow_g, pow_log, pow_ok
+      else:
+        acc = acc + jnp.where(acc_ok, jnp.exp(acc_log), 0.0)[..., None, None] * _shift(pow_g, acc_k)
+        acc_log, acc_ok = acc_log + _shift(pow_log, acc_k), acc_ok & _shift(pow_ok, acc_k)
+      acc_k += size
+    if 2 * size <= k:
+      pow_g = pow_g + jnp.where(pow_ok, jnp.exp(pow_log), 0.0)[..., None, None] * _shift(pow_g, size)
+      pow_log, pow_ok = pow_log + _shift(pow_log, size), pow_ok & _shift(pow_ok, size)
+    size *= 2
+  return jnp.zeros_like(states) if acc is None else acc
+
+
+def _far_block(Cc, cs, sq, Bz, xdtz, restz, sqz, between, limit: int, first: int, cdt):
+  """Outputs from the source chunk d chunks back where it is partly visible: the
+  diagonal block's shape, masked to t - s < W (i - j < limit = W - d q).
+
+  Cc (c, b, g, t, n), cs (c, b, g, r, t) the output chunk's inclusive prefix log
+  decays; Bz, xdtz (dt x, float32), restz (the log decay after s to its chunk's
+  end), sqz: the source chunk's, moved d chunks later (`_shift`); between (c, b,
+  g, r): the log decay across the d - 1 whole chunks between; first = d: chunks
+  c < d have no source. sq, sqz: document ids (c, b, s) or None. The log decay
+  from s to t is the sum of three non-positive parts, never a difference."""
+  f32 = _acc_dtype(xdtz)
+  q = cs.shape[-1]
+  i, j = jnp.arange(q)[:, None], jnp.arange(q)[None, :]
+  keep = (i - j < limit)[None, None] & (jnp.arange(cs.shape[0]) >= first)[:, None, None, None]
+  if sq is not None:
+    keep = keep & (sq[..., :, None] == sqz[..., None, :])
+  keep = keep[:, :, None, None]  # (c, b, 1, 1, t, s)
+  logd = cs[..., :, None] + between[..., None, None] + restz[..., None, :]
+  cb = jnp.einsum("...gtn,...gsn->...gts", Cc, Bz, preferred_element_type=f32)
+  m = (cb[..., None, :, :] * jnp.where(keep, jnp.exp(logd), 0.0)).astype(cdt)
+  return jnp.einsum("...grts,...grsp->...grtp", m, xdtz.astype(cdt), preferred_element_type=f32)
+
+
+def _windowed(xc, dtc, ac, Bc, Cc, window: int, same=None, sq=None, keep_in=None, carry=None):
+  """The chunked SSD with a window (chunk-major layout, see `to_chunks`): the
+  diagonal blocks, the band of whole chunks as passed states, the one or two
+  partly-visible chunks at the window's far edge as masked blocks. Returns y
+  (c, b, g, r, t, p) float32 (without D)."""
+  nc, q = xc.shape[0], xc.shape[-2]
+  m = window // q
+  f32 = _acc_dtype(xc)
+  y, states, cs = jax.checkpoint(functools.partial(_chunk_terms, two_level=False))(
+      xc, dtc, ac, Bc, Cc, same)
+  totals = cs[..., -1]
+  band = _band_states(states, totals, carry, min(m - 1, nc - 1))
+  y = y + _state_out(Cc, band, cs, keep_in)
+  xdt = xc.astype(f32) * dtc[..., None]
+  # Log decay after s to the chunk end: an exclusive running sum from the end.
+  rest = jnp.concatenate([jnp.cumsum(ac[..., :0:-1], axis=-1)[..., ::-1],
+                          jnp.zeros_like(ac[..., :1])], axis=-1)
+  far = jax.checkpoint(_far_block, static_argnums=(8, 9, 10))
+  for d in (m, m + 1):
+    limit = window - d * q
+    if d >= nc or limit <= -q:
+      continue  # no source chunk, or none of its positions visible
+    between = sum((_shift(totals, k) for k in range(1, d)), jnp.zeros_like(totals))
+    y = y + far(Cc, cs, sq, _shift(Bc, d), _shift(xdt, d), _shift(rest, d),
+                None if sq is None else _shift(sq, d), between, limit, d, xc.dtype)
+  return y
+
+
+def window_state(x, dt, A, B, window: int, seq_idx=None):
+  """The windowed state after the last position: sum over its last `window`
+  positions s (of its document) of exp(sum_{s<r<=l} dt_r A) dt_s x_s B_s^T.
+  x (b, l, h, p), dt (b, l, h), A (h,), B (b, l, g, n) -> (b, h, p, n) float32."""
+  b, l, h, p = x.shape
+  g, n = B.shape[-2:]
+  w = min(window, l)
+  f32 = _acc_dtype(x)
+  a = dt[:, -w:].astype(f32) * A.astype(f32)  # (b, w, h)
+  after = jnp.concatenate([jnp.cumsum(a[:, :0:-1], axis=1)[:, ::-1], jnp.zeros_like(a[:, :1])], axis=1)
+  wt = jnp.exp(after) * dt[:, -w:].astype(f32)
+  if seq_idx is not None:
+    wt = jnp.where((seq_idx[:, -w:] == seq_idx[:, -1:])[..., None], wt, 0.0)
+  xw = (x[:, -w:].astype(f32) * wt[..., None]).reshape(b, w, g, h // g, p)
+  s = jnp.einsum("bsgrp,bsgn->bgrpn", xw, B[:, -w:].astype(f32), precision=_HIGHEST)
+  return s.reshape(b, h, p, n)
+
+
 
 def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,
-                form: str = "parallel"):
+                form: str = "parallel", window: int = 0):
   """Chunked SSD scan.
 
   Args:
@@ -269,10 +390,19 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
       (t, s) intermediates stay in cache: faster on CPU, where memory traffic
       dominates. Both recompute the (t, s) terms in the backward pass (remat)
       instead of storing them. The caller picks (`runtime.default_form`).
+    window: 0 (exact) or W >= chunk_size: y_t sums only the sources s in
+      (t - W, t], exact to the position. A document start cuts the window as it
+      cuts the state. One form for both `form`s: the band of whole chunks is
+      passed as states by doubling (`_band_states`) and the far edge's one or two
+      partly-visible chunks are masked blocks; a scan would carry one state and
+      could drop a chunk leaving the window only by subtracting it. No
+      `initial_state`: a windowed state is its last W inputs, not an (h, p, n)
+      summary of an unknown past.
 
   Returns:
     y: (b, l, h, p) in x's dtype, and the final state (b, h, p, n) in float32
-    (the state after the last position, i.e. of the last document).
+    (the state after the last position, i.e. of the last document; with a
+    window, the windowed one: `window_state`).
   """
   b, l, h, p = x.shape
   g, n = B.shape[-2:]
@@ -281,6 +411,11 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
   if form not in ("parallel", "scan"):
     raise ValueError(f"form must be 'parallel' or 'scan', got {form!r}")
   q = chunk_size
+  if window and window < q:
+    raise ValueError(f"window ({window}) must be at least the chunk ({q}), or 0 for the exact SSD")
+  if window and initial_state is not None:
+    raise ValueError("a windowed SSD takes no initial_state: its state is the last `window` "
+                     "positions' inputs; run those positions too (or window=0)")
   cdt = x.dtype
   f32 = _acc_dtype(x)
 
@@ -297,7 +432,13 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, 
     keep_in = sq == doc_in[..., None]  # (c, b, t)
     carry = sq[:, :, -1] == doc_in  # (c, b): the entering state reaches the chunk end
 
-  if form == "scan":
+  if window:
+    y = _windowed(xc, dtc, ac, Bc, Cc, window, same, None if seq_idx is None else sq, keep_in, carry)
+    if Dr is not None:
+      y = y + xc.astype(f32) * Dr
+    y = y.astype(cdt)
+    final = window_state(x, dt, A, B, window, seq_idx)
+  elif form == "scan":
     def body(state, chunk):
       xk, dtk, ak, Bk, Ck, same_k, keep_k, carry_k = chunk
       y, new, cs = _chunk_terms(xk, dtk, ak, Bk, Ck, same_k)
@@ -350,6 +491,35 @@ def ssd_step(state, x, dt, A, B, C, *, D=None):
   if D is not None:
     y = y + xf * D.astype(f32)[:, None]
   return y.astype(x.dtype), state
+
+
+def ssd_window_step(window, x, dt, A, B, C, *, D=None):
+  """One step of the windowed SSD, for decoding: the output from the last W
+  positions' inputs, summed directly (as attention reads its keys), so nothing
+  leaving the window is ever subtracted from a state.
+
+  window: (xdt (b, W, h, p), B (b, W, g, n), a (b, W, h)) float32, the W positions
+  before this one, oldest first: dt*x, B and the log decay dt*A (zeros where no
+  position is). x: (b, h, p); dt: (b, h); A: (h,); B, C: (b, g, n).
+  Returns y (b, h, p) in x's dtype and the window moved on by this position.
+  Costs O(W (h p + g n)) per step, not O(h p n): the state is never formed.
+  """
+  wx, wb, wa = window
+  b, h, p = x.shape
+  g = B.shape[1]
+  f32 = _acc_dtype(x)
+  dt = dt.astype(f32)
+  wx = jnp.concatenate([wx[:, 1:], (dt[..., None] * x.astype(f32))[:, None]], axis=1)
+  wb = jnp.concatenate([wb[:, 1:], B.astype(f32)[:, None]], axis=1)
+  wa = jnp.concatenate([wa[:, 1:], (dt * A.astype(f32))[:, None]], axis=1)
+  # Log decay from each s to now: an exclusive running sum from the newest.
+  after = jnp.concatenate([jnp.cumsum(wa[:, :0:-1], axis=1)[:, ::-1], jnp.zeros_like(wa[:, :1])], axis=1)
+  cb = jnp.einsum("bgn,bsgn->bsg", C.astype(f32), wb, precision=_HIGHEST)
+  w = jnp.repeat(cb, h // g, axis=2) * jnp.exp(after)  # (b, W, h)
+  y = jnp.einsum("bsh,bshp->bhp", w, wx, precision=_HIGHEST)
+  if D is not None:
+    y = y + x.astype(f32) * D.astype(f32)[:, None]
+  return y.astype(x.dtype), (wx, wb, wa)
 
 
 def ssd_sequential(x, dt, A, B, C, *, D=None, initial_state=None, seq_idx=None):

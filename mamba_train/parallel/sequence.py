@@ -2,18 +2,20 @@
 
 The SSD map is affine in its incoming state, so each device runs the chunked
 scan on its slice of the length from a zero state and the devices exchange only
-a summary of their slice: the final state from that zero start (b, h, p, n) and
-the log decay across the whole slice (b, h). Every device gathers the summaries
-(one all-gather over the axis; they are small next to the activations) and
-combines those before it into its true incoming state with the same state
-passing that joins chunks (`ssd.pass_states`), then adds what that state gives
-its outputs (`ssd.state_outputs`, the state-to-output step between chunks). A
-document that starts on device k cuts every state from the devices before it,
-by the same rule as between chunks (a state reaches a later slot only while the
-document is the same). The convolution reads the previous device's last
-d_conv - 1 inputs (a halo, by one ppermute). Gradients flow through the
-all-gather and the ppermute (their transposes are a reduce-scatter and the
-reverse ppermute).
+a summary of their slice: the final state from that zero start (b, h, p, n), the
+log decay across the whole slice (b, h), and whether a document starts in it.
+Summaries compose like affine maps, so the state entering each slice is a prefix
+composition over the devices, done as a tree in ceil(log2(devices)) ppermute
+rounds (`_scan_over_devices`) in float32: each device sends log2 summaries
+rather than gathering and folding every earlier one. It then adds what that state
+gives its outputs (`ssd.state_outputs`, the state-to-output step between chunks).
+A document that starts on device k cuts every state from the devices before it,
+by the same rule as between chunks. With a window (`ssd_window`) no state
+crosses: each device takes the inputs of the `window` positions before its slice
+from its left neighbour (a ppermute) and recomputes their reach (`_windowed`).
+The convolution reads the previous device's last d_conv - 1 inputs (a halo, by
+one ppermute). Gradients flow through the ppermutes (their transposes are the
+reverse ppermutes).
 
 The functions here are pure: they take the SSD math and the convolution as
 functions (so a fused kernel drops in), the mesh and the axis name, and import
@@ -81,44 +83,123 @@ class SequenceSplit:
                         out_specs=(P(None, ax), P(ax)))(x, w, bias, front, seq_idx)
     return y, last[-1]
 
-  def ssd(self, scan: Callable, pass_states: Callable, state_outputs: Callable, x, dt, A, B, C,
-          *args, D=None, initial_state=None, seq_idx=None, **kw):
+  def ssd(self, scan: Callable, state_outputs: Callable, x, dt, A, B, C, *args, D=None,
+          initial_state=None, seq_idx=None, window: int = 0, **kw):
     """`scan(x, dt, A, B, C, *args, D=..., initial_state=..., seq_idx=..., **kw)`
     (`ssd.ssd_chunked`, or a kernel with its arguments) on a sequence split over
-    the axis, with the same arguments and results. `pass_states` and
-    `state_outputs` are the SSD's (`ssd.pass_states`, `ssd.state_outputs`): the
-    summaries are combined and the outputs corrected by the same math as between
-    chunks (see the module doc)."""
+    the axis, with the same arguments and results. `state_outputs` is the SSD's
+    (`ssd.state_outputs`): what the entering state adds, by the same math as
+    between chunks. With a `window`, the slices exchange the inputs the window
+    reaches back to instead (`_windowed`)."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     self._check_length(l)
-    ax = self.axis
-    if initial_state is None:
-      initial_state = jnp.zeros((b, h, p, n), jnp.float32)
+    ax, size = self.axis, self.size
     if seq_idx is None:
       seq_idx = jnp.zeros((b, l), jnp.int32)
     if D is None:
       D = jnp.zeros((h,), jnp.float32)
+    if window:
+      if initial_state is not None:
+        raise ValueError("a windowed SSD takes no initial_state: its state is the last `window` "
+                         "positions' inputs; run those positions too (or window=0)")
+      return self._windowed(scan, x, dt, A, B, C, *args, D=D, seq_idx=seq_idx, window=window, **kw)
+    if initial_state is None:
+      initial_state = jnp.zeros((b, h, p, n), jnp.float32)
 
     def local(x, dt, B, C, ids, A, D, init):
       # From a zero state, typed as varying over the axis like the slice it scans.
       zero = jax.lax.pcast(jnp.zeros_like(init), (ax,), to="varying")
       y, own = scan(x, dt, A, B, C, *args, D=D, initial_state=zero, seq_idx=ids, **kw)
       total = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)  # (b, h)
-      gather = lambda t: jax.lax.all_gather(t, ax)  # (devices, ...)
-      first_ids, last_ids = gather(ids[:, 0]), gather(ids[:, -1])
-      doc_end = jnp.concatenate([first_ids[:1], last_ids], axis=0)  # (devices + 1, b)
-      entering, final = pass_states(init, gather(own), gather(total), doc_end)
       i = jax.lax.axis_index(ax)
-      keep_in = ids == doc_end[i][:, None]
+      first = i == 0
+      # The document entering this slice: the previous slice's last, or (device 0)
+      # the first position's, to which the initial state belongs.
+      doc_in = jnp.where(first, ids[:, 0], _shift(ids[:, -1], ax, size, 1))
+      summary = (total, own, ids[:, -1] == doc_in)
+      # Element i of the scan: the previous slice's summary; device 0's, the initial state.
+      prev = _shift(summary, ax, size, 1)
+      start = (jnp.zeros_like(total), init.astype(jnp.float32), jnp.ones_like(doc_in, bool))
+      elem = jax.tree.map(lambda s, p: jnp.where(_bcast(first, p), s, p), start, prev)
+      entering = _scan_over_devices(elem, ax, size, i)
+      final = _compose(entering, summary)[1]
+      keep_in = ids == doc_in[:, None]
       # In bfloat16 compute, y was rounded once before this float32 sum (on one
       # device the entering state's term joins before rounding): one more rounding.
-      y = y.astype(jnp.float32) + state_outputs(C, entering[i], dt, A, keep_in=keep_in)
+      y = y.astype(jnp.float32) + state_outputs(C, entering[1], dt, A, keep_in=keep_in)
       return y.astype(x.dtype), final[None]
 
     seq = P(None, ax)
-    # Every device computes the same final state; the type system cannot see that
-    # through all_gather, so each returns its copy and the last one is taken.
+    # The last device's final state is the sequence's.
     y, final = self._map(local, in_specs=(seq, seq, seq, seq, seq, P(), P(), P()),
                          out_specs=(seq, P(ax)))(x, dt, B, C, seq_idx, A, D, initial_state)
     return y, final[-1]
+
+  def _windowed(self, scan, x, dt, A, B, C, *args, D, seq_idx, window, **kw):
+    """The windowed SSD on a split sequence: each device prepends the `window`
+    positions before its slice (from its left neighbour when the slice is at least
+    `window` long, else from as many neighbours as the window reaches, one
+    ppermute each) with C = 0, runs the windowed scan, and drops their outputs.
+    Nothing else crosses devices: no state, no gather. Device 0's prefix is
+    zeros (dt = 0 and x = 0 add nothing)."""
+    b, l, h, p = x.shape
+    ax, size = self.axis, self.size
+    piece = l // size
+    reach = -(-window // piece)  # slices the window reaches back into
+
+    def local(x, dt, B, C, ids, A, D):
+      i = jax.lax.axis_index(ax)
+      parts = []
+      for j in range(reach, 0, -1):  # oldest first; the farthest needs only its tail
+        need = window - (reach - 1) * piece if j == reach else piece
+        got = _shift((x[:, -need:], dt[:, -need:], B[:, -need:], ids[:, -need:]), ax, size, j)
+        # Before device 0 there is nothing; its ids stay the slice's first, in order.
+        got = got[:3] + (jnp.where(i >= j, got[3], ids[:, :1]),)
+        parts.append(got)
+      cat = lambda k, own: jnp.concatenate([pt[k] for pt in parts] + [own], axis=1)
+      Cz = jnp.zeros((b, window) + C.shape[2:], C.dtype)
+      y, final = scan(cat(0, x), cat(1, dt), A, cat(2, B), jnp.concatenate([Cz, C], axis=1), *args,
+                      D=D, seq_idx=cat(3, ids), window=window, **kw)
+      return y[:, window:], final[None]
+
+    seq = P(None, ax)
+    y, final = self._map(local, in_specs=(seq, seq, seq, seq, seq, P(), P()),
+                         out_specs=(seq, P(ax)))(x, dt, B, C, seq_idx, A, D)
+    return y, final[-1]
+
+
+def _shift(tree, ax: str, size: int, by: int):
+  """Every leaf moved `by` devices right along `ax` (device i gets device i - by's;
+  the first `by` devices get zeros): one ppermute per leaf."""
+  perm = [(k, k + by) for k in range(size - by)]
+  return jax.tree.map(lambda t: jax.lax.ppermute(t, ax, perm), tree)
+
+
+def _bcast(flag, like):
+  return flag.reshape(flag.shape + (1,) * (like.ndim - flag.ndim)) if hasattr(flag, "ndim") else flag
+
+
+def _compose(first, second):
+  """Two consecutive segments' summaries (log decay (b, h), state (b, h, p, n),
+  carries (b,): the state entering reaches the segment's end) as one: the SSD's
+  map of a segment is affine in its entering state, and affine maps compose.
+  float32; the decays add in log space."""
+  (l1, s1, k1), (l2, s2, k2) = first, second
+  w = jnp.where(_bcast(k2, l2), jnp.exp(l2), 0.0)
+  return l1 + l2, s2 + w[..., None, None] * s1, k1 & k2
+
+
+def _scan_over_devices(elem, ax: str, size: int, i):
+  """The inclusive prefix composition of `elem` over the devices of `ax` in
+  ceil(log2(size)) ppermute rounds (Hillis-Steele): after round r each device holds
+  the composition of the 2^(r+1) elements ending at its own. Each round sends one
+  summary per device, so a device sends log2(size) states, not the size - 1 of an
+  all-gather, and folds log2(size) of them."""
+  step = 1
+  while step < size:
+    got = _shift(elem, ax, size, step)
+    both = _compose(got, elem)
+    elem = jax.tree.map(lambda c, e: jnp.where(_bcast(i >= step, e), c, e), both, elem)
+    step *= 2
+  return elem
