@@ -137,7 +137,7 @@ def _lora_base(saved: dict, cfg: Mamba2Config):
   """The base parameters a LoRA run started from: its init_from, or its seed's random init
   (drawn as train/state.py draws it)."""
   if saved.get("init_from"):
-    return load_model(saved["init_from"]).params()
+    return load_model(saved["init_from"]).merged().params()  # a LoRA run's base: its merged weights
   init_key, _ = jax.random.split(jax.random.PRNGKey(saved["seed"]))
   return Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
 
