@@ -550,8 +550,10 @@ class Mamba2LM(nnx.Module):
     length; an attention layer's grows with its buffer's capacity. layers: the
     stacked layer parameters per kind to use instead of the model's
     (`decode_layers(unrolled=False)`)."""
+    if self.lora is not None:
+      raise ValueError("decode a model with adapters through `merged()` (generate does)")
     if layers is None:
-      layers = {k: self._compute_params(k) if self.lora else self.layer_params(k) for k in self._kinds()}
+      layers = {k: self.layer_params(k) for k in self._kinds()}
     h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
                              layers, self._by_kind(states), self.embed(input_ids))
     return h, self._flat(new)
