@@ -27,7 +27,7 @@ from mamba_train.model.mamba2 import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
-from mamba_train.train.state import trainable, with_shardings
+from mamba_train.train.state import trainable, with_frozen, with_shardings
 from mamba_train.workdir import checkpoint, record, storage
 from mamba_train.workdir.lock import lock_workdir
 
@@ -102,7 +102,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
   restored_step, restored = ckpt.restore(target, train_loader)
   if restored_step is not None:
-    state = restored.replace(frozen=state.frozen)
+    state = with_frozen(restored, state.frozen)
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))  # disk space
@@ -249,7 +249,7 @@ class RollBack:
                               "skipped_batches": [back + 1, spike.step]})
     self.spikes.reset()
     self.bar.n = back
-    return restored.replace(frozen=frozen), back
+    return with_frozen(restored, frozen), back
 
 
 # ----------------------------------------------------------------------------

@@ -40,9 +40,25 @@ class TrainState:
   frozen: Any = None  # with LoRA: the base params (Mamba2LM.params(), maybe quantized)
 
 
-def trainable(state: TrainState) -> TrainState:
+@flax.struct.dataclass
+class SavedState:
+  """What a checkpoint holds: a TrainState but its `frozen` part, in the layout checkpoints
+  have always had (so that those saved before `frozen` existed restore)."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+def trainable(state: TrainState) -> SavedState:
   """The part of a state a checkpoint holds: all of it but the frozen base."""
-  return state.replace(frozen=None)
+  return SavedState(step=state.step, params=state.params, opt_state=state.opt_state, rng=state.rng)
+
+
+def with_frozen(saved: SavedState, frozen) -> TrainState:
+  """A restored `SavedState` made whole again with the run's frozen part."""
+  return TrainState(step=saved.step, params=saved.params, opt_state=saved.opt_state, rng=saved.rng,
+                    frozen=frozen)
 
 
 def _abstract_model(cfg: Mamba2Config) -> Mamba2LM:
