@@ -100,6 +100,9 @@ def test_bad_lora_settings_are_refused_before_any_work():
   c.lora.update(dropout=0.0, base_dtype="int3")
   with pytest.raises(run_config.ConfigError, match="lora.base_dtype must be one of"):
     run_config.validate(c, num_devices=1)
+  c.lora.update(rank=0, base_dtype="int8")
+  with pytest.raises(run_config.ConfigError, match=r"\(QLoRA\) needs adapters: set lora.rank > 0"):
+    run_config.validate(c, num_devices=1)
 
 
 def _plan(**lora_cfg):

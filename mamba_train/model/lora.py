@@ -117,6 +117,8 @@ def make_spec(rank: int, alpha: float, dropout: float, targets: str, base_dtype:
   if not isinstance(rank, int) or rank < 0:
     raise LoraError(f"lora.rank must be an integer >= 0 (0 = off), got {rank!r}")
   if rank == 0:
+    if base_dtype:  # quantizing a base that nothing adapts would train the quantized model itself
+      raise LoraError(f"lora.base_dtype={base_dtype!r} (QLoRA) needs adapters: set lora.rank > 0")
     return None
   if not (isinstance(alpha, (int, float)) and alpha > 0):
     raise LoraError(f"lora.alpha must be > 0, got {alpha!r}")
