@@ -58,12 +58,10 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   # ===== config =====
   config, model_cfg = plan.config, plan.model
   is_main = jax.process_index() == 0
-  # A workdir that holds checkpoints of another model is refused before anything is written.
+  # A workdir that holds checkpoints of another model is refused before anything is written
+  # (a LoRA run's base is checked once it is loaded, below, before config.json is written).
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
   check_resumable(ckpt, plan, force=force_resume)
-  if is_main:
-    storage.makedirs(workdir)
-    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
 
   # ===== mesh =====
   mesh = make_mesh(config.mesh, shape=plan.mesh_shape)
@@ -76,9 +74,6 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
-  built = steps.build(plan, mesh, params=params)
-  state = built.state
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
   run_record = plan.config_dict()
   if plan.lora is not None:
     # The adapters are saved alone, so the record names the base they adapt.
@@ -86,7 +81,14 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
     # under other compiler flags); loaded weights by their values.
     run_record["lora_base"] = {"init_from": config.init_from, "seed": config.seed,
                                "fingerprint": lora_lib.fingerprint(params) if params else "random init"}
-    check_base(ckpt, run_record["lora_base"], force=force_resume)
+    check_base(ckpt, run_record["lora_base"], force=force_resume)  # before building the state
+  if is_main:
+    storage.makedirs(workdir)
+    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
+  built = steps.build(plan, mesh, params=params)
+  state = built.state
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  if plan.lora is not None:
     logging.info("LoRA: %.3fM adapter parameters train; the %.2fM of the base are frozen%s", n_params / 1e6,
                  sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
                  f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
