@@ -130,9 +130,10 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
     speed = throughput.read(tokens_per_step)
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
-           "param_norm": m["param_norm"], "lr": m["lr"], **speed,
+           "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
-           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
+           "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
+           **metrics_lib.memory_stats(jax.devices()[0]),
            **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
@@ -208,12 +209,14 @@ def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, 
   with the data iterator and the run config, then syncs the record."""
 
   def save(step, state, metrics, force=False):
-    # Never from a state inside a non-finite streak: its last update was skipped, and the
-    # streak may end the run; the previous save is the one to resume from.
+    # Never from a state inside a streak of skipped steps (a non-finite loss or gradient, a
+    # weight jump): its last update was skipped, the weights may be the blown-up ones, and
+    # the streak may end the run; the previous save is the one to resume from.
     if metrics is not None:
       m = jax.device_get({k: metrics[k] for k in ("loss", "nonfinite_streak")})
       if int(m["nonfinite_streak"]) > 0 or not math.isfinite(float(m["loss"])):
-        logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
+        logging.warning("not saving step %d: its update was skipped (a non-finite loss or gradient, "
+                        "or a weight jump; streak %d)",
                         step, int(m["nonfinite_streak"]))
         return
     ckpt.save(step, trainable(state), train_loader, run_config, force=force)
