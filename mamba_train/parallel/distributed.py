@@ -17,13 +17,16 @@ handler run. The runtime's hook for that (`missed_heartbeat_callback`) cannot be
 jaxlib 0.10.2: calling it fails to convert its absl::Status argument (std::bad_cast, then
 std::terminate). So, where this JAX allows it (`PeerWatch.supported`):
 
-  * the service runs recoverable (a dead task is recorded, not broadcast as fatal), and
-    in a small process of its own beside process 0 (`_ServiceProcess`), so that process
-    0's death does not take the service, and every survivor with it, down at once;
+  * the service runs in a small process of its own beside process 0 (`_ServiceProcess`),
+    so that process 0's death does not take the service, and every survivor with it,
+    down at once;
   * every process writes a heartbeat of its own into the service's key-value store and
     watches its peers' (`PeerWatch`); a peer silent for `heartbeat_timeout` seconds, or
     the service unreachable as long, calls `on_peer_lost` (train.py: one line naming
-    the last complete checkpoint, exit 1).
+    the last complete checkpoint, exit 1). JAX's own heartbeat timeout is set to twice
+    that, plus `_GRACE_S`, so that ours always notices first. (JAX's "recoverable" service,
+    which would not broadcast a death at all, also drops the shutdown barrier a normal
+    end needs, so it is not used.)
 
 A collective whose peer is gone usually fails first (gloo on CPU: "Connection closed by
 peer"), which the entry point reports in the same one line. A process whose peers never
@@ -145,8 +148,10 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
            "processes, after which a missing one ends the job. %s", rank, where, init_timeout,
            kwargs.get("num_processes") or "the cluster's", hint)
   watched = PeerWatch.supported()
+  if watched:  # the peer watch reports a silent peer first; JAX's abort is the backstop
+    kwargs["heartbeat_timeout_seconds"] = 2 * int(heartbeat_timeout) + _GRACE_S
   try:
-    with _service_in_own_process(heartbeat_timeout) if watched else contextlib.nullcontext():
+    with _service_in_own_process() if watched else contextlib.nullcontext():
       jax.distributed.initialize(**kwargs)
   except Exception as e:  # noqa: BLE001 - JAX raises plain errors for bad arguments
     raise DistributedInitError(
@@ -174,36 +179,41 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
 # The coordination service, run by _ServiceProcess: it ignores SIGTERM and SIGINT (a
 # preempted job's processes must still reach it to save), stops when told ("stop" on
 # stdin, at the job's end), and when its parent dies lives on long enough for the
-# survivors' watch to find the parent silent and stop with their line.
+# survivors' watch to find the parent silent and stop with their line (JAX's own detection
+# in the service comes later: its heartbeat timeout is twice ours).
 _SERVICE = """
 import os, signal, sys, time
 from jax._src.lib import _jax
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-address, n, heartbeat, shutdown = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+address = sys.argv[1]
+n, heartbeat, shutdown, linger = map(int, sys.argv[2:6])
 service = _jax.get_distributed_runtime_service(address, n, heartbeat_timeout=heartbeat,
-                                               shutdown_timeout=shutdown, recoverable=True)
+                                               shutdown_timeout=shutdown)
 print("ready", flush=True)
-told = sys.stdin.readline().strip() == "stop"
-if not told:
-  time.sleep(2 * heartbeat + 10)
+if sys.stdin.readline().strip() != "stop":
+  time.sleep(linger)
 os._exit(0)
 """
+_GRACE_S = 10  # beyond heartbeat_timeout: the survivors' watch reports within it
 
 
 class _ServiceProcess:
-  """What JAX keeps as its service object, for the service run in a child process."""
+  """What JAX keeps as its service object (it calls `shutdown()`), for the service run in
+  a child process."""
 
-  def __init__(self, address: str, num_nodes: int, heartbeat_timeout=None, cluster_register_timeout=None,
-               shutdown_timeout=None, recoverable=None):
-    del cluster_register_timeout, recoverable  # always recoverable: the point of it
+  def __init__(self, address: str, num_nodes: int, heartbeat_timeout=None, shutdown_timeout=None):
     heartbeat = int(heartbeat_timeout or 100)
+    linger = heartbeat // 2 + _GRACE_S  # past the watch's timeout (JAX's is twice it, plus _GRACE_S)
     self.proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVICE, address, str(num_nodes), str(heartbeat), str(int(shutdown_timeout or 300))],
+        [sys.executable, "-c", _SERVICE, address, str(num_nodes), str(heartbeat),
+         str(int(shutdown_timeout or 300)), str(linger)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    ready = self.proc.stdout.readline().strip()
-    if ready != "ready":
-      raise RuntimeError(f"the coordination service could not start on {address} (exit {self.proc.wait()})")
+    if self.proc.stdout.readline().strip() != "ready":
+      raise RuntimeError(
+          f"the coordination service could not start on {address} (exit {self.proc.wait()}); if a job "
+          f"on this port crashed less than {linger} s ago its service may still be "
+          "ending: wait, or use another port")
 
   def shutdown(self) -> None:
     if self.proc.poll() is None:
@@ -216,15 +226,25 @@ class _ServiceProcess:
 
 
 class _service_in_own_process:
-  """Within: JAX's `get_distributed_runtime_service` starts the service in a child process."""
-
-  def __init__(self, heartbeat_timeout: int):
-    self.heartbeat_timeout = heartbeat_timeout
+  """Within: JAX's `get_distributed_runtime_service` starts the service in a child process
+  (`_ServiceProcess`) when it is called with the arguments this module knows, else as JAX
+  would."""
 
   def __enter__(self):
     from jax._src.lib import _jax
-    self._jax, self._real = _jax, _jax.get_distributed_runtime_service
-    _jax.get_distributed_runtime_service = _ServiceProcess
+    self._jax, real = _jax, _jax.get_distributed_runtime_service
+
+    def start(address, num_nodes, heartbeat_timeout=None, shutdown_timeout=None, **others):
+      if set(others) - {"recoverable", "cluster_register_timeout"} or others.get("recoverable"):
+        log.warning("the coordination service takes arguments this module does not know (%s): it "
+                    "runs in process 0, and a dead process 0 ends the others by the runtime's abort",
+                    sorted(others))
+        return real(address, num_nodes, heartbeat_timeout=heartbeat_timeout,
+                    shutdown_timeout=shutdown_timeout, **others)
+      return _ServiceProcess(address, num_nodes, heartbeat_timeout, shutdown_timeout)
+
+    self._real = real
+    _jax.get_distributed_runtime_service = start
     return self
 
   def __exit__(self, *exc):
