@@ -12,6 +12,7 @@ train/state.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Any, Mapping, Sequence
@@ -176,29 +177,36 @@ def data_group(mesh: Mesh, rules=DEFAULT_RULES) -> tuple[int, int]:
   return next(i for i, (_, procs) in enumerate(groups) if jax.process_index() in procs), len(groups)
 
 
+@functools.lru_cache(maxsize=16)  # asked at every step; a pod's mesh has thousands of devices
 def _row_groups(sh: NamedSharding, mesh: Mesh):
   """[((first row, end row), processes)] in row order over a batch of one row per
   row shard, when each process's devices hold one block of rows that is either the
   same as another process's or disjoint from it, the blocks equal in size; else None."""
   spec = tuple(sh.spec) + (None, None)
-  rows, cols = (math.prod(mesh.shape[a] for a in _axis_tuple(axes)) for axes in spec[:2])
-  held: dict[int, set] = {}
-  for d, (r, _) in sh.devices_indices_map((rows, cols)).items():
-    held.setdefault(d.process_index, set()).add(r.indices(rows)[:2])
+  rows, cols = (math.prod(mesh.shape[a] for a in _axis_names(axes)) for axes in spec[:2])
+  held: dict[int, tuple[set, set]] = {}
+  for d, (r, c) in sh.devices_indices_map((rows, cols)).items():
+    mine = held.setdefault(d.process_index, (set(), set()))
+    mine[0].add(r.indices(rows)[:2])
+    mine[1].add(c.indices(cols)[:2])
   blocks = {}
-  for p, pieces in held.items():
-    first, end = min(a for a, _ in pieces), max(e for _, e in pieces)
-    if sum(e - a for a, e in pieces) < end - first:  # holes: not one block
+  for p, (row_pieces, col_pieces) in held.items():
+    if _block(col_pieces) is None:  # positions in pieces: `to_global` keeps one block
       return None
-    blocks.setdefault((first, end), []).append(p)
+    span = _block(row_pieces)
+    if span is None:
+      return None
+    blocks.setdefault(span, []).append(p)
   spans = sorted(blocks)
   if len({e - a for a, e in spans}) != 1 or any(a < prev for (a, _), (_, prev) in zip(spans[1:], spans)):
     return None
   return [(span, tuple(sorted(blocks[span]))) for span in spans]
 
 
-def _axis_tuple(axes) -> tuple[str, ...]:
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+def _block(pieces: set) -> tuple[int, int] | None:
+  """(first, end) of distinct pieces (first, end) that tile one block; None if they leave holes."""
+  first, end = min(a for a, _ in pieces), max(e for _, e in pieces)
+  return (first, end) if sum(e - a for a, e in pieces) == end - first else None
 
 
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:
