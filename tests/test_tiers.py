@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import FAST_XLA, ROOT, free_port, model_flags, patched
@@ -31,16 +32,24 @@ ARGS = [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs"
         "--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2",
         "--heartbeat_timeout=5"]
 TIERS = ["--config.checkpoint_every=3", "--config.checkpoint.local_every=2"]
-# Process 0 dies (SIGKILL) with local step 8 written but not yet committed (renamed).
+# Process 0 dies (SIGKILL) with local step 8 written but not yet committed (renamed):
+# once persistent step 6 is committed, and before its main thread can pass step 8.
 KILL_IN_SAVE = """
 import os, signal
-from mamba_train.workdir import local_tier
-_write = local_tier._write_synced
+from mamba_train.workdir import checkpoint, local_tier
+_write, _save = local_tier._write_synced, checkpoint.Checkpointer.save_local
 def _dying_write(path, text):
   _write(path, text)
   if os.sep + ".8.partial" + os.sep in path:
     os.kill(os.getpid(), signal.SIGKILL)
+def _save_and_die(self, step, *args):
+  if step == 8:
+    self.manager.wait_until_finished()
+  _save(self, step, *args)
+  if step == 8:
+    self.local.wait()
 local_tier._write_synced = _dying_write
+checkpoint.Checkpointer.save_local = _save_and_die
 """
 
 
@@ -176,3 +185,43 @@ def test_tier_config_errors():
     c.steps = 2
     with pytest.raises(run_config.ConfigError, match=message):
       run_config.validate(c, num_devices=1, reference=base.get_config(), platform="cpu")
+
+
+def test_choose_takes_the_newest_step_some_tier_gives_every_process():
+  from mamba_train.workdir.local_tier import choose
+  same = ["a", "a"]  # both processes hold the same shards (replicas)
+  assert choose([{4, 6}, {4, 6}], {3, 6}, same) == (6, "local", {})
+  assert choose([{4, 6}, set()], {3}, same) == (6, "peer", {1: 0})
+  assert choose([{6}, {6, 8}], {6}, same) == (8, "peer", {0: 1})
+  assert choose([{4, 6}, set()], {3}, ["a", "b"]) == (3, "persistent", {})  # no replica of 1's shards
+  assert choose([{4}, {4}], {6}, same) == (6, "persistent", {})
+  assert choose([set(), set()], set(), same) is None
+
+
+def test_local_step_round_trip_and_damage(tmp_path):
+  """In one process: a saved step restores bit for bit (bfloat16 and scalars too); one
+  with a changed byte is refused and set aside."""
+  import jax
+  import jax.numpy as jnp
+
+  from mamba_train.workdir import local_tier
+  state = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7, "b": jnp.ones(5, jnp.bfloat16) / 3,
+           "step": jnp.int32(9), "rng": jnp.array([1, 2], jnp.uint32)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  tier = local_tier.LocalTier(str(tmp_path))
+  tier.save(9, state, '{"pos": 9}', {"name": "t"})
+  tier.wait()
+  assert tier.usable(target) == [9]
+  got, data = local_tier.restore(tier, 9, {}, target, {0})
+  assert data == '{"pos": 9}'
+  for k in state:
+    assert got[k].dtype == state[k].dtype
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+  shards = tmp_path / "process_0" / "9" / local_tier.SHARDS
+  raw = bytearray(shards.read_bytes())
+  at = raw.find(np.asarray(state["w"]).tobytes())  # a bit of w's data flips
+  assert at > 0
+  raw[at + 5] ^= 0x01
+  shards.write_bytes(bytes(raw))
+  assert local_tier.restore(tier, 9, {}, target, {0}) is None
+  assert tier.steps() == [] and (tmp_path / "process_0" / "9.damaged").is_dir()
