@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from mamba_train import xla_flags
+
 from helpers import ROOT, free_port, model_flags
 
 STEPS = 4
@@ -33,7 +35,7 @@ TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.m
 SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.dcn_sequence=2", "--config.mesh.data=1",
                  "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
 ONE_HOST_SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.data=1", "--config.mesh.sequence=4"]
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def _env(devices: int) -> dict:
