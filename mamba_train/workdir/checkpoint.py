@@ -253,7 +253,7 @@ class Checkpointer:
     self.local.wait()
     self.manager.wait_until_finished()
     persistent, failed = set(self.steps()), []
-    prints = [local_tier.fingerprint(abstract_state, p) for p in range(jax.process_count())]
+    prints = local_tier.fingerprints(abstract_state)
     local = local_tier.gather_steps(self.local.usable(abstract_state))
     newest = max(persistent.union(*local), default=None)
     try:

@@ -69,20 +69,24 @@ def _leaves(tree) -> tuple[list[tuple[str, Any]], Any]:
   return [(jax.tree_util.keystr(p), x) for p, x in flat], treedef
 
 
-def _layout(target, process: int) -> list:
-  """[(leaf, shape, dtype, sorted distinct shard indices)] that `process`'s devices hold."""
-  out = []
+def _layouts(target) -> dict[int, list]:
+  """{process: [(leaf, shape, dtype, sorted distinct shard indices its devices hold)]}
+  (one pass over each leaf's devices: a pod has thousands)."""
+  out: dict[int, list] = {}
   for name, t in _leaves(target)[0]:
-    keys = {_key(i, t.shape) for d, i in t.sharding.devices_indices_map(t.shape).items()
-            if d.process_index == process}
-    out.append((name, tuple(t.shape), str(jnp.dtype(t.dtype)), sorted(keys)))
+    keys: dict[int, set] = {}
+    for d, i in t.sharding.devices_indices_map(t.shape).items():
+      keys.setdefault(d.process_index, set()).add(_key(i, t.shape))
+    for p, k in keys.items():
+      out.setdefault(p, []).append((name, tuple(t.shape), str(jnp.dtype(t.dtype)), sorted(k)))
   return out
 
 
-def fingerprint(target, process: int) -> str:
-  """Names the shards `process` holds of `target` (shapes and shardings): steps saved
-  with another fingerprint are another layout and do not restore here."""
-  return hashlib.sha1(json.dumps(_layout(target, process)).encode()).hexdigest()[:16]
+def fingerprints(target) -> list[str]:
+  """Per process, a name of the shards it holds of `target` (shapes and shardings):
+  processes with equal names hold the same shards (replicas of each other)."""
+  layouts = _layouts(target)
+  return [hashlib.sha1(json.dumps(layouts[p]).encode()).hexdigest()[:16] for p in sorted(layouts)]
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
@@ -170,7 +174,7 @@ class LocalTier:
   def usable(self, target) -> list[int]:
     """The committed steps saved with this process's layout of `target`, newest first.
     One whose manifest cannot be read is set aside."""
-    want = _layout(target, jax.process_index())
+    want = _layouts(target)[jax.process_index()]
     out = []
     for s in self.steps()[::-1]:
       try:
@@ -300,7 +304,7 @@ def _broadcast(loaded, target, src: int):
   zeros of its size; whole bytes, so no dtype is lost to the collectives' types)."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   is_source = jax.process_index() == src
-  layout = [(jnp.dtype(dtype).itemsize, keys) for _, _, dtype, keys in _layout(target, src)]
+  layout = [(jnp.dtype(dtype).itemsize, keys) for _, _, dtype, keys in _layouts(target)[src]]
   text = loaded[1].encode() if is_source else b""
   n_text = int(multihost_utils.broadcast_one_to_all(np.int32(len(text)), is_source=is_source))
   if is_source:
