@@ -120,9 +120,9 @@ def head_split() -> HeadSplit | None:
   if not _ACTIVE:
     return None
   mesh, rules = _ACTIVE[-1]
-  batch, length, heads = logical_to_spec(("batch", "act_length", "act_inner"), rules)
-  if axes_size(mesh, length) > 1:  # the mixer sends split sequences to XLA's SSD
-    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
+  # The length is not among its axes: a split sequence is shard_map'd over its own
+  # axis first (sequence_split), and the kernel's map runs inside it per slice.
+  batch, heads = logical_to_spec(("batch", "act_inner"), rules)
   return HeadSplit(mesh, batch, heads, axes_size(mesh, heads))
 
 
