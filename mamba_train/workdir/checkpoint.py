@@ -173,11 +173,9 @@ class Checkpointer:
     try:
       with _quiet_orbax():
         self.manager.wait_until_finished()
-    except Exception as e:
-      if not self._failed and is_storage_error(e):
-        raise self._write_error(self.last_saved, e) from e
+    except Exception as e:  # only a background save's error comes from the wait: a failed save
       if not self._failed:
-        raise
+        raise self._write_error(self.last_saved, e) from e
     finally:
       try:
         with _quiet_orbax(), contextlib.suppress(Exception if self._failed else OSError):
