@@ -32,6 +32,7 @@ from mamba_train.model import attention as attn_lib, lora as lora_lib, pattern a
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
+from mamba_train.model.ssd_gpu import ssd_gpu
 from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
@@ -289,6 +290,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   form, chunk = rt.ssd_plan(cfg.chunk_size, cfg.ssd_window)
   x = x.astype(cd)
   fused = form in ("pallas", "interpret") and split is None
+  on_gpu = form in ("triton", "triton_interpret") and split is None  # natural layout: no constraints
   if fused and l % chunk == 0:
     # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
     # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
@@ -302,10 +304,14 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     kernel = functools.partial(ssd_fused, interpret=form == "interpret")
     heads = sharding.head_split()
     y, ssm = (kernel if heads is None else functools.partial(heads.ssd, kernel))(*ssd_args, **ssd_kw)
+  elif on_gpu:
+    kernel = functools.partial(ssd_gpu, interpret=form == "triton_interpret")
+    heads = sharding.head_split()
+    y, ssm = (kernel if heads is None else functools.partial(heads.ssd, kernel))(*ssd_args, **ssd_kw)
   else:
     # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
     # kernels do not take a slice's entering state from the other devices yet.
-    y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
+    y, ssm = ssd(*ssd_args, **ssd_kw, form=form if form in ("scan", "parallel") else "parallel")
   y = y.reshape(b, l, h * hp)
   if fused and l % chunk == 0:
     y = with_layout_constraint(y.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h * hp)
