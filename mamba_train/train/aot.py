@@ -1,5 +1,6 @@
-"""The run's train step compiled ahead of time for a TPU slice, on any host (a CPU
-laptop too), and whether it fits, before renting the slice (scripts/aot_compile.py).
+"""The run's train step compiled ahead of time for a TPU slice or NVIDIA GPU hosts,
+on any host (a CPU laptop too), and whether it fits, before renting the machines
+(scripts/aot_compile.py).
 
 The train step is the trainer's own (`step.build`), with the run's mesh over the
 slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
@@ -9,6 +10,12 @@ XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with ev
 layer counted (two more small compiles: one layer, and two layers unrolled), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
+
+On GPUs XLA's own `cost_analysis()` is unimplemented (the CUDA plugin's), so the
+counts are XLA's HLO cost analysis of the optimised GPU module run through the
+CPU client (`gpu_hlo_cost`), which counts the GEMM fusions but gives a custom
+call (a Pallas kernel) nothing: the kernels' own cost estimates are added from
+the step's jaxpr, every scan trip counted (`kernel_costs`).
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
 from mamba_train import metrics
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.parallel.topology import tpu_devices
+from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -84,13 +92,77 @@ def _advice(config, state_bytes: int, hbm: float, temp_bytes: float | None = Non
   return "; ".join(tips)
 
 
+_COUNTS = ("flops", "bytes accessed", "transcendentals")
+
+
+def gpu_hlo_cost(compiled) -> dict[str, float]:
+  """XLA's HLO cost analysis of a program compiled for GPUs, through the CPU client
+  (the CUDA plugin implements no `cost_analysis()`): the optimised module's
+  fusions, GEMM fusions included; custom calls (Pallas kernels) count nothing.
+  A private jaxlib entry point, guarded: empty where it is missing."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+    module = compiled.runtime_executable().hlo_modules()[0]
+    c = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  except Exception:  # noqa: BLE001 - another jaxlib: report no counts rather than fail
+    return {}
+  return {k: float(c[k]) for k in _COUNTS if k in c}
+
+
+def xla_cost(compiled, platform: str) -> dict[str, float]:
+  """XLA's counts of a compiled program: its own analysis, or `gpu_hlo_cost` on GPUs."""
+  return gpu_hlo_cost(compiled) if platform == "gpu" else metrics.compiled_cost(compiled)
+
+
+def _subjaxprs(value):
+  if isinstance(value, jax_core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax_core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _subjaxprs(v)
+
+
+def kernel_costs(jaxpr) -> dict[str, float]:
+  """The cost estimates of every Pallas call in a traced program, per device (a
+  kernel under `shard_map` sees one device's shapes), each scan body counted
+  `length` times; a while loop's body and a cond's costliest branch once.
+  `jaxpr`: `jax.jit(f).trace(*args).jaxpr`."""
+  total = dict.fromkeys(_COUNTS, 0.0)
+
+  def walk(jx, times):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        est = eqn.params.get("cost_estimate")
+        if est is not None:
+          total["flops"] += times * est.flops
+          total["bytes accessed"] += times * est.bytes_accessed
+          total["transcendentals"] += times * est.transcendentals
+        continue
+      inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+      subs = [j for v in eqn.params.values() for j in _subjaxprs(v)]
+      if eqn.primitive.name == "cond" and subs:  # one branch runs: the costliest
+        costs = [kernel_costs(j) for j in subs]
+        best = max(costs, key=lambda c: c["flops"] + c["bytes accessed"])
+        for k in _COUNTS:
+          total[k] += inner * best[k]
+        continue
+      for j in subs:
+        walk(j, inner)
+
+  walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr, 1)
+  return total
+
+
 def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll: bool) -> dict:
   """XLA's counts of the plan's train step with n_layer layers (an unrolled loop if asked)."""
   plan = plan.replace(model=plan.model.replace(n_layer=n_layer),
                       runtime=plan.runtime.replace(unroll_layers=unroll))
   built = build(plan, mesh, init=False)
   batch = abstract_batch(plan.config.batch_size, plan.config.seq_len, mesh)
-  return metrics.compiled_cost(built.train_step.lower(built.state, batch).compile())
+  return xla_cost(built.train_step.lower(built.state, batch).compile(), mesh.devices.flat[0].platform)
 
 
 def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
@@ -115,7 +187,8 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
   or the per-device peak exceeds HBM."""
-  gen, topo, devices = tpu_devices(topology)
+  gpu = is_gpu_topology(topology)
+  gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   chip = metrics.CHIPS[gen]
   chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
   per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
@@ -152,8 +225,12 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   report["compile_s"] = t.seconds
   mem = metrics.compiled_memory(compiled)
   report["memory"] = mem
-  cost = metrics.compiled_cost(compiled)
+  cost = xla_cost(compiled, devices[0].platform)
   report["cost"] = cost
+  # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
+  # count): the kernels' estimates from the jaxpr, every layer counted.
+  kernels = kernel_costs(built.train_step.trace(state, batch).jaxpr) if gpu else None
+  report["kernel_cost"] = kernels
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -173,6 +250,9 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   report["cost_every_layer"] = full
   if full is None:  # the scanned body counted once: bytes a lower bound
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  if kernels:
+    full = {k: full[k] + kernels[k] for k in ("flops", "bytes accessed")}
+    report["cost_with_kernels"] = full
   flops = max(full["flops"], model_flops)
   rl = metrics.roofline_seconds(flops, full["bytes accessed"], peak, bandwidth)
   report["roofline"] = rl
