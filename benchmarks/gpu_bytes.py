@@ -84,7 +84,7 @@ def main(argv=None):
     p = plan.replace(model=plan.model.replace(n_layer=n_layer), runtime=plan.runtime.replace(unroll_layers=unroll))
     built = build(p, mesh, init=False)
     compiled = built.train_step.lower(built.state, batch).compile()
-    kernels = aot.kernel_costs(built.train_step.trace(built.state, batch).jaxpr)["bytes accessed"]
+    kernels = aot.kernel_costs(compiled, built.train_step.trace(built.state, batch).jaxpr)["bytes accessed"]
     groups = {k: (b, n) for b, k, n in grouped_bytes(compiled.as_text())}
     return aot.xla_cost(compiled, "gpu").get("bytes accessed", 0.0), kernels, groups
 

@@ -84,7 +84,8 @@ def format_report(r: dict) -> str:
   k = r.get("kernel_cost")
   if k:
     w = r["cost_with_kernels"]
-    lines.append(f"Pallas kernels per device (their cost estimates, every layer; XLA counts them as 0 on GPUs): "
+    lines.append(f"Pallas kernels per device (their cost estimates{', every layer' if f else ''}; XLA counts "
+                 f"them as 0 on GPUs): "
                  f"{k['flops']:.3e} FLOPs, {k['bytes accessed']:.3e} bytes; with XLA's: {w['flops']:.3e} FLOPs, "
                  f"{w['bytes accessed']:.3e} bytes, {w['flops'] / max(w['bytes accessed'], 1):.0f} FLOP/byte")
   rl = r.get("roofline")
@@ -113,7 +114,8 @@ def main(argv):
   if is_gpu_topology(_TOPOLOGY.value):
     # Compiling for GPUs needs only the CPU client (and the CUDA plugin's topology):
     # no TPU or GPU backend start-up. Before JAX initialises a backend.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    jax.config.update("jax_platforms", "cpu")
   try:
     report = aot.compile_train_step(config, _TOPOLOGY.value, _EVERY_LAYER.value,
                                     reference=base.get_config())

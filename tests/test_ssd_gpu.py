@@ -81,7 +81,8 @@ def test_gpu_kernels_bfloat16_within_xla_error():
 def test_model_with_gpu_kernels_matches_xla_model():
   """A one-layer tiny model over packed documents at a ragged length, logits and
   every parameter's gradient: ssd_impl 'triton_interpret' (these kernels, as
-  `ssd_impl=auto` runs them on a GPU) against 'xla' in the parallel form."""
+  `ssd_impl=auto` runs them on a GPU; remat save_matmuls, which saves their output
+  and states by name) against 'xla' in the parallel form (no remat)."""
   from flax import nnx
 
   from mamba_train import Mamba2LM, Runtime, config_for
@@ -92,7 +93,8 @@ def test_model_with_gpu_kernels_matches_xla_model():
   assert Runtime().resolve("gpu").ssd_impl == "triton"
 
   def run(impl):
-    rt = Runtime(ssd_impl=impl, ssd_form="parallel")
+    # save_matmuls with the kernels: the backward takes their saved output and states.
+    rt = Runtime(ssd_impl=impl, ssd_form="parallel", remat="save_matmuls" if impl != "xla" else "none")
 
     def loss(p):
       logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)

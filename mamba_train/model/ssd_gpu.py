@@ -45,6 +45,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -353,8 +354,14 @@ def _ssd(x, dt, A, B, C, D, h0, sq, q, interpret):
   return _fwd_call(x, dt, A, B, C, D, h0, sq, q, interpret)
 
 
+# Names a remat policy can save (the model's 'save_matmuls' does): with y and the
+# entering states kept, the backward pass need not run the forward kernel again.
+SAVE_NAMES = ("ssd_gpu_y", "ssd_gpu_states")
+
+
 def _ssd_fwd(x, dt, A, B, C, D, h0, sq, q, interpret):
   y, fin, st = _fwd_call(x, dt, A, B, C, D, h0, sq, q, interpret, save=True)
+  y, st = checkpoint_name(y, SAVE_NAMES[0]), checkpoint_name(st, SAVE_NAMES[1])
   return (y, fin), (x, dt, A, B, C, D, st, sq)
 
 

@@ -14,13 +14,14 @@ that does not fit raises `DoesNotFit`, saying what to change.
 On GPUs XLA's own `cost_analysis()` is unimplemented (the CUDA plugin's), so the
 counts are XLA's HLO cost analysis of the optimised GPU module run through the
 CPU client (`gpu_hlo_cost`), which counts the GEMM fusions but gives a custom
-call (a Pallas kernel) nothing: the kernels' own cost estimates are added from
-the step's jaxpr, every scan trip counted (`kernel_costs`).
+call (a Pallas kernel) nothing: the cost estimates of the kernels XLA kept are
+added apart, every layer counted the same way (`kernel_costs`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,34 +126,60 @@ def _subjaxprs(value):
       yield from _subjaxprs(v)
 
 
-def kernel_costs(jaxpr) -> dict[str, float]:
-  """The cost estimates of every Pallas call in a traced program, per device (a
-  kernel under `shard_map` sees one device's shapes), each scan body counted
-  `length` times; a while loop's body and a cond's costliest branch once.
-  `jaxpr`: `jax.jit(f).trace(*args).jaxpr`."""
-  total = dict.fromkeys(_COUNTS, 0.0)
+def kernel_estimates(jaxpr) -> dict[str, list]:
+  """{kernel name: [(result shapes, pl.CostEstimate)]} of the Pallas calls in a traced
+  program (`jax.jit(f).trace(*args).jaxpr`), nested jaxprs included."""
+  found: dict[str, list] = {}
 
-  def walk(jx, times):
+  def walk(jx):
     for eqn in jx.eqns:
       if eqn.primitive.name == "pallas_call":
         est = eqn.params.get("cost_estimate")
-        if est is not None:
-          total["flops"] += times * est.flops
-          total["bytes accessed"] += times * est.bytes_accessed
-          total["transcendentals"] += times * est.transcendentals
+        info = eqn.params.get("name_and_src_info")
+        name = getattr(info, "name", None) or eqn.params.get("name")
+        if est is not None and name:
+          found.setdefault(str(name), []).append((tuple(tuple(v.aval.shape) for v in eqn.outvars), est))
         continue
-      inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-      subs = [j for v in eqn.params.values() for j in _subjaxprs(v)]
-      if eqn.primitive.name == "cond" and subs:  # one branch runs: the costliest
-        costs = [kernel_costs(j) for j in subs]
-        best = max(costs, key=lambda c: c["flops"] + c["bytes accessed"])
-        for k in _COUNTS:
-          total[k] += inner * best[k]
-        continue
-      for j in subs:
-        walk(j, inner)
+      for v in eqn.params.values():
+        for j in _subjaxprs(v):
+          walk(j)
 
-  walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr, 1)
+  walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr)
+  return found
+
+
+_HLO_SHAPE = re.compile(r"\b(?:pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
+_TOKEN = re.compile(r"[A-Za-z_]\w*")
+
+
+def kernel_costs(compiled, jaxpr) -> dict[str, float]:
+  """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
+  as XLA counts its own ops (a loop body once: `every_layer_cost` scales it): each
+  custom call of the optimised module matched by kernel name (and result shapes)
+  to its estimate in the traced program. From the compiled module, not the jaxpr:
+  XLA drops a recomputation a remat policy made dead (the forward kernel, when its
+  output and states are saved), which the jaxpr still holds."""
+  total = dict.fromkeys(_COUNTS, 0.0)
+  found = kernel_estimates(jaxpr)
+  if not found:
+    return total
+  fused = False
+  for line in compiled.as_text().splitlines():
+    if line and not line[0].isspace():  # a computation's header: fusion bodies hold no calls of ours
+      fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
+      continue
+    if fused or "custom-call(" not in line:
+      continue
+    names = [t for t in set(_TOKEN.findall(line)) if t in found]
+    if not names:
+      continue
+    cands = found[max(names, key=len)]
+    shapes = tuple(tuple(int(d) for d in m.split(",") if d)
+                   for m in _HLO_SHAPE.findall(line.split("custom-call(")[0]))
+    est = next((e for sh, e in cands if sh == shapes), cands[0][1])
+    total["flops"] += est.flops
+    total["bytes accessed"] += est.bytes_accessed
+    total["transcendentals"] += est.transcendentals
   return total
 
 
@@ -162,7 +189,13 @@ def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll:
                       runtime=plan.runtime.replace(unroll_layers=unroll))
   built = build(plan, mesh, init=False)
   batch = abstract_batch(plan.config.batch_size, plan.config.seq_len, mesh)
-  return xla_cost(built.train_step.lower(built.state, batch).compile(), mesh.devices.flat[0].platform)
+  compiled = built.train_step.lower(built.state, batch).compile()
+  platform = mesh.devices.flat[0].platform
+  cost = xla_cost(compiled, platform)
+  if platform == "gpu":  # XLA counts the kernels as nothing there: theirs, apart
+    kernels = kernel_costs(compiled, built.train_step.trace(built.state, batch).jaxpr)
+    cost.update({"kernel " + k: v for k, v in kernels.items()})
+  return cost
 
 
 def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
@@ -179,7 +212,12 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
     return {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   one = cost_with_layers(plan, mesh, 1, unroll=False)
   two = cost_with_layers(plan, mesh, 2, unroll=True)
-  return metrics.every_layer_counts(one, n, more=two, fewer=one)
+  out = metrics.every_layer_counts(one, n, more=two, fewer=one)
+  if "kernel flops" in one:  # GPUs: the kernels' estimates, every layer counted the same way
+    kernels = lambda c: {k: c.get("kernel " + k, 0.0) for k in ("flops", "bytes accessed")}
+    out.update({"kernel " + k: v for k, v in metrics.every_layer_counts(
+        kernels(one), n, more=kernels(two), fewer=kernels(one)).items()})
+  return out
 
 
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
@@ -228,9 +266,8 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   cost = xla_cost(compiled, devices[0].platform)
   report["cost"] = cost
   # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
-  # count): the kernels' estimates from the jaxpr, every layer counted.
-  kernels = kernel_costs(built.train_step.trace(state, batch).jaxpr) if gpu else None
-  report["kernel_cost"] = kernels
+  # count): the estimates of the calls XLA kept, added apart.
+  kernels = kernel_costs(compiled, built.train_step.trace(state, batch).jaxpr) if gpu else None
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -251,6 +288,9 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   if full is None:  # the scanned body counted once: bytes a lower bound
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   if kernels:
+    if report["cost_every_layer"] and "kernel flops" in report["cost_every_layer"]:
+      kernels = {k: report["cost_every_layer"]["kernel " + k] for k in ("flops", "bytes accessed")}
+    report["kernel_cost"] = kernels
     full = {k: full[k] + kernels[k] for k in ("flops", "bytes accessed")}
     report["cost_with_kernels"] = full
   flops = max(full["flops"], model_flops)
