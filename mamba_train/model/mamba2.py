@@ -32,6 +32,7 @@ from mamba_train.model import attention as attn_lib, lora as lora_lib, pattern a
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
+from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
 from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
@@ -289,6 +290,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   form, chunk = rt.ssd_plan(cfg.chunk_size, cfg.ssd_window)
   x = x.astype(cd)
   fused = form in ("pallas", "interpret")
+  on_gpu = form in ("triton", "triton_interpret")  # the GPU kernels read the natural layout
   if fused and split is None and l % chunk == 0:
     # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
     # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
@@ -297,9 +299,10 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ssd_kw = dict(D=p["D"], initial_state=state.get("ssm"), seq_idx=seq_idx)
   if cfg.ssd_window:
     ssd_kw["window"] = cfg.ssd_window
-  if fused:
+  if fused or on_gpu:
     # XLA cannot partition a Pallas call: under a mesh it runs per device's batch and heads.
-    kernel = functools.partial(ssd_fused, interpret=form == "interpret")
+    kernel = (functools.partial(ssd_fused, interpret=form == "interpret") if fused
+              else functools.partial(ssd_gpu, interpret=form == "triton_interpret"))
     heads = sharding.head_split()
     kernel = kernel if heads is None else functools.partial(heads.ssd, kernel)
     # A split sequence runs the kernels per slice from a zero state and adds what the
@@ -364,7 +367,12 @@ def unstack(tree, n: int) -> list:
 
 _REMAT_POLICIES = {
     "full": None,  # recompute everything in the backward pass
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The GPU SSD kernels' output and entering states too: without them the backward
+    # pass runs the forward kernel again (for 1.3b on 8 H100s, 4 x 2048 a GPU, about
+    # 5% of the step's bytes, for 16 GiB a GPU: docs/bench/gpu.md).
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*SSD_GPU_SAVE_NAMES)),
 }
 
 
