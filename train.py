@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import threading
 
 from mamba_train.xla_flags import apply_cpu_defaults
 
@@ -78,7 +79,8 @@ def main(argv):
     logging.getLogger(chatty).setLevel(logging.WARNING)
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+                           init_timeout=_INIT_TIMEOUT.value, heartbeat_timeout=_HEARTBEAT_TIMEOUT.value,
+                           on_peer_lost=lost_peer)
   except distributed.DistributedInitError as e:
     sys.exit(f"error: {e}")
   try:
@@ -103,11 +105,22 @@ def main(argv):
   except Exception as e:  # noqa: BLE001 - a collective whose peer is gone, or a bug
     if _DEBUG.value or jax.process_count() == 1 or not LOST_PEER.search(str(e)):
       raise
-    step = checkpoint.find_step_dir(_WORKDIR.value)
-    print(f"error: process {jax.process_index()} lost contact with another process of the job "
-          f"({str(e).splitlines()[0][:160]}); the last complete checkpoint is "
-          f"{step or 'none'}; restart every process to resume", file=sys.stderr)
-    _leave(1)  # the runtime's threads would abort at interpreter shutdown
+    lost_peer(str(e).splitlines()[0][:160])
+
+
+_LOST = threading.Lock()
+
+
+def lost_peer(reason: str) -> None:
+  """One line and exit 1 for a dead peer, whichever notices first: a collective that fails
+  here, or the peer watch's thread (mamba_train/parallel/distributed.py); the other waits."""
+  _LOST.acquire()  # held until the exit: a second reporter never prints
+  step = checkpoint.find_step_dir(_WORKDIR.value)
+  # From the watch's thread the progress bar is still open: "\r" starts the line afresh.
+  print(f"\rerror: process {jax.process_index()} lost contact with another process of the job "
+        f"({reason}); the last complete checkpoint is {step or 'none'}; restart every process to "
+        "resume", file=sys.stderr)
+  _leave(1)  # the runtime's threads would abort at interpreter shutdown
 
 
 def _leave(code: int) -> None:

@@ -68,6 +68,13 @@ def get_config() -> ml_collections.ConfigDict:
       # batches since then (at most 3 times a run). Needs checkpoint_every > 0.
       spike_factor=0.0,
       spike_window=20,
+      # Weight guard (on; 0 = off): once weight_guard_window steps have been accepted, a step
+      # whose parameter norm after it, or whose update norm, exceeds weight_guard_factor x
+      # the largest of the newest weight_guard_window accepted steps' is skipped as a
+      # non-finite one is (same streak, same stop; with spike_factor it rolls back).
+      # Why 10 cannot trip a healthy run: mamba_train/train/optim.py `guard`.
+      weight_guard_factor=10.0,
+      weight_guard_window=20,
   ))
 
   # --- data ---

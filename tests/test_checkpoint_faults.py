@@ -127,3 +127,52 @@ def test_reading_a_checkpoint_logs_no_library_warnings(tmp_path, caplog):
     assert checkpoint.saved_config(tmp_path / "checkpoints" / "3") == {"k": 1}
   assert float(params["embedding"][0, 0]) == 3.0
   assert [r for r in caplog.records if "/orbax/" in r.pathname] == []
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+  """A 1.6 MB tmpfs (the first checkpoint of train_command's model, 0.9 MB, fits; the second
+  does not), mounted for the test when it runs as root; skipped with the reason otherwise."""
+  import os
+  mnt = tmp_path / "tmpfs"
+  mnt.mkdir()
+  if os.geteuid() != 0:
+    pytest.skip("a real full disk needs a tmpfs mounted by the test, which needs root")
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mnt)],
+                     capture_output=True, text=True)
+  if r.returncode != 0:
+    pytest.skip(f"mount -t tmpfs failed (a container without CAP_SYS_ADMIN?): {r.stderr.strip()}")
+  try:
+    yield mnt
+  finally:
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_full_disk_stops_with_one_line_and_resumes(small_tmpfs):
+  """The reported run: on a real full disk tensorstore raises ValueError(RESOURCE_EXHAUSTED ...)
+  from Orbax's writer threads, not OSError; train.py printed 369 lines and five tracebacks."""
+  work = small_tmpfs / "run"
+  cmd, env = train_command(work, ["--config.steps=8", "--config.checkpoint_every=2"], 1)
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  out = r.stdout + r.stderr
+  assert r.returncode == 1, out[-3000:]
+  assert "Traceback" not in out and "Event loop is closed" not in out, out[-5000:]
+  about = [line for line in out.splitlines() if "No space left" in line or "RESOURCE_EXHAUSTED" in line]
+  assert len(about) == 1 and about[0] == r.stderr.strip().splitlines()[-1], out[-5000:]
+  assert about[0].startswith(f"error: saving checkpoint step 4 to {work / 'checkpoints'} failed: "
+                             "No space left on device"), about[0]
+  assert "MiB free there" in about[0] and "the last complete checkpoint is step 2" in about[0], about[0]
+  assert complete_steps(work) == [2]
+  first = {row["step"]: row["loss"] for row in map(json.loads, open(work / "metrics.jsonl")) if "loss" in row}
+  # Space freed (the tmpfs grown): the same command resumes from step 2, the steps after it
+  # bit-identical to those the failed run trained before it stopped.
+  subprocess.run(["mount", "-o", "remount,size=16m", str(small_tmpfs)], check=True)
+  cmd, env = train_command(work, ["--config.steps=6", "--config.checkpoint_every=2"], 1)
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "at step 2" in r.stderr, r.stderr[-3000:]
+  resumed = {row["step"]: row["loss"] for row in map(json.loads, open(work / "metrics.jsonl"))
+             if "loss" in row and row["step"] > 2}
+  both = sorted(set(first) & set(resumed))
+  assert sorted(resumed) == [3, 4, 5, 6] and both[:2] == [3, 4], (resumed, first)
+  assert all(resumed[s] == first[s] for s in both), (resumed, first)
+  assert complete_steps(work) == [2, 4, 6]

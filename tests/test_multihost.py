@@ -10,7 +10,6 @@ read the same row and each keeps its half, against one process with the same mes
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 
 from mamba_train import xla_flags
 
-from helpers import ROOT, free_port, model_flags
+from helpers import ROOT, free_port, model_flags, patched
 
 STEPS = 4
 SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.source=synthetic",
@@ -199,20 +198,46 @@ def test_each_process_reads_its_own_rows(tmp_path):
     np.testing.assert_array_equal(p1["glob"][step], expected)
 
 
-@pytest.mark.parametrize("killed", [1, 0])  # 0 also hosts the coordination service
-def test_killed_process_stops_the_job(tmp_path, killed):
-  """One process dies once both have joined; the other must stop within the heartbeat
-  timeout with the runtime's message, not wait for it forever."""
+# The survivor stops in its hooks after step 2 (outside any collective) until the test has
+# killed its peer: only the heartbeat can tell it the peer is gone.
+SLEEP_PATCH = """
+import os, sys, time
+from mamba_train.train import hooks as _hooks
+_run, _rank = _hooks.run_hooks, int(next(a for a in sys.argv if a.startswith("--process_id=")).split("=")[1])
+def _sleepy(hooks, step, *args):
+  _run(hooks, step, *args)
+  if step == 2 and _rank == int(os.environ["SLEEP_RANK"]):
+    open(os.environ["SLEEP_MARK"], "w").close()
+    time.sleep(600)
+_hooks.run_hooks = _sleepy
+"""
+
+
+@pytest.mark.parametrize("first", ["collective", "heartbeat"])
+@pytest.mark.parametrize("killed", [1, 0])  # 0 also starts the coordination service
+def test_killed_process_stops_the_job_with_one_line(tmp_path, killed, first):
+  """One process dies once both have joined; the other stops within the heartbeat timeout
+  with train.py's one line, whichever notices first: a collective (the survivor was in one,
+  training) or the heartbeat (the survivor was outside any, in its hooks). It was the
+  runtime's C++ abort when the coordination service noticed first."""
   heartbeat = 3
   args = [os.path.join(ROOT, "train.py"), *SMALL, *TWO_HOST_MESH, "--config.steps=100000",
           "--workdir", str(tmp_path / "run"), f"--heartbeat_timeout={heartbeat}", "--init_timeout=60"]
-  procs = _start_two(args, free_port(), tmp_path, "p")
+  mark = tmp_path / "sleeping"
+  if first == "heartbeat":
+    args = patched([sys.executable, *args], SLEEP_PATCH)[1:]
+  join = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2"]
+  env = {**_env(2), "SLEEP_RANK": str(1 - killed), "SLEEP_MARK": str(mark)}
+  procs = [subprocess.Popen([sys.executable, *args, *join, f"--process_id={rank}"], cwd=ROOT, env=env,
+                            stdout=open(tmp_path / f"p{rank}.log", "w"), stderr=subprocess.STDOUT, text=True)
+           for rank in range(2)]
   victim, survivor = procs[killed], procs[1 - killed]
   log0 = tmp_path / "p0.log"
+  ready = (lambda: mark.exists()) if first == "heartbeat" else (lambda: "process 0 of 2" in log0.read_text())
   try:
     deadline = time.monotonic() + 120
-    while "process 0 of 2" not in log0.read_text():  # logged once both have joined
-      assert procs[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+    while not ready():  # both have joined (and, for the heartbeat, the survivor sleeps)
+      assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, log0.read_text()[-3000:]
       time.sleep(0.2)
     victim.kill()
     victim.wait()
@@ -220,15 +245,15 @@ def test_killed_process_stops_the_job(tmp_path, killed):
     code = survivor.wait(timeout=heartbeat + 30)
   finally:
     _wait(procs, timeout=1)
-  assert code != 0
+  assert code == 1
   assert time.monotonic() - killed_at < heartbeat + 30
   text = (tmp_path / f"p{1 - killed}.log").read_text()
-  # The heartbeat monitor's message (a C++ abort), or, when a collective notices first
-  # (gloo on CPU), train.py's one line naming the survivor and the last checkpoint.
-  assert re.search(r"another task died|error: process \d lost contact with another process", text), \
-      text[-3000:]
-  if "lost contact" in text:
-    assert "Traceback" not in text and "the last complete checkpoint is" in text, text[-3000:]
+  lines = [line for line in text.splitlines() if "lost contact" in line or "Terminating process" in line]
+  assert len(lines) == 1 and lines[0].startswith(f"error: process {1 - killed} lost contact with another "
+                                                 "process of the job ("), text[-3000:]
+  assert "the last complete checkpoint is" in lines[0] and "Traceback" not in text, text[-3000:]
+  if first == "heartbeat":
+    assert f"process {killed} sent no heartbeat for {heartbeat} s" in lines[0], lines[0]
 
 
 def test_missing_peer_times_out_with_a_message(tmp_path):

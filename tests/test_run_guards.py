@@ -85,3 +85,57 @@ def test_loss_spike_rolls_back_and_skips_the_batches(tmp_path):
   spiked = next(row["loss"] for row in aside if row["step"] == POISON)
   assert spiked > 1.5 * max(row["loss"] for row in rows if "loss" in row and row["step"] > 8)
   assert complete_steps(work)[-1] == 18
+
+BOMB = 7
+
+# At the BOMB-th train step (a host-side count, read through io_callback), one parameter's
+# update (the embedding's) is multiplied by 1e6 inside the guarded optimizer: a finite
+# step that blows the weights up, as a bad batch or kernel would.
+BOMB_PATCH = f"""
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.experimental import io_callback
+from mamba_train.train import optim as _optim
+_calls = [0]
+def _factor():
+  _calls[0] += 1
+  return np.float32(1e6 if _calls[0] == {BOMB} else 1.0)
+def _update(u, s, p=None):
+  f = io_callback(_factor, jax.ShapeDtypeStruct((), jnp.float32))
+  return dict(u, embedding=u["embedding"] * f), s
+_bomb = optax.GradientTransformation(lambda p: optax.EmptyState(), _update)
+_guard = _optim.guard
+_optim.guard = lambda inner, **kw: (inner if isinstance(inner, _optim.GuardedTransformation)
+                                    else _guard(optax.chain(inner, _bomb), **kw))
+"""
+
+
+def test_weight_guard_refuses_a_blown_up_parameter_before_it_is_saved(tmp_path):
+  """The weight guard is on by default. Without the spike guard the blown-up step is skipped
+  (its update refused, not saved) and the run goes on; with it the run rolls back to the
+  step before and skips that batch. The two runs then train on the same batches from the
+  same state, so the skipping run's steps after BOMB equal the rolled-back run's steps after
+  BOMB - 1, bit for bit (the roll-back restores from disk: an independent path)."""
+  common = ["--config.steps=10", "--config.checkpoint_every=1", "--config.optim.weight_guard_window=4"]
+  procs = {}
+  for name, extra in (("skip", []), ("roll", ["--config.optim.spike_factor=3"])):
+    cmd, env = train_command(tmp_path / name, common + extra, 1)
+    procs[name] = subprocess.Popen(patched(cmd, BOMB_PATCH), cwd=ROOT, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  out = {name: p.communicate(timeout=300) for name, p in procs.items()}
+  for name, p in procs.items():
+    assert p.returncode == 0, out[name][1][-3000:]
+  rows = {name: [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")] for name in procs}
+  skip = {r["step"]: r for r in rows["skip"] if "loss" in r}
+  assert sorted(skip) == list(range(1, 11))
+  assert [s for s, r in skip.items() if r["weight_jump"]] == [BOMB] and skip[BOMB]["nonfinite_streak"] == 1
+  assert skip[BOMB]["update_norm"] > 1e3 * skip[BOMB - 1]["update_norm"]  # what was refused
+  assert skip[BOMB]["param_norm"] == skip[BOMB - 1]["param_norm"]  # the weights as they were
+  assert f"not saving step {BOMB}: its update was skipped" in out["skip"][1]
+  assert "1 of 10 steps skipped (non-finite loss or gradient, or 1 for a weight jump)" in out["skip"][1]
+  assert BOMB not in complete_steps(tmp_path / "skip")
+  assert f"weight jump at step {BOMB}" in out["roll"][1] and f"rolled back to step {BOMB - 1}" in out["roll"][1]
+  roll = {r["step"]: r for r in rows["roll"] if "loss" in r}
+  assert sorted(roll) == list(range(1, 11)) and not any(r["weight_jump"] for r in roll.values())
+  for s in range(BOMB + 1, 11):
+    assert skip[s]["loss"] == roll[s - 1]["loss"], (s, skip[s]["loss"], roll[s - 1]["loss"])
+    assert skip[s]["param_norm"] == roll[s - 1]["param_norm"]

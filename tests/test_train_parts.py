@@ -117,3 +117,78 @@ def test_bfloat16_optimizer_state():
   tx, _ = optim.make_optimizer({**OPTIM, "state_dtype": "bfloat16"}, 10)
   adam = jax.eval_shape(tx.init, shapes).inner_state[1]
   assert adam.mu["embedding"].dtype == jnp.bfloat16 and adam.nu["embedding"].dtype == jnp.float32
+
+
+def test_guard_skips_nonfinite_steps_and_weight_jumps():
+  """optim.guard against its inner transformation run alone: accepted steps are the inner
+  one's bit for bit; a norm jump (after the window fills) and a NaN leave the parameters
+  and the inner state as they were and count in the same streak."""
+  import optax
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = optim.guard(inner, factor=10.0, window=3)
+  assert optim.guard(tx) is tx  # a second wrap is a no-op
+  params = {"w": jnp.linspace(1.0, 2.0, 8)}
+  state, ref_state = tx.init(params), inner.init(params)
+  update = jax.jit(tx.update)
+  normal = {"w": jnp.full(8, 0.1)}
+  grads = [normal, normal, normal, {"w": jnp.full(8, 1e4)}, {"w": jnp.full(8, jnp.nan)}, normal]
+  seen = []
+  for g in grads:
+    u, new_state = update(g, state, params)
+    m = {k: float(v) for k, v in optim.guard_metrics(new_state).items()}
+    seen.append((m["nonfinite_streak"], m["weight_jump"]))
+    if m["nonfinite_streak"] == 0:  # accepted: exactly the inner transformation's step
+      ref_u, ref_state = inner.update(g, ref_state, params)
+      np.testing.assert_array_equal(u["w"], ref_u["w"])
+    else:
+      assert not np.any(u["w"])
+      for a, b in zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(state.inner_state)):
+        np.testing.assert_array_equal(a, b)
+    params, state = optax.apply_updates(params, u), new_state
+  assert seen == [(0, 0), (0, 0), (0, 0), (1, 1), (2, 0), (0, 0)]
+  assert int(state.total_skipped) == 2 and int(state.accepted) == 4
+  off = optim.guard(inner, factor=0.0, window=3)  # norm checks off: only non-finite steps skip
+  s = off.init(params)
+  for g in grads[:4]:
+    _, s = off.update(g, s, params)
+  assert int(s.notfinite_count) == 0
+
+
+def test_train_step_takes_any_optax_transformation():
+  """make_train_step with a plain optax.adamw (which failed inside the step: 'tuple' object
+  has no attribute 'notfinite_count') and with one wrapped in optax.apply_if_finite: one
+  step of each equals AdamW applied by hand to the loss's gradient."""
+  import optax
+
+  from mamba_train.data import SyntheticLoader
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.train import state as train_state, step as trainer
+  cfg = config_for("tiny", **{**MICRO, "n_layer": 1})
+  rt = Runtime().resolve("cpu")
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  batch = trainer.to_global(next(SyntheticLoader(vocab_size=64, seq_len=32, global_batch_size=2, seed=0)), mesh)
+  adamw = optax.adamw(1e-3, b2=0.95, weight_decay=0.1)
+  with pytest.raises(TypeError, match="needs an optax GradientTransformation"):
+    trainer.make_train_step(cfg, rt, "adamw", optax.constant_schedule(1e-3), mesh)
+
+  def mean_loss(p):
+    total, count = trainer.loss_sums(p, batch, cfg, rt)
+    return total / count
+
+  @jax.jit
+  def by_hand(p):
+    updates, _ = adamw.update(jax.grad(mean_loss)(p), adamw.init(p), p)
+    return optax.apply_updates(p, updates)
+
+  expected = None
+  for tx in (adamw, optax.apply_if_finite(adamw, max_consecutive_errors=5)):
+    state = train_state.init_train_state(cfg, tx, mesh, seed=0)
+    expected = expected or jax.device_get(by_hand(state.params))  # the same init for both
+    step = trainer.make_train_step(cfg, rt, tx, optax.constant_schedule(1e-3), mesh)
+    state, m = step(state, batch)
+    assert float(m["nonfinite_streak"]) == 0 and float(m["weight_jump"]) == 0
+    for path, got in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)):
+      want = expected
+      for k in path:
+        want = want[k.key]
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))

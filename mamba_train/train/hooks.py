@@ -52,8 +52,10 @@ def nonfinite_limit(max_steps: int, total_steps: int) -> int:
 
 
 class NonFiniteGuard:
-  """Hook body that stops the run after `max_steps` non-finite steps in a row
-  (-1: `nonfinite_limit`'s automatic choice; 0: never), and counts skipped steps.
+  """Hook body that stops the run after `max_steps` skipped steps in a row (-1:
+  `nonfinite_limit`'s automatic choice; 0: never), and counts skipped steps. A step is
+  skipped (train/optim.py `guard`) for a non-finite loss or gradient, or for a jump of
+  the parameter or update norm (the metric `weight_jump`).
 
   It reads the previous step's streak while the current step runs, so watching
   every step does not stall the device; the last step is checked at once.
@@ -64,12 +66,13 @@ class NonFiniteGuard:
   def __init__(self, max_steps: int, last_step: int):
     self.max_steps, self.last_step = nonfinite_limit(max_steps, last_step), last_step
     self._pending = None
-    self.checked = self.skipped = 0
+    self.checked = self.skipped = self.jumps = 0
+    self._streak_jumps = 0  # of the current streak, steps skipped for a weight jump
 
   def __call__(self, step: int, state, metrics: dict) -> None:
     if self._pending is not None:
       self._check(*self._pending)
-    self._pending = (step, metrics["nonfinite_streak"])
+    self._pending = (step, metrics["nonfinite_streak"], metrics.get("weight_jump", 0))
     if step == self.last_step:
       self._check(*self._pending)
 
@@ -79,21 +82,34 @@ class NonFiniteGuard:
     if self.max_steps > 0 and 2 * self.skipped > self.checked:
       raise NonFiniteLossError(
           f"{self.skipped} of the {self.checked} steps of this run were skipped for a non-finite "
-          f"loss or gradient. Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
+          f"loss or gradient{self._jumps_said(self.jumps)}. Lower optim.lr, check the data, or "
+          "try runtime.compute_dtype float32.")
 
   def summary(self) -> str:
-    return f"{self.skipped} of {self.checked} steps skipped (non-finite loss or gradient)"
+    return f"{self.skipped} of {self.checked} steps skipped (non-finite loss or gradient{self._jumps_said(self.jumps)})"
 
-  def _check(self, step, streak) -> None:
+  @staticmethod
+  def _jumps_said(jumps: int) -> str:
+    return f", or {jumps} for a weight jump" if jumps else ""
+
+  def _check(self, step, streak, jump=0) -> None:
     if self._pending is not None and step == self._pending[0]:
       self._pending = None
-    streak = int(streak)
+    streak, jump = int(streak), int(jump)
     self.checked += 1
     self.skipped += streak > 0
+    self.jumps += jump
+    self._streak_jumps = self._streak_jumps + jump if streak > 0 else 0
     if self.max_steps > 0 and streak >= self.max_steps:
+      first, last = step - streak + 1, step
+      if self._streak_jumps == 0:
+        what = f"the loss or gradient was non-finite for {streak} steps in a row (steps {first}..{last}"
+      else:
+        what = (f"{streak} steps in a row were skipped (steps {first}..{last}; {self._streak_jumps} for "
+                "a parameter or update norm above optim.weight_guard_factor x its recent largest, "
+                "the others for a non-finite loss or gradient")
       raise NonFiniteLossError(
-          f"the loss or gradient was non-finite for {streak} steps in a row (steps "
-          f"{step - streak + 1}..{step}, optim.max_nonfinite_steps = {self.max_steps}). Those "
+          f"{what}, optim.max_nonfinite_steps = {self.max_steps}). Those "
           f"updates were skipped, so the parameters are still those after step {step - streak}. "
           f"Lower optim.lr, check the data, or try runtime.compute_dtype float32.")
 
@@ -106,18 +122,31 @@ class LossSpike(Exception):
     self.step, self.loss, self.mean = step, loss, mean
 
 
+class WeightJump(LossSpike):
+  """A step the weight guard skipped, seen by SpikeGuard: the loop rolls back as for a spike."""
+
+  def __init__(self, step: int, loss: float):
+    Exception.__init__(self, f"weight jump at step {step}: its update was skipped (the parameter or "
+                       "update norm above optim.weight_guard_factor x its recent largest)")
+    self.step, self.loss, self.mean = step, loss, float("nan")
+
+
 class SpikeGuard:
   """Hook body: raises LossSpike when a step's loss is more than `factor` times the
-  mean of the previous `window` finite losses (once there are `window` of them).
-  Reading the loss at every step waits for the step, so the guard is off unless
-  asked for (optim.spike_factor). PaLM and OLMo met such spikes by restarting from
-  a checkpoint before them and skipping the batches in between; the loop does that."""
+  mean of the previous `window` finite losses (once there are `window` of them), and
+  WeightJump when the weight guard skipped the step (the weights were about to blow
+  up, or already had). Reading the loss at every step waits for the step, so the guard
+  is off unless asked for (optim.spike_factor). PaLM and OLMo met such spikes by
+  restarting from a checkpoint before them and skipping the batches in between; the
+  loop does that."""
 
   def __init__(self, factor: float, window: int):
     self.factor, self.recent = factor, collections.deque(maxlen=window)
 
   def __call__(self, step: int, state, metrics: dict) -> None:
     loss = float(metrics["loss"])
+    if float(metrics.get("weight_jump", 0)) > 0:
+      raise WeightJump(step, loss)
     if not math.isfinite(loss):
       return  # the non-finite guard's business
     if len(self.recent) == self.recent.maxlen:

@@ -25,7 +25,7 @@ from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import weight_names
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import hooks, inputs, step as steps
+from mamba_train.train import goodput as goodput_lib, hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
 from mamba_train.train.state import trainable, with_frozen, with_shardings
 from mamba_train.workdir import checkpoint, record, storage
@@ -38,6 +38,7 @@ def train(plan: Plan, workdir: str = "", *, force_resume: bool = False) -> None:
   """Train `plan` in `workdir` (default runs/<config name>-<time>), resuming from its
   newest complete checkpoint. `force_resume`: resume even if the checkpoints hold a
   different model config. Every process of a job calls it with the same arguments."""
+  gp = goodput_lib.Goodput()  # the wall time from here on, by phase
   config = plan.config
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   if not workdir and jax.process_count() > 1:
@@ -48,12 +49,12 @@ def train(plan: Plan, workdir: str = "", *, force_resume: bool = False) -> None:
   storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
   lock = lock_workdir(workdir)  # before anything is read or written there
   try:
-    _run(plan, workdir, stamp, force_resume)
+    _run(plan, workdir, stamp, force_resume, gp)
   finally:
     lock.release()
 
 
-def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
+def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_lib.Goodput) -> None:
 
   # ===== config =====
   config, model_cfg = plan.config, plan.model
@@ -103,18 +104,22 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   # The newest complete checkpoint in the workdir, restored into this run's
   # shardings (which may differ from the saving run's), with the data iterator.
   target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
-  restored_step, restored = ckpt.restore(target, train_loader)
+  with gp.phase("checkpoint_restore"):
+    restored_step, restored = ckpt.restore(target, train_loader)
   if restored_step is not None:
     state = with_frozen(restored, state.frozen)
     logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
+    if is_main:  # the stopped runs' record, before the writer sets its later rows aside
+      log_resumed_goodput(gp, storage.path(workdir) / "metrics.jsonl", restored_step)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))  # disk space
   preemption = hooks.PreemptionWatcher()
 
   # ===== step function =====
-  first_host_batch = next(train_loader)
-  first_batch = steps.to_global(first_host_batch, mesh)
-  with metrics_lib.Timer() as compile_time:
+  with gp.phase("data"):
+    first_host_batch = next(train_loader)
+    first_batch = steps.to_global(first_host_batch, mesh)
+  with gp.phase("compile"), metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
 
@@ -131,10 +136,11 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
     speed = throughput.read(tokens_per_step)
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
-           "param_norm": m["param_norm"], "lr": m["lr"], **speed,
+           "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
-           "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
-           **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}}
+           "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
+           **metrics_lib.memory_stats(jax.devices()[0]),
+           **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}, **gp.row()}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 
@@ -161,45 +167,55 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
       hooks.Hook("spike", 1 if config.optim.spike_factor > 0 else 0, spikes),  # before the save
       # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.
-      hooks.Hook("checkpoint", config.checkpoint_every, save),
+      hooks.Hook("checkpoint", config.checkpoint_every, gp.hook("checkpoint_save", save)),
       hooks.Hook("local_checkpoint", config.checkpoint.local_every,
-                 guarded_save(ckpt, train_loader, run_record, writer, local=True), at_end=False),
-      hooks.Hook("eval", config.eval_every, evaluate),
-      hooks.Hook("harness", config.harness.every if harness else 0,
-                 lambda step, state, _: harness(step, state.params, writer, throughput, state.frozen)),
+                 gp.hook("checkpoint_save", guarded_save(ckpt, train_loader, run_record, writer, local=True)),
+                 at_end=False),
+      hooks.Hook("eval", config.eval_every, gp.hook("eval", evaluate)),
+      hooks.Hook("harness", config.harness.every if harness else 0, gp.hook(
+          "eval", lambda step, state, _: harness(step, state.params, writer, throughput, state.frozen))),
   ]
 
   batch, step_metrics, done, step = first_batch, None, start_step, start_step
   share.add(first_host_batch)
+  gp.setup_done()
   try:
     throughput.reset()
     while step < config.steps:
-      step += 1
-      state, step_metrics = train_step(state, batch)
-      done = step
-      throughput.tick()
-      bar.update(1)
-      try:
-        hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
-      except hooks.LossSpike as spike:
-        state, step = roll_back(spike, state.frozen)
-        step_metrics, done = None, step
+      with gp.phase("step"):  # the step and its hooks; their saves and evaluations apart
+        step += 1
+        state, step_metrics = train_step(state, batch)
+        done = step
+        throughput.tick()
+        bar.update(1)
+        try:
+          hooks.run_hooks(periodic, step, config.steps, state, step_metrics)
+        except hooks.LossSpike as spike:
+          with gp.phase("checkpoint_restore"):
+            state, step = roll_back(spike, state.frozen)
+          step_metrics, done = None, step
       if preemption.stop_requested():  # SIGTERM: all processes agree, save, exit cleanly
         logging.warning("SIGTERM received: saving step %d and exiting", step)
         break
       if step < config.steps:
-        host_batch = next(train_loader)
-        share.add(host_batch)
-        batch = steps.to_global(host_batch, mesh)
+        with gp.phase("data"):
+          host_batch = next(train_loader)
+          share.add(host_batch)
+          batch = steps.to_global(host_batch, mesh)
     guard.finish()
     final = int(state.step)
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
-      save(final, state, step_metrics, force=True)
+      gp.hook("checkpoint_save", save)(final, state, step_metrics, force=True)
   finally:
     bar.close()
-    writer.close()
-    ckpt.close()  # waits for saves in flight
-    logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
+    try:
+      with gp.phase("checkpoint_save"):
+        ckpt.close()  # waits for saves in flight
+    finally:
+      writer.write(done, {"event": "goodput", **gp.row()})  # the whole run's, at its end
+      writer.close()
+      logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
+      logging.info("%s", gp.summary())
 
 
 # ----------------------------------------------------------------------------
@@ -213,12 +229,14 @@ def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, 
   local tier, config.checkpoint.local_dir)."""
 
   def save(step, state, metrics, force=False):
-    # Never from a state inside a non-finite streak: its last update was skipped, and the
-    # streak may end the run; the previous save is the one to resume from.
+    # Never from a state inside a streak of skipped steps (a non-finite loss or gradient, a
+    # weight jump): its last update was skipped, the weights may be the blown-up ones, and
+    # the streak may end the run; the previous save is the one to resume from.
     if metrics is not None:
       m = jax.device_get({k: metrics[k] for k in ("loss", "nonfinite_streak")})
       if int(m["nonfinite_streak"]) > 0 or not math.isfinite(float(m["loss"])):
-        logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
+        logging.warning("not saving step %d: its update was skipped (a non-finite loss or gradient, "
+                        "or a weight jump; streak %d)",
                         step, int(m["nonfinite_streak"]))
         return
     if local:
@@ -264,6 +282,18 @@ class RollBack:
 
 # ----------------------------------------------------------------------------
 # What the loop starts from: the resume check, loaded weights, the harness hook.
+
+
+def log_resumed_goodput(gp: goodput_lib.Goodput, metrics_path, restored_step: int) -> None:
+  """After a resume: the stopped run's goodput, and the step time it spent on the steps this
+  run trains again (`gp.lost_to_restart`, in this run's goodput rows)."""
+  lost, last, final = goodput_lib.lost_to_restart(metrics_path, restored_step)
+  gp.lost_to_restart = lost
+  if final is not None:
+    logging.info("the stopped run's %s", goodput_lib.summary(final))
+  if last is not None and last > restored_step:
+    logging.info("goodput: steps %d..%d are trained again: %.1f s of step time lost to the restart",
+                 restored_step + 1, last, lost)
 
 
 def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -> None:

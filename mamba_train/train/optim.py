@@ -8,7 +8,7 @@ train/step.py), so the optimizer always sees the gradient of the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,6 @@ NOT_DECAYED = frozenset({"norm", "gate_norm", "norm_f", "conv_x_bias", "conv_bc_
 
 SCHEDULES = ("cosine", "wsd", "constant")
 STATE_DTYPES = ("float32", "bfloat16")
-# Steps in a row with a non-finite loss or gradient that apply_if_finite may skip
-# before it lets an update through; the training loop stops long before that.
-_NEVER_APPLY = 2**30
-
 
 def weight_decay_mask(params) -> Any:
   """A tree of bools over `params`: True where weight decay applies."""
@@ -77,12 +73,13 @@ def make_schedule(optim_cfg: Mapping[str, Any], steps: int) -> optax.Schedule:
 
 def make_optimizer(optim_cfg: Mapping[str, Any], steps: int
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (decoupled decay, masked), clipping first, non-finite steps skipped.
+  """AdamW (decoupled decay, masked), clipping first, non-finite steps and weight jumps
+  skipped (`guard`).
 
   Returns the transformation and its schedule (for logging the learning rate).
-  The state of a skipped step is kept as it was: `apply_if_finite` returns zero
-  updates and the inner state unchanged, and counts the streak in
-  `opt_state.notfinite_count`, which the training loop watches.
+  The state of a skipped step is kept as it was: `guard` returns zero updates and
+  the inner state unchanged, and counts the streak in `opt_state.notfinite_count`,
+  which the training loop watches.
 
   `state_dtype='bfloat16'` stores Adam's first moment in bfloat16 (optax's
   `mu_dtype`); the second moment stays float32.
@@ -100,10 +97,102 @@ def make_optimizer(optim_cfg: Mapping[str, Any], steps: int
       optax.add_decayed_weights(float(optim_cfg["weight_decay"]), mask=weight_decay_mask),
       optax.scale_by_learning_rate(schedule),
   ]
-  tx = optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER_APPLY)
+  tx = guard(optax.chain(*parts), factor=float(optim_cfg.get("weight_guard_factor", WEIGHT_GUARD_FACTOR)),
+             window=int(optim_cfg.get("weight_guard_window", WEIGHT_GUARD_WINDOW)))
   return tx, schedule
 
 
-def nonfinite_streak(opt_state) -> jax.Array:
-  """Steps in a row skipped for a non-finite loss or gradient (0 after a good step)."""
+# ----------------------------------------------------------------------------
+# The step guard: non-finite steps and weight jumps skipped.
+#
+# optax.apply_if_finite skips non-finite steps but knows nothing of a finite step that
+# blows the weights up (a norm of 1e9), and optax has no transformation that does; this
+# one does both, in the same way: zero updates and the inner state kept as it was.
+
+WEIGHT_GUARD_FACTOR = 10.0
+WEIGHT_GUARD_WINDOW = 20
+
+
+class GuardState(NamedTuple):
+  inner_state: Any
+  notfinite_count: jax.Array  # int32: steps in a row skipped, for either reason (0 after a good one)
+  total_skipped: jax.Array  # int32: steps skipped in all
+  weight_jump: jax.Array  # int32: 1 if the last step was skipped for a norm jump
+  update_norm: jax.Array  # float32: the last step's proposed update's global norm
+  param_norms: jax.Array  # float32[window]: the parameter norms after the newest accepted steps
+  update_norms: jax.Array  # float32[window]: their update norms
+  accepted: jax.Array  # int32: steps accepted so far (how full the window is)
+
+
+class GuardedTransformation(optax.GradientTransformation):
+  """An optax transformation wrapped by `guard` (a distinct type, so a second wrap is a no-op)."""
+
+
+def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_FACTOR,
+          window: int = WEIGHT_GUARD_WINDOW) -> GuardedTransformation:
+  """`inner`, with each step skipped (zero updates, `inner`'s state kept) when its gradient
+  or update is non-finite, or, once `window` steps have been accepted, when the parameter
+  norm after it or its update norm exceeds `factor` times the largest of the newest
+  `window` accepted steps' (`factor` 0: no norm check). Skipped steps count in
+  `notfinite_count` (the streak the training loop stops on) and `weight_jump` says which
+  kind the last one was. Any optax transformation works as `inner`; a guarded one is
+  returned as it is.
+
+  Why a factor of 10 against the window's largest norm cannot trip a healthy run: the
+  parameter norm grows by at most the update norm in a step, which was 5e-4..6e-2 of it
+  in the runs measured (docs/bench/weight_guard.md: ratios to the window's largest of
+  1.02 at most for the parameter norm, 1.05 for the update norm), so it would need an
+  update nine times the weights; AdamW's update per coordinate, |m_hat / sqrt(v_hat)|, is bounded by
+  (1 - b1) / sqrt(1 - b2) (0.45 at b2 = 0.95, 3.2 at 0.999) against about 0.2 in a
+  noise-dominated step, so even a gradient spike on every coordinate at once moves
+  the update norm by 2x (b2 = 0.95) to 14x (b2 = 0.999, with clipping off), and the
+  learning rate ramps by at most (window + 1) / window a step once the window is full.
+  A schedule that jumps up (warm restarts) can trip it: raise the factor or set it to 0.
+  """
+  if isinstance(inner, GuardedTransformation):
+    return inner
+  window = max(int(window), 1)
+  f32 = jnp.float32
+
+  def init(params):
+    return GuardState(inner_state=inner.init(params), notfinite_count=jnp.zeros((), jnp.int32),
+                      total_skipped=jnp.zeros((), jnp.int32), weight_jump=jnp.zeros((), jnp.int32),
+                      update_norm=jnp.zeros((), f32), param_norms=jnp.zeros((window,), f32),
+                      update_norms=jnp.zeros((window,), f32), accepted=jnp.zeros((), jnp.int32))
+
+  def update(grads, state: GuardState, params=None, **extra):
+    updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((grads, updates))]))
+    u_norm = optax.tree.norm(updates).astype(f32)
+    p_norm = (optax.tree.norm(optax.apply_updates(params, updates)).astype(f32)
+              if params is not None else jnp.zeros((), f32))
+    full = state.accepted >= window
+    jump = full & (factor > 0) & ((p_norm > factor * jnp.max(state.param_norms))
+                                  | (u_norm > factor * jnp.max(state.update_norms)))
+    ok = finite & ~jump
+    keep = lambda new, old: jnp.where(ok, new, old)
+    slot = state.accepted % window
+    new_state = GuardState(
+        inner_state=jax.tree.map(keep, inner_state, state.inner_state),
+        notfinite_count=jnp.where(ok, 0, state.notfinite_count + 1).astype(jnp.int32),
+        total_skipped=state.total_skipped + (~ok).astype(jnp.int32),
+        weight_jump=(finite & jump).astype(jnp.int32), update_norm=u_norm,
+        param_norms=keep(state.param_norms.at[slot].set(p_norm), state.param_norms),
+        update_norms=keep(state.update_norms.at[slot].set(u_norm), state.update_norms),
+        accepted=state.accepted + ok.astype(jnp.int32))
+    return jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates), new_state
+
+  return GuardedTransformation(init, update)
+
+
+def nonfinite_streak(opt_state: GuardState) -> jax.Array:
+  """Steps in a row skipped for a non-finite loss or gradient or a weight jump (0 after a good step)."""
   return opt_state.notfinite_count
+
+
+def guard_metrics(opt_state: GuardState) -> dict[str, jax.Array]:
+  """The guard's per-step metrics: the skip streak, whether the step was skipped for a
+  weight jump, the proposed update's norm."""
+  return {"nonfinite_streak": opt_state.notfinite_count,
+          "weight_jump": opt_state.weight_jump.astype(jnp.float32),
+          "update_norm": opt_state.update_norm}

@@ -81,6 +81,8 @@ _OPTIM_RANGES = (
     ("clip_norm", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     ("spike_window", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+    ("weight_guard_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    ("weight_guard_window", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
 )
 
 

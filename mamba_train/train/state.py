@@ -27,6 +27,7 @@ from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.parallel import sharding
+from mamba_train.train.optim import guard
 
 LoraSpec = lora_lib.LoraSpec
 
@@ -116,7 +117,11 @@ def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, 
                     rules=sharding.DEFAULT_RULES, lora: LoraSpec | None = None,
                     frozen_copy: bool = False) -> TrainState:
   """Shardings of the whole TrainState: the optimizer's per-parameter state
-  follows the parameters; its counters and the rest are replicated."""
+  follows the parameters; its counters and the rest are replicated.
+
+  `optimizer`, here and wherever a state is made, is any optax transformation: the
+  state holds it wrapped by `optim.guard` (as the train step runs it), unless it is already."""
+  optimizer = guard(optimizer)
   replicated = NamedSharding(mesh, P())
   p_sh, frozen = weight_shardings(cfg, mesh, rules, lora, frozen_copy)
   abstract_opt = jax.eval_shape(optimizer.init, _trainable_shapes(cfg, lora))
@@ -128,6 +133,7 @@ def state_shardings(cfg: Mamba2Config, optimizer: optax.GradientTransformation, 
 
 def _make_state(cfg, optimizer, key, params=None, lora: LoraSpec | None = None,
                 frozen_copy: bool = False) -> TrainState:
+  optimizer = guard(optimizer)
   init_key, rng = jax.random.split(key)
   if params is None:
     params = Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()

@@ -24,7 +24,7 @@ from mamba_train.parallel import sharding
 from mamba_train.train import dpo as dpo_lib, run_config
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.loss import linear_cross_entropy
-from mamba_train.train.optim import make_optimizer, nonfinite_streak
+from mamba_train.train.optim import guard, guard_metrics, make_optimizer
 from mamba_train.train.state import (
   TrainState,
   abstract_train_state,
@@ -111,9 +111,19 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   With grad_accum = k the global batch is scanned as k micro-batches; loss and
   gradient sums are added up and divided by the total token count once, so the
   update equals the one from the whole batch at once.
-  Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, lr,
-  tokens (unmasked), nonfinite_streak.
+  `optimizer` is any optax transformation (`optax.adamw(...)`, a chain, one made by
+  `optim.make_optimizer`): the step runs it wrapped by `optim.guard`, which skips a step
+  whose gradient is non-finite or whose weights jump; states made by train/state.py
+  (`init_train_state`, `abstract_train_state`) hold it wrapped in the same way.
+
+  Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, update_norm, lr,
+  tokens (unmasked), nonfinite_streak (steps in a row skipped), weight_jump (1: this
+  step was skipped for a norm jump).
   """
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(f"make_train_step needs an optax GradientTransformation (e.g. optax.adamw(1e-3), "
+                    f"or optim.make_optimizer(config.optim, steps)[0]), got {type(optimizer).__name__}")
+  optimizer = guard(optimizer)
   st_sh = state_shardings(cfg, optimizer, mesh, rules, lora=lora, frozen_copy=dpo is not None)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
   replicated = NamedSharding(mesh, P())
@@ -156,7 +166,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
           "param_norm": optax.global_norm(new_params),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
-          "nonfinite_streak": nonfinite_streak(opt_state),
+          **guard_metrics(opt_state),
           **{k: v / denom for k, v in sums.items()},
       }
       return new_state, metrics

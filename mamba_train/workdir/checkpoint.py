@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
+import sys
 from typing import Any
 
 import grain
@@ -93,6 +95,11 @@ class Checkpointer:
                                          item_handlers=_handlers())
     self.last_saved: int | None = None
     self._failed = False
+    # Orbax's writer threads log each failed save's traceback (three of them a save) as it
+    # happens, outside any call of ours; the failure is reported here, in one line, instead.
+    self._quiet = _DropOrbaxErrors()
+    logging.getLogger("absl").addFilter(self._quiet)
+    _ignore_stray_write_completions()
 
   # -- saving --
 
@@ -107,8 +114,10 @@ class Checkpointer:
     try:
       with _quiet_orbax():  # its traceback of the previous save's failure: we say it in one line
         saved = self.manager.save(step, args=args, force=force)
-    except OSError as e:  # Orbax waits for the previous save first and re-raises its error
-      raise self._write_error(self.last_saved, e) from None
+    except Exception as e:  # Orbax waits for the previous save first and re-raises its error
+      if not is_storage_error(e):
+        raise
+      raise self._write_error(self.last_saved, e) from e
     self.last_saved = step
     return saved
 
@@ -121,17 +130,17 @@ class Checkpointer:
     Called at every step, so a failed save stops the run at the next step after it."""
     error = _finished_save_error(self.manager)
     if error is not None:
-      raise self._write_error(self.last_saved, error)
+      raise self._write_error(self.last_saved, error) from error
 
   def _write_error(self, step, error: BaseException) -> CheckpointWriteError:
     self._failed = True
     remote = storage.is_remote(self.directory)
     try:
       room = storage.free_bytes(self.directory)
-      free = "a bucket" if room is None else f"{room / 2**30:.2f} GiB free there"
+      free = "a bucket" if room is None else f"{_size(room)} free there"
     except OSError:
       free = "free space unknown"
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+    reason = storage_reason(error)
     try:
       done = [s for s in self.steps() if s != step]
       last = f"the last complete checkpoint is step {done[-1]}" if done else "no checkpoint is complete"
@@ -151,23 +160,28 @@ class Checkpointer:
     except OSError:
       return
     if free is not None and need > free:
-      log.warning("%s has %.2f GiB free but this run's checkpoints need about %.2f GiB (%s of %.2f "
-                  "GiB and one being written): saves will fail. Free space, lower checkpoint_keep "
-                  "or use another --workdir.", self.directory, free / 2**30, need / 2**30,
-                  f"{keep} kept" if keep else "all kept; counting 1", state_bytes / 2**30)
+      log.warning("%s has %s free but this run's checkpoints need about %s (%s of %s "
+                  "and one being written): saves will fail. Free space, lower checkpoint_keep "
+                  "or use another --workdir.", self.directory, _size(free), _size(need),
+                  f"{keep} kept" if keep else "all kept; counting 1", _size(state_bytes))
 
   def close(self) -> None:
+    """Wait for the saves in flight; raise CheckpointWriteError if one failed and was not
+    reported yet (a failure already reported at a step is not raised again)."""
     if self.local is not None:
       self.local.wait()
     try:
       with _quiet_orbax():
         self.manager.wait_until_finished()
-    except OSError as e:
-      if not self._failed:  # already reported at a step
-        raise self._write_error(self.last_saved, e) from None
+    except Exception as e:  # only a background save's error comes from the wait: a failed save
+      if not self._failed:
+        raise self._write_error(self.last_saved, e) from e
     finally:
-      with _quiet_orbax(), contextlib.suppress(OSError):
-        self.manager.close()
+      try:
+        with _quiet_orbax(), contextlib.suppress(Exception if self._failed else OSError):
+          self.manager.close()
+      finally:
+        logging.getLogger("absl").removeFilter(self._quiet)
 
   # -- restoring --
 
@@ -291,6 +305,83 @@ class Checkpointer:
     return None, None
 
 
+# What a write that failed for want of room or rights says. Orbax writes arrays with
+# tensorstore, which raises a ValueError carrying an absl status code ("RESOURCE_EXHAUSTED:
+# Error writing ... in OCDBT database ...: No space left on device"), not an OSError; its
+# JSON and metadata writers raise OSError. Both forms are recognised, wherever they come
+# from (the save call, the background threads, close).
+_STORAGE_REASONS = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                    "Permission denied", "File too large")
+_STORAGE_CODES = re.compile(r"\b(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DATA_LOSS)\b")
+
+
+def _chain(error: BaseException):
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def is_storage_error(error: BaseException) -> bool:
+  """Whether `error` (or what it was raised from) is a write refused by the storage: an
+  OSError, or tensorstore's status error of a full disk, a quota, missing rights."""
+  for e in _chain(error):
+    if isinstance(e, OSError) or _STORAGE_CODES.search(str(e)) or any(r in str(e) for r in _STORAGE_REASONS):
+      return True
+  return False
+
+
+def storage_reason(error: BaseException) -> str:
+  """The short reason of a failed write: the OS's words ("No space left on device"), with
+  tensorstore's status code when it raised it, else the error's first line."""
+  for e in _chain(error):
+    if isinstance(e, OSError) and e.strerror:
+      return e.strerror
+    text = str(e)
+    reason = next((r for r in _STORAGE_REASONS if r in text), None)
+    code = _STORAGE_CODES.search(text)
+    if reason:
+      return f"{reason} (tensorstore {code.group(1)})" if code else reason
+  first = str(error).splitlines()[0] if str(error) else type(error).__name__
+  return first[:200]
+
+
+def _stray_write_completion(u) -> bool:
+  """A tensorstore write of a failed save finishing after Orbax's event loop closed: when one
+  write of a save fails, asyncio.gather returns and Orbax's thread closes its loop while the
+  save's other writes are still in flight; each of them, finishing, calls
+  `loop.call_soon_threadsafe` on the closed loop from a C++ thread, which reports it as
+  unraisable (a bare traceback on stderr, a dozen a failed save). Nothing is lost: the
+  save has failed already, and the checkpointer reports it."""
+  if u.exc_type is not RuntimeError or str(u.exc_value) != "Event loop is closed":
+    return False
+  tb = u.exc_traceback
+  while tb is not None and tb.tb_next is not None:
+    if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+      return True
+    tb = tb.tb_next
+  return tb is not None and tb.tb_frame.f_code.co_name in ("call_soon_threadsafe", "_check_closed")
+
+
+def _ignore_stray_write_completions() -> None:
+  """Drop `_stray_write_completion`s, passing every other unraisable error on to the hook
+  in place. Installed once per process, by the first Checkpointer (it cannot be scoped to
+  one: the stray completions can come after its close)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_stray_write_completions", False):
+    return
+
+  def hook(u):
+    if not _stray_write_completion(u):
+      previous(u)
+
+  hook._drops_stray_write_completions = True
+  sys.unraisablehook = hook
+
+
+def _size(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**29 else f"{n / 2**20:.1f} MiB"
+
+
 def _finished_save_error(manager) -> BaseException | None:
   """The error of a finished asynchronous save, if it failed. Orbax keeps it on its
   finalize thread and raises it only when the next save or close waits; this reads
@@ -308,6 +399,11 @@ class _DropOrbaxRecords(logging.Filter):
     # With a bucket, gcsfs logs every object it opens at INFO (its warnings stay).
     return "/orbax/" not in record.pathname and (
         record.levelno >= logging.WARNING or "/gcsfs/" not in record.pathname)
+
+
+class _DropOrbaxErrors(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not ("/orbax/" in record.pathname and record.levelno >= logging.ERROR)
 
 
 @contextlib.contextmanager
