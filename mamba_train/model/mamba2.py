@@ -327,7 +327,6 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state."""
   b = u.shape[0]
-  cd = jnp.dtype(rt.compute_dtype)
   z, xr, bc, dt_raw = _project_in(p, u, rt)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])

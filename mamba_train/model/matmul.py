@@ -57,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from mamba_train.model.runtime import MATMUL_PRECISIONS as PRECISIONS
 
 F32 = jnp.float32
 # The key under which a layer's adapters travel beside its weights.
