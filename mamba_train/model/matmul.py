@@ -57,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-
 F32 = jnp.float32
 # The key under which a layer's adapters travel beside its weights.
 ADAPTERS = "lora"
