@@ -146,6 +146,7 @@ def test_fp8_and_int8_train_to_bfloat16s_loss(trained, name, precision):
   # The last 20 steps' mean (the same 20 batches for both): one step's loss moves
   # with its batch by more than the 3% asked.
   final, want = losses[-20:].mean(), ref[-20:].mean()
+  print(f"{name} {precision}: last-20 mean loss {final:.4f}, bf16 {want:.4f} ({final / want - 1:+.2%})")
   assert ref[0] - want > 2.0  # it did train (from ln 257 = 5.5)
   assert abs(final - want) <= 0.03 * want, (final, want)
   # The precision is a runtime field: the state (what a checkpoint holds) is the same
