@@ -99,7 +99,7 @@ def test_adapter_dropout_against_numpy():
   ad = matmul.Adapter(jnp.asarray(a), jnp.asarray(b), key, scale, rate)
   got = np.asarray(matmul.linear(jnp.asarray(x), jnp.asarray(w), "float32", adapter=ad))
   mask = np.asarray(matmul.dropout_mask(key, x.shape, rate), np.float64)
-  assert set(np.unique(mask)) == {0.0, 1.0 / (1.0 - rate)}
+  assert set(np.unique(mask)) == {0.0, float(np.float32(1.0) / np.float32(1.0 - rate))}
   keep = np.mean(mask > 0)  # binomial over 336 inputs: within 5 sigma of 1 - rate
   assert abs(keep - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / mask.size)
   x64 = x.astype(np.float64)
