@@ -130,16 +130,21 @@ def _train(plan, batches):
   return state, shapes, np.array([r["loss"] for r in rows]), np.array([r["nonfinite_streak"] for r in rows])
 
 
+# fp8 is not trained here: on XLA:CPU an fp8 train step of the tiny model slows from 0.3 s to
+# 4 s a step after about 30 steps (measured 2026-12-02, cause not found; docs/bench/precision.md),
+# which no CPU test budget holds. Its dots are held to their bound above, forward and backward.
+TRAINED = ("default", "int8")
+
+
 @pytest.fixture(scope="module")
 def trained(corpus_batches):
   """{(model, precision): (state, state shapes, losses, nonfinite streaks)}."""
-  return {(n, p): _train(_plan(n, p), corpus_batches)
-          for n in ("tiny", "tiny-hybrid") for p in ("default", "fp8", "int8")}
+  return {(n, p): _train(_plan(n, p), corpus_batches) for n in ("tiny", "tiny-hybrid") for p in TRAINED}
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_fp8_and_int8_train_to_bfloat16s_loss(trained, name, precision):
+@pytest.mark.parametrize("precision", ["int8"])
+def test_int8_trains_to_bfloat16s_loss(trained, name, precision):
   _, shapes, losses, streaks = trained[(name, precision)]
   _, ref_shapes, ref, _ = trained[(name, "default")]
   assert np.all(np.isfinite(losses)) and np.all(streaks == 0)
