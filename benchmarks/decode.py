@@ -430,7 +430,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   def weights(params):
     m = nnx.merge(gd, params)
     if precast:
-      return m.decode_layers(unrolled), m.head_for_logits()
+      return m.decode_layers(unrolled), m.head_for_logits(decode=True)
     return (m.unstacked_layers() if unrolled else {k: m.layer_params(k) for k in m._kinds()}), None
 
   def one_step(params, layers, head, token, states):

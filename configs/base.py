@@ -136,7 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict(dict(
       rank=0,
       alpha=16.0,  # the update is (alpha / rank) * A @ B
-      dropout=0.0,  # must be 0: the adapters are merged per layer (model/lora.py says why)
+      dropout=0.0,  # on the adapters' input, training only (peft's lora_dropout; model/lora.py)
       # Glob patterns over in_proj, out_proj, q_proj, k_proj, v_proj, o_proj, up_proj,
       # gate_proj, down_proj and lm_head; names this model lacks are passed over.
       targets="in_proj,out_proj,q_proj,k_proj,v_proj,o_proj,up_proj,gate_proj,down_proj",

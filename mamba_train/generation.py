@@ -212,10 +212,11 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
     return (i < max_new_tokens) & ~jnp.all(done)
 
   # The weights every step reads, made once out here: matmul weights and the LM
-  # head in the compute dtype; per layer (unstacked) when the layers run unrolled,
-  # see Mamba2LM.step_unrolled and the runtime's decode_layers.
+  # head in the compute dtype, or quantized in the runtime's matmul_precision; per
+  # layer (unstacked) when the layers run unrolled, see Mamba2LM.step_unrolled and
+  # the runtime's decode_layers.
   unrolled = model.runtime.decode_layers != "scan"
-  layers, head = model.decode_layers(unrolled), model.head_for_logits()
+  layers, head = model.decode_layers(unrolled), model.head_for_logits(decode=True)
   if unrolled:
     states = model.unstack_states(cache.states())
     step_fn = lambda tok, states: model.step_unrolled(tok, layers, states)

@@ -52,6 +52,10 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch_size", 64, "The largest batch 'auto
 _MAX_LEN = flags.DEFINE_integer("max_length", 2048, "Longest context scored (lm-eval's default).")
 _OUT = flags.DEFINE_string("output_path", None, "Where lm-eval writes results (and samples).")
 _SAMPLES = flags.DEFINE_bool("log_samples", False, "Also write per-sample outputs.")
+_PRECISION = flags.DEFINE_enum(
+    "matmul_precision", None, ["default", "fp8", "int8"],
+    "Run the matmuls in this format (runtime.matmul_precision; default: the model's own). "
+    "int8: weights quantized once per generate call, the state and recurrence float32.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of few-shot sampling and generation.")
 # Multi-process jobs, as train.py takes them (mamba_train/parallel/distributed.py).
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0.")
@@ -88,7 +92,8 @@ def main(argv):
     raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer")
   if storage.is_remote(spec):  # the tokenizers library reads local files
     spec = storage.local_copy(spec)
-  model, mesh = mamba_train.load_model(path), None
+  kw = {} if _PRECISION.value is None else {"matmul_precision": _PRECISION.value}
+  model, mesh = mamba_train.load_model(path, **kw), None
   if jax.device_count() > 1:  # data-parallel: the weights on every device, the rows split
     from mamba_train.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
     mesh = make_mesh({"data": -1})

@@ -4,6 +4,8 @@
   python scripts/generate.py --model=/path/to/model --prompt="The capital of France is"
   # Token ids, any model directory:
   python scripts/generate.py --model=/path/to/model --ids=1,2,3 --max_new_tokens=32
+  # INT8 decoding (weights quantized once per call; state and recurrence float32):
+  python scripts/generate.py --model=... --prompt=... --matmul_precision=int8
   # Sampling:
   python scripts/generate.py --model=... --prompt=... --temperature=0.8 --top_p=0.95 --seed=1
 
@@ -41,6 +43,10 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1].")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _EOS = flags.DEFINE_integer("eos_id", None, "Stop at this id (default: the tokenizer's EOS).")
 _IGNORE_EOS = flags.DEFINE_boolean("ignore_eos", False, "Always generate max_new_tokens.")
+_PRECISION = flags.DEFINE_enum(
+    "matmul_precision", None, ["default", "fp8", "int8"],
+    "Run the matmuls in this format (runtime.matmul_precision; default: the model's own). "
+    "int8: weights quantized once per generate call, the state and recurrence float32.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", MAX_PROMPT_LEN, "Longest prompt accepted.")
 
 
@@ -75,7 +81,8 @@ def main(argv):
 
   with Timer() as t:
     try:
-      model = mamba_train.load_model(_MODEL.value)
+      kw = {} if _PRECISION.value is None else {"matmul_precision": _PRECISION.value}
+      model = mamba_train.load_model(_MODEL.value, **kw)
     except (FileNotFoundError, ValueError) as e:  # a wrong path, not a model, a damaged step
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)

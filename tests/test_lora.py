@@ -1,6 +1,7 @@
 """LoRA adapters: a zero B is the base exactly; a step trains the adapters alone; a killed
 LoRA run resumes to the uninterrupted run's losses; merged weights equal base + adapters."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from transformers import Mamba2ForCausalLM
 from configs import tiny
 from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
 from mamba_train.interop import export, peft as peft_export
-from mamba_train.model import lora
+from mamba_train.model import lora, matmul
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import loop, run_config, step as steps
 from mamba_train.workdir import checkpoint
@@ -88,14 +89,75 @@ def test_merged_weights_give_the_adapted_logits(hybrid):
   assert rel(np.asarray(adapted.merged()(ids)), want) < 1e-6
 
 
+def test_adapter_dropout_against_numpy():
+  """y = x W + scale * dropout(x) A B (peft's Linear), against numpy on the same mask;
+  the mask is inverted dropout's, and its expectation is the adapter without dropout."""
+  rng = np.random.RandomState(5)
+  x, w = rng.randn(3, 7, 16).astype(np.float32), rng.randn(16, 12).astype(np.float32)
+  a, b = rng.randn(16, 4).astype(np.float32), rng.randn(4, 12).astype(np.float32)
+  key, rate, scale = jax.random.PRNGKey(7), 0.25, 2.0
+  ad = matmul.Adapter(jnp.asarray(a), jnp.asarray(b), key, scale, rate)
+  got = np.asarray(matmul.linear(jnp.asarray(x), jnp.asarray(w), "float32", adapter=ad))
+  mask = np.asarray(matmul.dropout_mask(key, x.shape, rate), np.float64)
+  assert set(np.unique(mask)) == {0.0, float(np.float32(1.0) / np.float32(1.0 - rate))}
+  keep = np.mean(mask > 0)  # binomial over 336 inputs: within 5 sigma of 1 - rate
+  assert abs(keep - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / mask.size)
+  x64 = x.astype(np.float64)
+  want = x64 @ w + scale * ((x64 * mask) @ a) @ b
+  assert rel(got, want) < 1e-6
+  # Without a key (evaluation) there is no dropout.
+  plain = matmul.Adapter(jnp.asarray(a), jnp.asarray(b), None, scale, rate)
+  got = matmul.linear(jnp.asarray(x), jnp.asarray(w), "float32", adapter=plain)
+  assert rel(got, x64 @ w + scale * x64 @ a @ b) < 1e-6
+  # The mean over 4000 masks is the adapter without dropout (E[mask] = 1), to within
+  # 5 standard errors of the mean, per element.
+  keys = jax.random.split(jax.random.PRNGKey(8), 4000)
+  deltas = np.asarray(jax.vmap(lambda k: matmul.Adapter(jnp.asarray(a), jnp.asarray(b), k, scale, rate)
+                               .delta(jnp.asarray(x), jnp.float32))(keys), np.float64)
+  exact = scale * x64 @ a @ b
+  sem = deltas.std(axis=0) / np.sqrt(len(keys))
+  assert np.all(np.abs(deltas.mean(axis=0) - exact) <= 5 * sem + 1e-6)
+
+
+def test_dropout_runs_the_adapters_beside_the_base(hybrid):
+  """A spec with dropout takes the separate path (x W + scale dropout(x) A B): without a
+  key it is the merged model to float32 rounding, loss and adapter gradients alike;
+  with a training step's key the masks are drawn, the same for the same key."""
+  cfg, model, ids = hybrid
+  merged_spec = _spec(cfg)
+  spec = merged_spec.replace(dropout=0.1)
+  assert spec.separate and not merged_spec.separate
+  adapters = _noisy(lora.init_adapters(model.params(), spec, jax.random.PRNGKey(0)))
+  batch = {"input_ids": ids, "targets": jnp.roll(ids, -1, 1), "seq_idx": jnp.zeros_like(ids),
+           "loss_mask": jnp.ones(ids.shape, jnp.float32)}
+
+  @functools.partial(jax.jit, static_argnums=(1,))
+  def loss_and_grads(key, spec):
+    f = lambda ad: steps.loss_sums(ad, batch, cfg, model.runtime, frozen=model.params(), lora=spec,
+                                   dropout_key=key)[0]
+    return jax.value_and_grad(f)(adapters)
+
+  none = jnp.zeros((2,), jnp.uint32)  # a key that the merged spec ignores
+  l0, g0 = loss_and_grads(none, merged_spec)
+  ref = jax.jit(lambda: jax.value_and_grad(lambda ad: steps.loss_sums(
+      ad, batch, cfg, model.runtime, frozen=model.params(), lora=spec)[0])(adapters))
+  l1, g1 = ref()  # the separate path without a key: no dropout
+  assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0))
+  assert max(rel(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))) < 1e-5
+  la, _ = loss_and_grads(jax.random.PRNGKey(1), spec)
+  lb, _ = loss_and_grads(jax.random.PRNGKey(1), spec)
+  lc, _ = loss_and_grads(jax.random.PRNGKey(2), spec)
+  assert float(la) == float(lb) and float(la) != float(lc) and float(la) != float(l1)
+
+
 def test_bad_lora_settings_are_refused_before_any_work():
   c = tiny.get_config()
   c.lora.update(rank=4, targets="in_proj,qkv")
   with pytest.raises(run_config.ConfigError) as e:
     run_config.validate(c, num_devices=1)
   assert "lora.targets ['qkv'] match no LoRA target" in str(e.value)
-  c.lora.update(targets="in_proj", dropout=0.1)
-  with pytest.raises(run_config.ConfigError, match="lora.dropout must be 0"):
+  c.lora.update(targets="in_proj", dropout=1.0)
+  with pytest.raises(run_config.ConfigError, match=r"lora.dropout must be in \[0, 1\)"):
     run_config.validate(c, num_devices=1)
   c.lora.update(dropout=0.0, base_dtype="int3")
   with pytest.raises(run_config.ConfigError, match="lora.base_dtype must be one of"):
@@ -178,8 +240,10 @@ def test_qlora_step_trains_adapters_and_its_loss_is_within_the_quantization_erro
 
 
 # A LoRA run as a user runs one: from a transformers base, adapters on in_proj and the head
-# (both of which peft loads), at a rate that moves them well off the base in 4 steps.
-LORA_FLAGS = ["--config.lora.rank=4", "--config.lora.targets=in_proj,lm_head", "--config.steps=4",
+# (both of which peft loads), with dropout (so the resumed run must draw the masks the
+# uninterrupted one drew), at a rate that moves them well off the base in 4 steps.
+LORA_FLAGS = ["--config.lora.rank=4", "--config.lora.targets=in_proj,lm_head", "--config.lora.dropout=0.1",
+              "--config.steps=4",
               "--config.checkpoint_every=2", "--config.optim.lr=0.05"]
 
 
@@ -254,7 +318,8 @@ def test_peft_export_loads_in_transformers_and_peft(lora_run, tmp_path):
   r = _run([sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(full), "--out",
             str(tmp_path / "adapters"), "--peft"], script_env())
   assert r.returncode == 0, r.stderr[-3000:]
-  assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+  config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+  assert config["base_model_name_or_path"] == str(base) and config["lora_dropout"] == 0.1
   ref = PeftModel.from_pretrained(Mamba2ForCausalLM.from_pretrained(base), tmp_path / "adapters").eval()
   with torch.no_grad():
     got = ref(torch.from_numpy(_ids())).logits.numpy()

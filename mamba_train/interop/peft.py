@@ -73,7 +73,7 @@ def adapter_config(model: Mamba2LM, base: str) -> dict:
   spec = model.lora
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-      "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
+      "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "bias": "none",
       "target_modules": sorted(t for t in spec.targets), "fan_in_fan_out": False,
       "use_rslora": False, "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
   }

@@ -10,7 +10,7 @@ and optional rotary embeddings. Packed documents (`seq_idx`) and left padding
 padding key. The decoding state of a layer is a fixed-size key/value buffer.
 
 Precision: projections in the runtime's compute dtype with float32
-accumulation; scores, softmax and the key/value buffer in float32 (the buffer
+accumulation, or its matmul_precision (`matmul.linear`); scores, softmax and the key/value buffer in float32 (the buffer
 holds what the projections return; it is cast to the compute dtype only for the
 products).
 
@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mamba_train.model import matmul as mm
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
@@ -214,14 +215,17 @@ def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
   return out.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e).astype(F32)
 
 
-def _qkv(p, u, cfg, cd):
-  uc = u.astype(cd)
-  proj = lambda w: jnp.einsum("...d,dhe->...he", uc, p[w].astype(cd), preferred_element_type=F32)
-  return proj("q_proj"), proj("k_proj"), proj("v_proj")
+def _linear(p, name, x, rt, n_in=1):
+  """x times the layer's weight `name` in the runtime's precision, with its adapter."""
+  return mm.linear(x, p[name], rt.compute_dtype, rt.matmul_precision, n_in, mm.adapter_of(p, name))
 
 
-def _out(p, o, cd):
-  return jnp.einsum("...he,hed->...d", o.astype(cd), p["o_proj"].astype(cd), preferred_element_type=F32)
+def _qkv(p, u, rt):
+  return _linear(p, "q_proj", u, rt), _linear(p, "k_proj", u, rt), _linear(p, "v_proj", u, rt)
+
+
+def _out(p, o, rt):
+  return _linear(p, "o_proj", o, rt, n_in=2)
 
 
 def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
@@ -230,7 +234,7 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
   Returns (b, l, d) float32 and the layer's keys and values {k, v} (b, l, k, e)
   float32, rotary applied: what a decoding cache starts from."""
   cd = jnp.dtype(rt.compute_dtype)
-  q, k, v = _qkv(p, u, cfg, cd)
+  q, k, v = _qkv(p, u, rt)
   q = sharding.constrain(q, ("batch", "act_length", "act_heads", None))
   if cfg.attn_rotary_emb_dim:
     pos = positions(seq_idx, u.shape[1])
@@ -247,7 +251,7 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
   else:  # (splash on a length it cannot block, or under a sequence split: the plain form)
     ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
     o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd)
-  return _out(p, o, cd), {"k": k, "v": v}
+  return _out(p, o, rt), {"k": k, "v": v}
 
 
 def empty_kv(cfg: Mamba2Config, batch: int, capacity: int) -> dict[str, Array]:
@@ -275,7 +279,7 @@ def attention_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   Writes this position's key and value at kv_pos and attends over the valid
   buffer. Costs O(capacity) whatever the number of tokens seen."""
   cd = jnp.dtype(rt.compute_dtype)
-  q, k, v = _qkv(p, u[:, None], cfg, cd)  # (b, 1, heads, e)
+  q, k, v = _qkv(p, u[:, None], rt)  # (b, 1, heads, e)
   pos = state["kv_pos"]
   if cfg.attn_rotary_emb_dim:
     q, k = rotary(q, pos[None], cfg), rotary(k, pos[None], cfg)
@@ -283,7 +287,7 @@ def attention_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   kb, vb = write(state["k"], k), write(state["v"], v)
   valid = write(state["kv_valid"], jnp.ones((u.shape[0], 1), bool))
   o = attend(q, kb, vb, valid[:, None, :], "xla", cd)  # one query: the plain form on every backend
-  return _out(p, o[:, 0], cd), {"k": kb, "v": vb, "kv_valid": valid, "kv_pos": pos + 1}
+  return _out(p, o[:, 0], rt), {"k": kb, "v": vb, "kv_valid": valid, "kv_pos": pos + 1}
 
 
 # ----------------------------------------------------------------------------
@@ -293,14 +297,11 @@ def attention_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
 def mlp(p, u, cfg: Mamba2Config, rt: Runtime):
   """down(act(up u)): act squared ReLU (relu2, Nemotron-H) or, for swiglu,
   silu(gate u) * (up u) (mamba_ssm's GatedMLP). u: (..., d) float32."""
-  cd = jnp.dtype(rt.compute_dtype)
-  uc = u.astype(cd)
-  up = jnp.einsum("...d,df->...f", uc, p["up_proj"].astype(cd), preferred_element_type=F32)
+  up = _linear(p, "up_proj", u, rt)
   if cfg.mlp_act == "swiglu":
-    gate = jnp.einsum("...d,df->...f", uc, p["gate_proj"].astype(cd), preferred_element_type=F32)
-    a = jax.nn.silu(gate) * up
+    a = jax.nn.silu(_linear(p, "gate_proj", u, rt)) * up
   else:
     a = jnp.square(jax.nn.relu(up))
   if a.ndim == 3:
     a = sharding.constrain(a, ("batch", "act_length", "act_mlp"))
-  return jnp.einsum("...f,fd->...d", a.astype(cd), p["down_proj"].astype(cd), preferred_element_type=F32)
+  return _linear(p, "down_proj", a, rt)

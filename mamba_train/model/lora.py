@@ -12,19 +12,28 @@ the model as it was. Every matmul is a target, by name:
   up_proj, gate_proj, down_proj      a hybrid's MLP layers
   lm_head   the LM head (with tied embeddings: the head only, not the lookup)
 
-The adapters are merged into the weight inside each layer's function, per layer,
-not run as a separate x @ A @ B path beside it. Why: the model's matmuls are not
-one call each (in_proj's three weights are joined into one dot, decoding reads
-them unjoined, the fused SSD kernels sit between them), and a per-layer merge
-serves all of them with one rule, adds exactly what peft's merged weights add, and
-dequantizes a quantized base where it is used, one layer at a time, so no whole
-dequantized copy exists. What it costs: the weight gradient of the adapted matmul
-is formed per layer (as full finetuning forms it) before it is reduced to A's and
-B's, and dropout on the adapter's input cannot be expressed (it needs the
-separate path), so `dropout` must be 0. qwix's LoRA provider intercepts the dot
+Two ways to run an adapted matmul, chosen by `LoraSpec.separate`:
+
+  merged    the adapters merged into the weight inside each layer's function, per
+            layer (`merge_layer`): the matmul is the base's, with exactly what
+            peft's merged weights add. The weight gradient of the adapted matmul
+            is formed per layer (in x out, as full finetuning forms it) before it
+            is reduced to A's and B's.
+  separate  peft's y = x W + scale * dropout(x) A B (`matmul.Adapter`), the
+            adapter's own small dots beside the base's: no weight gradient of the
+            base is formed at all, and dropout on the adapter's input (training
+            only, one mask per step, layer and target from the train state's key,
+            so a resumed run draws the masks the uninterrupted one drew) can be
+            expressed. The LM head's adapter joins the head as extra columns
+            (`Mamba2LM.head_operands`), so the blockwise loss runs it unchanged.
+
+Dropout needs the separate path; without dropout the merged one is kept
+(`LoraSpec.separate` says why, with the figures in docs/bench/lora.md). Decoding
+always runs the merged model (`merge`). qwix's LoRA provider intercepts the dot
 calls of Flax modules by the module's parameter; here the weights reach their dots
 sliced out of layer stacks inside a scan, where it cannot see them. The base's
-quantization is qwix's (`qwix.quantize`, `qwix.dequantize`).
+quantization is qwix's (`qwix.quantize`, `qwix.dequantize`), dequantized per layer
+where it is used, so no whole dequantized copy exists.
 
 Shapes: adapters are stacked over a kind's layers like the weights, so
 `{"layers": {"in_proj": {"a": (L, d, r), "b": (L, r, 2i+2gn+h)}, ...},
@@ -77,6 +86,7 @@ class LoraSpec:
   alpha: float
   targets: tuple[str, ...]  # resolved names from TARGETS and HEAD
   base_dtype: str = ""
+  dropout: float = 0.0  # on the adapters' input (peft's lora_dropout), training only
   # int4 values two to a byte. XLA:CPU's compiled programs want int4 arguments packed,
   # but JAX's CPU client makes them one to a byte (JAX 0.10), so a CPU run stores them
   # in int8 (the same numbers, int8's memory): the caller says which for its backend.
@@ -88,6 +98,15 @@ class LoraSpec:
   @property
   def scale(self) -> float:
     return self.alpha / self.rank
+
+  @property
+  def separate(self) -> bool:
+    """Run the adapters beside the base (x W + scale dropout(x) A B) rather than
+    merged into it. Dropout needs it. Without dropout the merged form is kept: it
+    is today's numbers exactly, and its per-layer weight gradient cost less than
+    the separate dots' extra activations on the runs measured
+    (docs/bench/lora.md, "dropout and the separate path")."""
+    return self.dropout > 0.0
 
 
 def resolve_targets(patterns: str, present: set[str]) -> tuple[str, ...]:
@@ -122,13 +141,11 @@ def make_spec(rank: int, alpha: float, dropout: float, targets: str, base_dtype:
     return None
   if not (isinstance(alpha, (int, float)) and alpha > 0):
     raise LoraError(f"lora.alpha must be > 0, got {alpha!r}")
-  if dropout:
-    raise LoraError(f"lora.dropout must be 0, got {dropout!r}: the adapters are merged into each "
-                    "layer's weights (model/lora.py says why), where dropout on their input cannot "
-                    "be expressed; regularise with optim.weight_decay instead")
+  if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+    raise LoraError(f"lora.dropout must be in [0, 1) (peft's lora_dropout), got {dropout!r}")
   if base_dtype not in BASE_DTYPES:
     raise LoraError(f"lora.base_dtype must be one of {BASE_DTYPES} ('' = as stored), got {base_dtype!r}")
-  return LoraSpec(rank, float(alpha), resolve_targets(targets, present), base_dtype)
+  return LoraSpec(rank, float(alpha), resolve_targets(targets, present), base_dtype, float(dropout))
 
 
 def spec_from_config(c: dict, present: set[str]) -> LoraSpec | None:

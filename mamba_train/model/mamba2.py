@@ -8,9 +8,11 @@ stack per layer kind) and run with `jax.lax.scan` (`pattern.py`), so compile
 time does not grow with depth. The per-layer math is written as pure functions
 of a dict of that layer's arrays (attention and MLP layers: `attention.py`).
 
-Precision policy: parameters float32; the three projections and the LM head run
-in the runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32 results; the
-residual stream, dt / A / decay, convolution, norms and logits are float32.
+Precision policy: parameters float32; the projections and the LM head run in the
+runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32
+results, or in its matmul_precision (fp8, int8; every matmul goes through
+`matmul.linear`, which says what stays float32); the residual stream, dt / A /
+decay, convolution, SSD, norms and logits are float32.
 
 Shapes: b batch, l length, d d_model, i d_inner (= h * p), h heads, p headdim,
 g groups, n d_state, k conv kernel, v vocabulary.
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from mamba_train.model import attention as attn_lib, lora as lora_lib, pattern as pattern_lib
+from mamba_train.model import attention as attn_lib, lora as lora_lib, matmul as mm, pattern as pattern_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
@@ -66,7 +68,7 @@ MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj"
 
 
 # The key under which a layer's adapters travel beside its weights (`Mamba2LM._compute_params`).
-ADAPTERS = "lora"
+ADAPTERS = mm.ADAPTERS
 
 
 # Each layer kind: its name in `Mamba2LM.params()` and the keys of its decoding
@@ -199,28 +201,29 @@ def _dt_and_A(p, dt_raw, cfg):
   return dt, -jnp.exp(p["A_log"])
 
 
-def _project_in(p, u, cd):
+def _project_in(p, u, rt):
   """z, x, B|C and dt from the block input u: one matmul on the three weights
   joined inside their cast to the compute dtype (one weight read, and libtpu
   compiles one dot instead of four), sliced in its output fusion; z, x and B|C
   stored in the compute dtype (float32 accumulation, one rounding), dt float32."""
-  uc = u.astype(cd)
+  cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
   if u.ndim == 2:  # one position (decoding): joining the weights would copy them every token
-    proj = lambda spec, w: jnp.einsum(spec, uc, w.astype(cd), preferred_element_type=F32)
-    zxr = proj("...d,dki->...ki", zx).astype(cd)
-    return zxr[..., 0, :], zxr[..., 1, :], proj("...d,dkn->...kn", bcw).astype(cd), proj("...d,dh->...h", dtw)
+    proj = lambda w: mm.linear(u, w, cd, prec)
+    zxr = proj(zx).astype(cd)
+    return zxr[..., 0, :], zxr[..., 1, :], proj(bcw).astype(cd), proj(dtw)
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
   w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn), dtw], 1).astype(cd)
-  r = jnp.einsum("...d,de->...e", uc, w, preferred_element_type=F32)
+  r = mm.linear(u, w, cd, prec, 1, mm.adapter_of(p, "in_proj"))
   z, x = r[..., :i].astype(cd), r[..., i:2 * i].astype(cd)
   bc = r[..., 2 * i:2 * i + 2 * gn].astype(cd).reshape(*r.shape[:-1], 2, gn)
   return z, x, bc, r[..., 2 * i + 2 * gn:]
 
 
-def _project_out(p, y, z, cfg, cd):
+def _project_out(p, y, z, cfg, rt):
   y = gated_rms_norm(y, z, p["gate_norm"], cfg.ngroups, cfg.norm_eps)
-  return jnp.einsum("...i,id->...d", y.astype(cd), p["out_proj"].astype(cd), preferred_element_type=F32)
+  return mm.linear(y, p["out_proj"], rt.compute_dtype, rt.matmul_precision, 1,
+                   mm.adapter_of(p, "out_proj"))
 
 
 def zero_state(cfg: Mamba2Config, batch: int) -> dict[str, Array]:
@@ -267,7 +270,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   """
   b, l, _ = u.shape
   cd = jnp.dtype(rt.compute_dtype)
-  z, xr, bc, dt_raw = _project_in(p, u, cd)
+  z, xr, bc, dt_raw = _project_in(p, u, rt)
   if state is None:
     state = zero_state(cfg, b)
   if mask is not None:
@@ -320,7 +323,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
     # widens y to float32 and transposes and retiles that (3 float32 copies).
     y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
-  out = _project_out(p, y, z, cfg, cd)
+  out = _project_out(p, y, z, cfg, rt)
   if cfg.ssd_window:
     return out, {"conv_x": conv_x, "conv_bc": conv_bc,
                  **window_tail(x, dt, A, ssd_args[3], cfg.ssd_window, seq_idx)}
@@ -330,8 +333,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state."""
   b = u.shape[0]
-  cd = jnp.dtype(rt.compute_dtype)
-  z, xr, bc, dt_raw = _project_in(p, u, cd)
+  z, xr, bc, dt_raw = _project_in(p, u, rt)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
   x, bc = jax.nn.silu(x[:, 0]), jax.nn.silu(bc[:, 0])
@@ -344,7 +346,7 @@ def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   else:
     y, ssm = ssd_step(state["ssm"], *args, D=p["D"])
     new = {"ssm": ssm}
-  out = _project_out(p, y.reshape(b, h * hp), z, cfg, cd)
+  out = _project_out(p, y.reshape(b, h * hp), z, cfg, rt)
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, **new}
 
 
@@ -417,6 +419,8 @@ class Mamba2LM(nnx.Module):
     # LoRA (model/lora.py): the spec and the adapters, set by `from_params`; None without.
     self.lora: lora_lib.LoraSpec | None = None
     self.adapters = nnx.data(None)
+    # The adapters' dropout key for this training step (`lora.dropout`); None: no dropout.
+    self.dropout_key = nnx.data(None)
     init = _init_params(config, rngs.params())
     self.embedding = _param(init["embedding"], ("vocab", "embed"))
     for kind, attr in KIND_PARAMS.items():
@@ -442,15 +446,29 @@ class Mamba2LM(nnx.Module):
     the same: a cast's cotangent is rounded to the cast dtype either way.
 
     With adapters the weights stay as stored (float32, or quantized) and travel with
-    the kind's adapters under ADAPTERS: each layer merges and casts its own
-    (`_layer_fns`), so no whole merged or dequantized stack is made."""
-    if self.lora is not None:
-      return {**self.layer_params(kind), ADAPTERS: self.adapters.get(KIND_PARAMS[kind], {})}
-    return self._matmuls_in_compute_dtype(self.layer_params(kind))
+    the kind's adapters under ADAPTERS: each layer merges (or, on the separate path,
+    dequantizes) and casts its own (`_layer_fns`), so no whole merged or dequantized
+    stack is made. On the separate path the adapters travel as `matmul.LayerAdapters`
+    with one dropout key per layer when the model has a dropout key."""
+    if self.lora is None:
+      return self._matmuls_in_compute_dtype(self.layer_params(kind))
+    ab = self.adapters.get(KIND_PARAMS[kind], {})
+    if not self.lora.separate:
+      return {**self.layer_params(kind), ADAPTERS: ab}
+    keys = None
+    if self.dropout_key is not None:
+      salt = list(KIND_PARAMS).index(kind)
+      keys = jax.random.split(jax.random.fold_in(self.dropout_key, salt), self.config.count(kind))
+    return {**self.layer_params(kind),
+            ADAPTERS: mm.LayerAdapters(ab, keys, self.lora.scale, self.lora.dropout)}
 
   def _merged_layer(self, p: dict[str, Array]) -> dict[str, Array]:
-    """One layer's weights with its adapters merged in, matmuls in the compute dtype."""
+    """One layer's weights with its adapters merged in, matmuls in the compute dtype;
+    on the separate path the base as it is (dequantized) and the adapters beside it."""
     weights = {n: a for n, a in p.items() if n != ADAPTERS}
+    if self.lora.separate:
+      return {**self._matmuls_in_compute_dtype({n: lora_lib.dense(w) for n, w in weights.items()}),
+              ADAPTERS: p[ADAPTERS]}
     return self._matmuls_in_compute_dtype(lora_lib.merge_layer(weights, p[ADAPTERS], self.lora))
 
   def _matmuls_in_compute_dtype(self, params: dict[str, Array]) -> dict[str, Array]:
@@ -504,6 +522,23 @@ class Mamba2LM(nnx.Module):
   def embed(self, input_ids):
     return jnp.take(self.embedding.get_value(), input_ids, axis=0)
 
+  def head_operands(self, h):
+    """(x, w) whose product x w^T is the logits (padded vocabulary) of the residual
+    stream h (..., d): what the blockwise loss takes. x is the final norm of h and w
+    the head (float32), merged with its adapter; on LoRA's separate path the
+    adapter instead joins as r more columns, x = [norm(h), scale dropout(norm(h)) A]
+    and w = [W, B^T], so the loss's one matmul runs it (its backward forms the
+    gradient of every column, the base's too, as it does for a merged head)."""
+    x = self.final_norm(h)
+    ad = self.adapters.get(lora_lib.HEAD) if self.lora is not None else None
+    if ad is None or not self.lora.separate:
+      return x, self.head_weight()
+    w = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
+    key = None if self.dropout_key is None else jax.random.fold_in(self.dropout_key, len(KIND_PARAMS))
+    adapter = mm.Adapter(ad["a"], ad["b"], key, self.lora.scale, self.lora.dropout)
+    xa = adapter.project_in(x, self.runtime.compute_dtype)
+    return jnp.concatenate([x, xa], -1), jnp.concatenate([lora_lib.dense(w), ad["b"].T], -1)
+
   def head_weight(self):
     """The LM head (padded vocabulary, d) float32, with its adapter when it has one."""
     w = (self.embedding if self.config.tie_embeddings else self.lm_head).get_value()
@@ -515,19 +550,22 @@ class Mamba2LM(nnx.Module):
     """The norm before the LM head: (..., d) float32."""
     return rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
 
-  def head_for_logits(self):
-    """The LM head as `logits` multiplies by it: (vocab_size, d) in the compute dtype."""
+  def head_for_logits(self, decode: bool = False):
+    """The LM head as `logits` multiplies by it: (vocab_size, d) in the compute dtype;
+    for decoding (`decode`), quantized once in the runtime's matmul_precision."""
     # The padding rows are dropped from the weight, inside its cast to the compute
     # dtype, not from the logits: slicing (b, l, padded vocab) logits copies them.
-    return self.head_weight()[: self.config.vocab_size].astype(self.runtime.compute_dtype)
+    w = self.head_weight()[: self.config.vocab_size]
+    if decode:
+      return mm.quantize_head(w, self.runtime.matmul_precision, self.runtime.compute_dtype)
+    return w.astype(self.runtime.compute_dtype)
 
   def logits(self, h, head=None):
     """Final norm and LM head: (..., d) -> (..., vocab_size) float32 (padding rows
     dropped). head: `head_for_logits()` computed once by a caller that reuses it
     (a decode loop), else made here."""
-    cd = jnp.dtype(self.runtime.compute_dtype)
     w = self.head_for_logits() if head is None else head
-    return jnp.einsum("...d,vd->...v", self.final_norm(h).astype(cd), w, preferred_element_type=F32)
+    return mm.head(self.final_norm(h), w, self.runtime.compute_dtype)
 
   def backbone(self, input_ids, *, seq_idx=None, mask=None, states=None):
     """Embedding and all blocks. Returns the residual stream (b, l, d) before the
@@ -571,16 +609,22 @@ class Mamba2LM(nnx.Module):
 
   def decode_layers(self, unrolled: bool):
     """The layer parameters a decode loop reads every token, made once before the
-    loop: the matmul weights (`MATMUL_WEIGHTS`) already in the compute dtype, so
-    no step converts them again (the converted values are the ones each step
+    loop: the matmul weights (`MATMUL_WEIGHTS`) already in the compute dtype, or
+    quantized once in the runtime's matmul_precision (`matmul.quantize_weights`),
+    so no step converts them again (the converted values are the ones each step
     would make, so the tokens are the same); norms, conv, dt, A and D stay
     float32. Per layer in pattern order for `step_unrolled` (unrolled), else
     stacked per kind for `step`."""
     if self.lora is not None:
       raise ValueError("decode a model with adapters through `merged()` (generate does)")
     if unrolled:
-      return [self._matmuls_in_compute_dtype(p) for p in self.unstacked_layers()]
-    return {k: self._compute_params(k) for k in self._kinds()}
+      return [self._decode_weights(p, 0) for p in self.unstacked_layers()]
+    return {k: self._decode_weights(self.layer_params(k), 1) for k in self._kinds()}
+
+  def _decode_weights(self, params: dict[str, Array], lead: int) -> dict[str, Array]:
+    rt = self.runtime
+    return {n: (mm.quantize_weights(a, rt.matmul_precision, 2 if n == "o_proj" else 1, rt.compute_dtype, lead)
+                if n in MATMUL_WEIGHTS else a) for n, a in params.items()}
 
   def unstacked_layers(self) -> list[dict[str, Array]]:
     """Each layer's parameters as separate arrays (copies), in pattern order, for
@@ -647,10 +691,11 @@ class Mamba2LM(nnx.Module):
   @classmethod
   def from_params(cls, config: Mamba2Config, params: dict[str, Any], runtime: Runtime | None = None,
                   *, adapters: dict[str, Any] | None = None,
-                  lora: lora_lib.LoraSpec | None = None) -> "Mamba2LM":
+                  lora: lora_lib.LoraSpec | None = None, dropout_key=None) -> "Mamba2LM":
     """Build a model holding `params` (as `params()` returns them) without a random init;
     with `lora`, also its `adapters` (`lora.init_adapters`' layout), and the adapted
-    weights of `params` may be quantized (`lora.quantize_base`)."""
+    weights of `params` may be quantized (`lora.quantize_base`); `dropout_key` (a
+    training step's) turns the adapters' dropout on."""
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), runtime=runtime))
     bad = shape_problems(param_shapes(model.params()), param_shapes(params))
     if lora is not None:
@@ -668,6 +713,7 @@ class Mamba2LM(nnx.Module):
       model.lm_head.set_value(weight(params["lm_head"]))
     if lora is not None:
       model.lora, model.adapters = lora, nnx.data(adapters)
+      model.dropout_key = nnx.data(dropout_key)
     return model
 
 

@@ -17,6 +17,9 @@ import dataclasses
 from mamba_train.model.config import FrozenFields
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# The projections' and LM head's arithmetic (`model/matmul.py` says what each does
+# and what stays float32): 'default' the compute dtype, 'fp8', 'int8'.
+MATMUL_PRECISIONS = ("default", "fp8", "int8")
 REMAT = ("none", "full", "save_matmuls")
 SSD_FORMS = ("auto", "scan", "parallel")
 # How attention layers compute softmax(q k^T) v (`attention.attend`): 'xla', the
@@ -66,6 +69,9 @@ def default_impl(backend: str) -> str:
 class Runtime(FrozenFields):
   # The matmuls' dtype; parameters, residual stream, norms, decay and loss stay float32.
   compute_dtype: str = "float32"
+  # The matmuls' format below the compute dtype (MATMUL_PRECISIONS): qwix's quantized
+  # dots, forward and backward, in training; weights quantized once in decoding.
+  matmul_precision: str = "default"
   # What the backward pass recomputes: nothing, everything, or all but the matmuls.
   remat: str = "none"
   # How the SSD combines chunks (`ssd.ssd_chunked`): 'parallel', 'scan', or 'auto'
@@ -100,6 +106,8 @@ class Runtime(FrozenFields):
     problems = []
     if self.compute_dtype not in COMPUTE_DTYPES:
       problems.append(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+    if self.matmul_precision not in MATMUL_PRECISIONS:
+      problems.append(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
     if self.remat not in REMAT:
       problems.append(f"remat must be one of {REMAT}, got {self.remat!r}")
     if self.ssd_form not in SSD_FORMS:

@@ -51,7 +51,7 @@ def response_weights(batch: Mapping[str, jax.Array]) -> jax.Array:
 def pair_logps(model: Mamba2LM, batch: Mapping[str, jax.Array], batch_shards: int = 1) -> jax.Array:
   """(b, 2) float32: the log-probabilities of each row's chosen and rejected response."""
   h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"])
-  return -row_cross_entropy(model.final_norm(h), model.head_weight(), batch["targets"],
+  return -row_cross_entropy(*model.head_operands(h), batch["targets"],
                             response_weights(batch), model.config.vocab_size,
                             model.runtime.compute_dtype, batch_shards=batch_shards)
 

@@ -38,39 +38,42 @@ DPO_METRICS = dpo_lib.METRICS
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
 
 
-def model_of(params, frozen, cfg: Mamba2Config, runtime: Runtime, lora: LoraSpec | None = None) -> Mamba2LM:
+def model_of(params, frozen, cfg: Mamba2Config, runtime: Runtime, lora: LoraSpec | None = None,
+             dropout_key=None) -> Mamba2LM:
   """The model a state's (params, frozen) make: the params, or with LoRA the frozen
-  base with the params as its adapters."""
+  base with the params as its adapters (their dropout on with a training step's key)."""
   if lora is None:
     return Mamba2LM.from_params(cfg, params, runtime)
-  return Mamba2LM.from_params(cfg, frozen, runtime, adapters=params, lora=lora)
+  return Mamba2LM.from_params(cfg, frozen, runtime, adapters=params, lora=lora, dropout_key=dropout_key)
 
 
 def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
-              use_seq_idx: bool = True, frozen=None, lora: LoraSpec | None = None):
+              use_seq_idx: bool = True, frozen=None, lora: LoraSpec | None = None, dropout_key=None):
   """Cross entropy in float32, summed over unmasked tokens, and their count.
 
   Returning sums, not a mean, lets micro-batches add up to exactly the big batch.
   With use_seq_idx, no state passes between the documents packed in a row.
   """
-  model = model_of(params, frozen, cfg, runtime, lora)
+  model = model_of(params, frozen, cfg, runtime, lora, dropout_key)
   h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
   mask = batch["loss_mask"].astype(F32)
   # LM head and cross entropy blockwise: no (b, l, vocab) logits (train/loss.py).
-  total = linear_cross_entropy(model.final_norm(h), model.head_weight(), batch["targets"], mask,
+  total = linear_cross_entropy(*model.head_operands(h), batch["targets"], mask,
                                cfg.vocab_size, runtime.compute_dtype, batch_shards=_batch_shards())
   return total, jnp.sum(mask)
 
 
 def objective_sums(params, frozen, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
-                   use_seq_idx: bool = True, lora: LoraSpec | None = None, dpo: DpoSpec | None = None):
+                   use_seq_idx: bool = True, lora: LoraSpec | None = None, dpo: DpoSpec | None = None,
+                   dropout_key=None):
   """(loss sum, count, {metric: sum}) of the run's objective: cross entropy over the
   unmasked tokens, or with `dpo` the DPO loss over the pairs (train/dpo.py), against
-  the reference the state holds: the base with adapters off (LoRA), or `frozen`."""
+  the reference the state holds: the base with adapters off (LoRA), or `frozen`.
+  dropout_key: a training step's, for LoRA's dropout (the policy's alone)."""
   if dpo is None:
-    total, count = loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora)
+    total, count = loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora, dropout_key)
     return total, count, {}
-  policy = model_of(params, frozen, cfg, runtime, lora)
+  policy = model_of(params, frozen, cfg, runtime, lora, dropout_key)
   reference = (model_of(jax.tree.map(jnp.zeros_like, params), frozen, cfg, runtime, lora) if lora
                else Mamba2LM.from_params(cfg, frozen, runtime))
   return dpo_lib.dpo_sums(policy, reference, batch, dpo, batch_shards=_batch_shards())
@@ -129,9 +132,9 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   replicated = NamedSharding(mesh, P())
   extra = dpo_lib.METRICS if dpo is not None else ()
 
-  def sums_and_grads(params, mb, frozen):
+  def sums_and_grads(params, mb, frozen, key):
     def loss(p):
-      total, count, sums = objective_sums(p, frozen, mb, cfg, runtime, use_seq_idx, lora, dpo)
+      total, count, sums = objective_sums(p, frozen, mb, cfg, runtime, use_seq_idx, lora, dpo, key)
       return total, (count, sums)
     (loss_sum, (count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return loss_sum, count, sums, grads
@@ -139,11 +142,17 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   def step(state: TrainState, batch):
     with sharding.use_rules(mesh, rules):
       params = state.params
+      # The step's key (from the state, so a resumed run draws what the uninterrupted
+      # one drew): LoRA's dropout masks, one micro-batch apart from the next.
+      rng, key = jax.random.split(state.rng)
+      key = key if lora is not None and lora.dropout > 0.0 else None
       if grad_accum == 1:
-        loss_sum, count, sums, grads = sums_and_grads(params, batch, state.frozen)
+        loss_sum, count, sums, grads = sums_and_grads(params, batch, state.frozen, key)
       else:
-        def body(carry, mb):
-          loss_sum, count, sums, grads = sums_and_grads(params, mb, state.frozen)
+        def body(carry, xs):
+          i, mb = xs
+          mkey = None if key is None else jax.random.fold_in(key, i)
+          loss_sum, count, sums, grads = sums_and_grads(params, mb, state.frozen, mkey)
           acc_loss, acc_count, acc_sums, acc_grads = carry
           acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
           acc_grads = jax.lax.with_sharding_constraint(acc_grads, st_sh.params)
@@ -151,13 +160,13 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         start = (jnp.zeros((), F32), jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in extra}, zeros)
-        (loss_sum, count, sums, grads), _ = jax.lax.scan(body, start, _split_micro(batch, grad_accum, mesh, rules))
+        (loss_sum, count, sums, grads), _ = jax.lax.scan(
+            body, start, (jnp.arange(grad_accum), _split_micro(batch, grad_accum, mesh, rules)))
       denom = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denom, grads)
       loss = loss_sum / denom
       updates, opt_state = optimizer.update(grads, state.opt_state, params)
       new_params = optax.apply_updates(params, updates)
-      rng, _ = jax.random.split(state.rng)
       new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng,
                              frozen=state.frozen)
       metrics = {
