@@ -48,6 +48,10 @@ class ShapeMismatchError(UserError, ValueError):
   pass
 
 
+class NoReadableCheckpoint(UserError, RuntimeError):
+  """Every step of a workdir failed to restore; nothing was set aside or changed."""
+
+
 class CheckpointWriteError(RunFailure, RuntimeError):
   """A save failed (a full disk, a lost mount): the run stops rather than train on unsaved."""
 
@@ -218,7 +222,7 @@ class Checkpointer:
     if self.local is not None and step is None:
       return self._restore_tiers(abstract_state, data_iter)
     candidates = [step] if step is not None else self.steps()[::-1]
-    failed = []
+    failed, layout = [], False
     for s in candidates:
       try:
         state = self._restore_step(s, abstract_state, data_iter)
@@ -229,6 +233,7 @@ class Checkpointer:
           raise
         self._warn_unreadable(s, e)
         failed.append(s)
+        layout |= "tree structures do not match" in str(e)
         continue
       if failed:
         log.warning("resuming from step %d instead of the newest step %d, which is damaged",
@@ -236,8 +241,14 @@ class Checkpointer:
         self._set_aside(failed)
       return s, state
     if failed:
-      raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
-                         f"move the directory away to start afresh")
+      if layout:  # every step read, but into another train-state tree: nothing is damaged
+        raise NoReadableCheckpoint(
+            f"the checkpoints in {self.directory} (steps {failed}) hold a train state of another layout "
+            "(written by an earlier mamba_train: the optimizer state gained the weight guard's fields "
+            "on 2026-12-02); nothing was changed. Continue from their weights in a new workdir with "
+            f"--config.init_from={self.directory.parent} (the optimizer state starts afresh)")
+      raise NoReadableCheckpoint(f"no checkpoint in {self.directory} could be read (steps {failed}); "
+                                 "nothing was changed: move the directory away to start afresh")
     return None, None
 
   def _warn_unreadable(self, s: int, e: Exception) -> None:
