@@ -55,6 +55,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("attn_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # Mixture of experts (model/moe.py): an expert's width over fsdp like 'embed',
+    # its hidden units over tensor like 'mlp'.
+    ("experts", None),
+    ("expert_embed", "fsdp"),
+    ("expert_mlp", "tensor"),
 )
 
 _ACTIVE: list[tuple[Mesh, dict]] = []
@@ -110,6 +115,12 @@ def sequence_split() -> SequenceSplit | None:
   if axis is None or mesh.shape[axis] == 1:
     return None
   return SequenceSplit(mesh, axis)
+
+
+def expert_split():
+  """How the active rules split the experts of a mixture-of-experts layer over
+  devices, or None (the layer runs as on one device)."""
+  return None
 
 
 def head_split() -> HeadSplit | None:

@@ -1,0 +1,203 @@
+"""Mixture-of-experts layers ('E'): against transformers' NemotronHForCausalLM on
+identical random weights (logits, greedy tokens, export and from_pretrained), the
+grouped-matmul dispatch against a dense every-expert reference (forward and
+gradients), packed documents against each document alone, and the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
+from mamba_train.interop import convert
+from mamba_train.interop.export import save_hf, save_mamba_ssm
+from mamba_train.model import moe as moe_lib
+from mamba_train.model.runtime import Runtime
+
+from helpers import rel
+
+forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
+
+COMMON = dict(hidden_size=32, vocab_size=90, ssm_state_size=8, mamba_head_dim=16,
+              mamba_num_heads=4, chunk_size=8, head_dim=8, intermediate_size=48, n_groups=2,
+              num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8,
+              moe_intermediate_size=24, moe_shared_expert_intermediate_size=16,
+              pad_token_id=0, bos_token_id=0, eos_token_id=0)
+# Two patterns: grouped routing (4 groups, the best 2 kept) with renormalised and
+# scaled weights; a latent projection with ungrouped, unnormalised weights.
+SMALL = {
+    "grouped_ME*E": dict(layers_block_type=["mamba", "moe", "attention", "moe"], n_group=4,
+                         topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
+                         routed_scaling_factor=2.5),
+    "latent_EM-E*": dict(layers_block_type=["moe", "mamba", "mlp", "moe", "attention"],
+                         moe_latent_size=12, num_experts_per_tok=2, norm_topk_prob=False),
+}
+
+
+def hf_model(path, seed, **kw):
+  torch.manual_seed(seed)
+  model = NemotronHForCausalLM(NemotronHConfig(**{**COMMON, **kw})).eval()
+  # Spread what transformers initialises to constants; the router wider than its
+  # 0.02 init, and the correction bias nonzero, so both decide the choice.
+  with torch.no_grad():
+    for layer in model.model.layers:
+      layer.norm.weight.normal_(1.0, 0.2)
+      if layer.block_type == "linear_attention":
+        layer.mixer.A_log.uniform_(-1.0, 2.5)
+        layer.mixer.dt_bias.uniform_(-3.0, 0.0)
+        layer.mixer.D.normal_(1.0, 0.5)
+      if layer.block_type == "moe":
+        layer.mixer.gate.weight.normal_(0.0, 0.5)
+        layer.mixer.gate.e_score_correction_bias.normal_(0.0, 0.1)
+        layer.mixer.experts.up_proj.normal_(0.0, 0.3)
+        layer.mixer.experts.down_proj.normal_(0.0, 0.3)
+  model.save_pretrained(path)
+  return model
+
+
+@pytest.fixture(scope="module", params=list(SMALL))
+def pair(request, tmp_path_factory):
+  path = tmp_path_factory.mktemp("nemotron_h_moe")
+  ref = hf_model(path, seed=list(SMALL).index(request.param), **SMALL[request.param])
+  return request.param, ref, load_model(path)
+
+
+def test_config_read(pair):
+  name, ref, ours = pair
+  c, r = ours.config, ref.config
+  assert c.pattern == "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[k]
+                              for k in SMALL[name]["layers_block_type"])
+  assert (c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+          c.routed_scaling_factor, c.moe_latent_size or None) == (
+      r.n_routed_experts, r.num_experts_per_tok, r.n_group, r.topk_group, r.norm_topk_prob,
+      r.routed_scaling_factor, r.moe_latent_size)
+
+
+def test_logits_match_transformers(pair):
+  _, ref, ours = pair
+  ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
+  with torch.no_grad():
+    want = ref(ids).logits.numpy()
+  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
+  assert got.shape == want.shape and got.dtype == np.float32
+  assert rel(got, want) < 1e-5
+
+
+def test_greedy_matches_transformers(pair):
+  _, ref, ours = pair
+  prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 10
+  with torch.no_grad():
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
+  np.testing.assert_array_equal(generate(ours, prompt, n), want)
+
+
+MOE_CFG = Mamba2Config(d_model=32, n_layer=4, d_state=8, headdim=16, ngroups=2, chunk_size=8,
+                       vocab_size=90, layer_pattern="EM*E", attn_num_heads=4, attn_num_heads_kv=2,
+                       attn_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=24, moe_shared_expert_intermediate_size=16,
+                       moe_latent_size=12, n_group=2, topk_group=1)
+
+
+def test_export_then_from_pretrained(tmp_path):
+  """An MoE hybrid built here (tied head, latent, grouped routing) -> transformers
+  -> the same logits; back through load_model bit-exact; bfloat16 keeps the router float32."""
+  ours = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(3))
+  save_hf(ours, tmp_path / "out")
+  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ids = np.random.default_rng(0).integers(0, 90, (2, 19))
+  with torch.no_grad():
+    want = ref(torch.tensor(ids)).logits.numpy()
+  assert rel(np.asarray(forward(ours, jnp.asarray(ids))), want) < 1e-5
+  back = load_model(tmp_path / "out")
+  assert back.config.weight_differences(MOE_CFG.replace(tie_embeddings=False)) == {}
+  jax.tree.map(np.testing.assert_array_equal, back.params()["moe"], ours.params()["moe"])
+  save_hf(ours, tmp_path / "bf16", dtype="bfloat16")
+  from safetensors import safe_open
+  with safe_open(tmp_path / "bf16" / "model.safetensors", "np") as f:
+    assert f.get_tensor("backbone.layers.0.mixer.gate.weight").dtype == np.float32
+    assert f.get_tensor("backbone.layers.0.mixer.experts.3.up_proj.weight").dtype != np.float32
+  with pytest.raises(ValueError, match="mixture-of-experts"):
+    save_mamba_ssm(ours, tmp_path / "ssm")
+  with pytest.raises(ValueError, match="shared expert"):
+    convert.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(moe_latent_size=0, n_group=4, topk_group=3,
+                                              num_experts_per_tok=3, norm_topk_prob=False)])
+def test_grouped_matmuls_equal_dense_reference(kw):
+  """The ragged_dot dispatch against every expert on every token, masked (float32):
+  the layer's output and the gradients of every parameter and the input."""
+  cfg = MOE_CFG.replace(**kw)
+  p = jax.tree.map(lambda a: a[0], Mamba2LM(cfg, rngs=nnx.Rngs(1)).layer_params("E"))
+  p = {**p, moe_lib.BIAS: jnp.linspace(-0.05, 0.05, 8)}
+  u = jax.random.normal(jax.random.key(2), (3, 37, 32))
+  rt = Runtime().resolve()
+  loss = lambda dense: lambda p, u: jnp.sum(jnp.sin(moe_lib.moe(p, u, cfg, rt, dense=dense)[0]))
+  got, want = (jax.jit(jax.value_and_grad(loss(d), argnums=(0, 1)))(p, u) for d in (False, True))
+  assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+  y, stats = jax.jit(lambda p, u: moe_lib.moe(p, u, cfg, rt))(p, u)
+  yd, _ = moe_lib.moe(p, u, cfg, rt, dense=True)
+  assert rel(y, yd) < 1e-6
+  for name in set(p) - {"norm"}:  # (the norm is the block's, before the layer's function)
+    if name == moe_lib.BIAS:  # the choice is discrete: no gradient reaches the bias
+      assert not np.any(got[1][0][name]) and not np.any(want[1][0][name])
+    else:
+      assert rel(got[1][0][name], want[1][0][name]) < 1e-5, name
+  assert rel(got[1][1], want[1][1]) < 1e-5
+  # Every token reaches its k experts (dropless).
+  assert float(jnp.sum(stats["moe_load"])) == 3 * 37 * cfg.num_experts_per_tok
+
+
+def test_router_is_nemotron_h():
+  """The router against a numpy transcription of NemotronH's (grouped top-k over
+  sigmoid scores plus the bias; the weights without it)."""
+  cfg = MOE_CFG.replace(n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.0)
+  rng = np.random.default_rng(0)
+  p = {"router": rng.normal(size=(32, 8)).astype(np.float32),
+       moe_lib.BIAS: rng.normal(0, 0.1, 8).astype(np.float32)}
+  u = rng.normal(size=(50, 32)).astype(np.float32)
+  experts, weights, _ = moe_lib.route(p, jnp.asarray(u), cfg)
+  s = 1 / (1 + np.exp(-(u.astype(np.float64) @ p["router"])))
+  c = s + p[moe_lib.BIAS]
+  for t in range(50):
+    groups = np.sort(c[t].reshape(4, 2), axis=1)[:, -2:].sum(1)
+    allowed = np.repeat(np.isin(np.arange(4), np.argsort(groups)[-2:]), 2)
+    best = np.argsort(np.where(allowed, c[t], -np.inf))[-3:]
+    assert set(np.asarray(experts[t])) == set(best)
+    w = s[t, np.asarray(experts[t])]
+    np.testing.assert_allclose(weights[t], 2.0 * w / w.sum(), rtol=1e-5, atol=1e-7)
+
+
+def test_packed_row_equals_each_document_alone():
+  model = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  lens = (7, 13, 4)
+  docs = [rng.integers(0, 90, n) for n in lens]
+  row = jnp.asarray(np.concatenate(docs))[None]
+  seq_idx = jnp.asarray(np.repeat(np.arange(3), lens))[None]
+  packed = np.asarray(forward(model, row, seq_idx))[0]
+  alone = np.zeros((3, 13), np.int32)
+  for i, d in enumerate(docs):
+    alone[i, :len(d)] = d
+  alone = np.asarray(forward(model, jnp.asarray(alone), jnp.zeros((3, 13), jnp.int32)))
+  start = 0
+  for i, n in enumerate(lens):
+    assert rel(packed[start:start + n], alone[i, :n]) < 1e-5
+    start += n
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_routed_experts=0), "n_routed_experts"),
+    (dict(n_group=3), "n_group"),
+    (dict(n_group=8), "two best"),
+    (dict(topk_group=3), "topk_group"),
+    (dict(num_experts_per_tok=5), "exceeds"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+])
+def test_bad_moe_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    MOE_CFG.replace(**kw)
