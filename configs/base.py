@@ -118,6 +118,15 @@ def get_config() -> ml_collections.ConfigDict:
       label_smoothing=0.0,  # in [0, 0.5): the share of pairs assumed mislabelled (cDPO)
   ))
 
+  # --- mixture-of-experts routers (models with 'E' layers; mamba_train/train/balance.py) ---
+  # As Megatron-Core trains NemotronH: the aux-loss-free bias update (the correction
+  # bias moves by rate * sign(mean load - load) after each step) and a small
+  # auxiliary load-balancing loss. 0 turns either off.
+  c.moe = ml_collections.ConfigDict(dict(
+      aux_loss_coef=1e-4,
+      bias_update_rate=1e-3,
+  ))
+
   # --- LoRA adapters (mamba_train/model/lora.py); rank 0 = off, the whole model trains ---
   # With rank > 0 only the adapters train (and have optimizer state); the base
   # (init_from, or the random init) stays frozen, and checkpoints hold the adapters.

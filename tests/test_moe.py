@@ -201,3 +201,52 @@ def test_packed_row_equals_each_document_alone():
 def test_bad_moe_config(kw, match):
   with pytest.raises(ValueError, match=match):
     MOE_CFG.replace(**kw)
+
+
+# ----------------------------------------------------------------------------
+# Training: the router's load balancing and statistics.
+
+
+def test_train_step_balances_routers():
+  """The train step's router metrics are the forward pass's tokens per expert; the
+  correction bias moves by rate * sign(mean - load) and no optimizer touches it;
+  the auxiliary loss adds coef * its value to the loss; micro-batches add up."""
+  from mamba_train.data import SyntheticLoader
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.train import balance, optim, state as train_state, step as trainer
+  cfg = MOE_CFG.replace(layer_pattern="EM-E", d_intermediate=32, vocab_size=64)
+  ocfg = dict(lr=1e-2, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,
+              b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, state_dtype="float32")
+  tx, schedule = optim.make_optimizer(ocfg, 10)
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  rt = Runtime().resolve("cpu")
+  batch = trainer.to_global(next(SyntheticLoader(vocab_size=64, seq_len=24, global_batch_size=4, seed=0)), mesh)
+  state = train_state.init_train_state(cfg, tx, mesh, seed=0)
+  init = jax.device_get(state.params)
+  ours = Mamba2LM.from_params(cfg, init, rt)
+  fwd = nnx.jit(lambda m, ids, s: m.backbone(ids, seq_idx=s)[1])
+  states = fwd(ours, batch["input_ids"], batch["seq_idx"])
+  load, aux = np.asarray(states["moe_load"]), float(np.mean(states["moe_aux"]))
+  # The loss is per micro-batch (rows i, i + 2 in micro-batch i of two), weighted by its tokens.
+  halves = [fwd(ours, batch["input_ids"][i::2], batch["seq_idx"][i::2]) for i in (0, 1)]
+  counts = [float(batch["loss_mask"][i::2].sum()) for i in (0, 1)]
+  aux2 = sum(c * float(np.mean(h["moe_aux"])) for c, h in zip(counts, halves)) / sum(counts)
+  assert load.shape == (2, 8) and (load.sum(-1) == 4 * 24 * 2).all()
+
+  def run(coef, rate, accum):
+    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, grad_accum=accum,
+                                   moe=balance.MoeSpec(coef, rate))
+    return jax.device_get(step(jax.tree.map(jnp.copy, state), batch))
+
+  # Balancing on, in one batch; off, in two micro-batches (whose sums add up).
+  (on, m), (off, m0) = run(1e-2, 1e-3, 1), run(0.0, 0.0, 2)
+  for metrics, want_aux in ((m, aux), (m0, aux2)):
+    np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], load)
+    assert float(metrics["moe_dropped_tokens"]) == 0.0
+    assert float(metrics["moe_aux_loss"]) == pytest.approx(want_aux, rel=1e-5)
+    assert float(metrics["moe_load_max"]) == pytest.approx(np.max(load / load.mean(-1, keepdims=True)))
+  assert float(m["loss"]) - float(m0["loss"]) == pytest.approx(1e-2 * aux, rel=1e-3)  # (0.01 x ~1: 1e-5 of the loss)
+  bias0 = np.asarray(init["moe"][moe_lib.BIAS])
+  want = bias0 + 1e-3 * np.sign(load.mean(-1, keepdims=True) - load)
+  np.testing.assert_allclose(on.params["moe"][moe_lib.BIAS], want, rtol=0, atol=1e-9)
+  np.testing.assert_array_equal(off.params["moe"][moe_lib.BIAS], bias0)  # off: untouched

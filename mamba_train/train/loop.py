@@ -17,6 +17,7 @@ import math
 import os
 
 import jax
+import numpy as np
 import tqdm
 
 from mamba_train import data, metrics as metrics_lib
@@ -127,13 +128,14 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 
   def log(step, state, metrics):
-    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # (per-expert tokens: lists)
+         for k, v in jax.device_get(metrics).items()}
     speed = throughput.read(tokens_per_step)
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
            "param_norm": m["param_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
            "nonfinite_streak": m["nonfinite_streak"], **metrics_lib.memory_stats(jax.devices()[0]),
-           **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}}
+           **share.read(), **{k: m[k] for k in steps.DPO_METRICS + steps.ROUTER_METRICS if k in m}}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 

@@ -22,6 +22,7 @@ from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
+from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
 
@@ -115,6 +116,7 @@ class Plan:
   default_corpus: str = ""
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
   dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
+  moe: MoeSpec | None = None  # config.moe (router load balancing) when the model has 'E' layers
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -196,6 +198,13 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
   dpo, dpo_problems = _dpo(cfg)
   problems += dpo_problems
+  moe = None
+  if model is not None and model.count("E"):
+    moe_cfg = cfg.get("moe", {})
+    bad = moe_problems(moe_cfg)
+    problems += bad
+    if not bad:
+      moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), float(moe_cfg["bias_update_rate"]))
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})
@@ -220,7 +229,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
-              dpo=dpo)
+              dpo=dpo, moe=moe)
 
 
 def _dpo(cfg: Mapping) -> tuple[DpoSpec | None, list[str]]:
