@@ -93,7 +93,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
   # across them (slow network) and data / fsdp / sequence / tensor then count devices
   # inside one (fast links): each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1, tensor=1, dcn_data=1,
+  # expert splits mixture-of-experts layers' experts (and, like data, the batch):
+  # mamba_train/parallel/experts.py.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1, dcn_data=1,
                                           dcn_fsdp=1, dcn_sequence=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).

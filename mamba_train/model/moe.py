@@ -215,8 +215,10 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
     y = experts_dense(xe, experts, weights, up, down, cd)
   elif split is None:
     y = experts_ragged(xe, experts, weights, up, down, cd)
-  else:
-    y = split.experts(expert_mlp, xe.astype(cd), experts, weights, up, down, cd)
+  else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
+    shaped = lambda a: a.reshape(*lead, a.shape[-1])
+    y = split.experts(expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down, cd)
+    y = y.reshape(x.shape[0], -1)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])
   if cfg.moe_shared_expert_intermediate_size:

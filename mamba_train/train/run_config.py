@@ -163,13 +163,18 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"optim.grad_accum must be a positive integer, got {accum!r}")
     accum = 1
   if mesh is not None and isinstance(cfg.get("batch_size"), int):
-    dp = mesh["data"] * mesh["fsdp"]
+    dp = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     b = cfg["batch_size"]
     if b % (dp * accum):
       problems.append(
-          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
-          f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
-          + f"; use a multiple of {dp * accum}")
+          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp x expert = "
+          f"{mesh['data']} x {mesh['fsdp']} x {mesh['expert']} = {dp}"
+          + (f" times optim.grad_accum {accum}" if accum > 1 else "") + f"; use a multiple of {dp * accum}")
+    if model is not None and mesh["expert"] > 1 and (
+        not model.count("E") or model.n_routed_experts % mesh["expert"]):
+      problems.append(f"mesh.expert = {mesh['expert']} splits the experts of mixture-of-experts layers: "
+                      f"the model needs 'E' layers whose n_routed_experts ({model.n_routed_experts}) "
+                      f"it divides")
     sp, l = mesh["sequence"], cfg.get("seq_len")
     if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
       problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
