@@ -250,3 +250,19 @@ def test_train_step_balances_routers():
   want = bias0 + 1e-3 * np.sign(load.mean(-1, keepdims=True) - load)
   np.testing.assert_allclose(on.params["moe"][moe_lib.BIAS], want, rtol=0, atol=1e-9)
   np.testing.assert_array_equal(off.params["moe"][moe_lib.BIAS], bias0)  # off: untouched
+
+
+def test_heads_not_a_multiple_of_d_model(tmp_path):
+  """Nemotron-3-Nano's Mamba-2 layers have 64 heads of 64 on d_model 2688: d_inner
+  4096 is no multiple of it, so the heads are given outright (mamba_num_heads)."""
+  ref = hf_model(tmp_path, seed=5, **{**SMALL["grouped_ME*E"], "hidden_size": 40,
+                                     "mamba_num_heads": 6})
+  ours = load_model(tmp_path)
+  assert (ours.config.mamba_num_heads, ours.config.d_inner, ours.config.d_model) == (6, 96, 40)
+  ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(4))
+  with torch.no_grad():
+    want = ref(ids).logits.numpy()
+  assert rel(np.asarray(forward(ours, jnp.asarray(ids.numpy()))), want) < 1e-5
+  assert convert.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
+  with pytest.raises(ValueError, match="mamba_num_heads"):
+    convert.ours_to_mamba_ssm_config(ours.config)

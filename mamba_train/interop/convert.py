@@ -423,6 +423,9 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
   """transformers' Mamba2Config fields of `cfg`. for_json: as `save_pretrained` writes
   them (infinity as {"__float__": "Infinity"}); else as Python values, for
   `transformers.Mamba2Config(**...)`."""
+  if cfg.mamba_num_heads:
+    raise ValueError("Cannot export as Mamba2ForCausalLM: mamba_num_heads is set (d_inner is not "
+                     "expand * d_model); export a hybrid as NemotronH")
   lo, hi = cfg.dt_limit
   return {
       "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -484,9 +487,6 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
       problems.append(f"{key}={hf[key]!r} is not supported (only {ok!r})")
   d = hf["hidden_size"]
   inner = hf.get("mamba_num_heads", 128) * hf.get("mamba_head_dim", 64)
-  if MAMBA in pattern and inner % d:
-    problems.append(f"mamba_num_heads*mamba_head_dim = {inner} is not a multiple of "
-                    f"hidden_size = {d}; such a model cannot be represented")
   if problems:
     raise ValueError("Cannot represent this transformers NemotronH config: " + "; ".join(problems))
   # NemotronH's Mamba-2 layers clamp dt from below at time_step_min and ignore
@@ -497,6 +497,8 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
       d_model=d, n_layer=len(pattern), vocab_size=hf["vocab_size"],
       d_state=hf.get("ssm_state_size", 128), d_conv=hf.get("conv_kernel", 4),
       expand=max(1, inner // d), headdim=hf.get("mamba_head_dim", 64), ngroups=hf.get("n_groups", 8),
+      # Heads given outright only where expand cannot say them (see Mamba2Config).
+      mamba_num_heads=hf.get("mamba_num_heads", 128) if inner % d else 0,
       chunk_size=hf.get("chunk_size", 128), dt_min=t_min if t_min > 0 else 0.001,
       dt_max=hf.get("time_step_max", 0.1), dt_init_floor=hf.get("time_step_floor", 1e-4),
       dt_limit=(t_min, math.inf), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -610,6 +612,9 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
 
 
 def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
+  if cfg.mamba_num_heads:
+    raise ValueError("Cannot represent this model in the mamba_ssm layout: mamba_num_heads is set "
+                     "(mamba_ssm derives d_inner as expand * d_model)")
   d = Mamba2Config()  # write only what differs from mamba_ssm's Mamba2 defaults
   ssm = {"layer": "Mamba2"}
   for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_min",

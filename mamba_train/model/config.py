@@ -116,6 +116,10 @@ class Mamba2Config(FrozenFields):
   topk_group: int = 1
   norm_topk_prob: bool = True
   routed_scaling_factor: float = 1.0
+  # The Mamba-2 layers' heads where d_inner is not a multiple of d_model
+  # (NemotronH's mamba_num_heads: Nemotron-3-Nano has 64 heads of 64 on d_model
+  # 2688); 0, the default, derives them as expand * d_model / headdim.
+  mamba_num_heads: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
@@ -126,6 +130,9 @@ class Mamba2Config(FrozenFields):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         problems.append(f"{name} must be a positive integer, got {v!r}")
+    mh = self.mamba_num_heads
+    if not isinstance(mh, int) or isinstance(mh, bool) or mh < 0:
+      problems.append(f"mamba_num_heads must be 0 (derived) or a number of heads, got {mh!r}")
     if not problems:
       if self.d_inner % self.headdim:
         problems.append(f"expand*d_model = {self.d_inner} must be a multiple of headdim "
@@ -244,7 +251,7 @@ class Mamba2Config(FrozenFields):
 
   @property
   def d_inner(self) -> int:
-    return self.expand * self.d_model
+    return self.mamba_num_heads * self.headdim if self.mamba_num_heads else self.expand * self.d_model
 
   @property
   def nheads(self) -> int:

@@ -96,8 +96,9 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   flops_per_token = metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
   tokens_per_step = config.batch_size * config.seq_len
-  logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
-               n_params / 1e6, flops_per_token, tokens_per_step)
+  logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",
+               n_params / 1e6, (n_params - (0 if plan.lora else metrics_lib.inactive_params(model_cfg))) / 1e6,
+               flops_per_token, tokens_per_step)
 
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
