@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- length and size of the run ---
   c.steps = 1000  # optimizer steps
-  c.batch_size = 8  # global batch, in sequences (split over data x fsdp devices)
+  c.batch_size = 8  # global batch, in sequences (split over data x fsdp x expert devices)
   c.seq_len = 2048  # tokens per sequence
   c.seed = 0  # parameter init and data order
 
@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
       max_batch_size=64,  # the most "auto" tries (lm-eval's default)
   ))
 
-  # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # --- devices: data x fsdp x expert x sequence x tensor; one axis may be -1 (fills the rest) ---
   # sequence splits each sequence's length over devices (long context:
   # mamba_train/parallel/sequence.py); seq_len must divide over it.
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis

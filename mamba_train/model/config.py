@@ -289,6 +289,18 @@ for _name, _heads, _kv in (("1.3b", 16, 8), ("2.7b", 20, 4)):
   _n = SIZES[_name]["n_layer"]
   SIZES[f"{_name}-hybrid"] = dict(SIZES[_name], layer_pattern="MMMM*MMM" * (_n // 8),
                                   attn_num_heads=_heads, attn_num_heads_kv=_kv, attn_head_dim=128)
+# NVIDIA's Nemotron-3-Nano-30B-A3B (Megatron-Bridge's Nemotron3NanoProvider): 52 layers,
+# 23 Mamba-2 (64 heads of 64 on d_model 2688), 23 MoE (128 squared-ReLU experts of
+# 1856, 6 a token, scaled by 2.5, one shared expert of 3712), 6 grouped-query
+# attention layers; 31.6B parameters, 3.2B active a token. What `init_from` a
+# transformers directory of it reads must equal this (the trainer says which field differs).
+SIZES["nemotron3-nano"] = dict(
+    d_model=2688, n_layer=52, vocab_size=131072, d_state=128, headdim=64, expand=1,
+    mamba_num_heads=64, ngroups=8, chunk_size=128, dt_limit=(0.001, math.inf), tie_embeddings=False,
+    layer_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    attn_num_heads=32, attn_num_heads_kv=2, attn_head_dim=128,
+    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True)
 SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
                             attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 
