@@ -13,12 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba_train import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # XLA:CPU flags that compile the suite's tiny programs about 3x faster (less optimisation
-# of the generated code); numerics stay within float32 rounding.
-FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-            "--xla_cpu_use_fusion_emitters=false")
+# of the generated code); numerics stay within float32 rounding. Only those the installed
+# XLA defines: XLA aborts on an unknown one, and jaxlib 0.12 dropped the fusion-emitter flag.
+FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                                "--xla_cpu_use_fusion_emitters=false")
 
 
 def rel(a, b) -> float:

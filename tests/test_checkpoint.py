@@ -261,7 +261,7 @@ def test_shape_mismatch_and_other_model_are_refused(reference, tmp_path):
   assert complete_steps(work) == [2, 4, 6]  # nothing deleted
 
 
-def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
+def test_finetune_from_checkpoint(reference, tmp_path):
   from mamba_train import load_model
   # One step: its learning rate is the warmup's first, 0 (see TRAIN_BASE), so the finetuned parameters must
   # be exactly those it started from. (optim.lr itself must be positive.)
@@ -273,7 +273,10 @@ def test_finetune_from_checkpoint_and_from_transformers(reference, tmp_path):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-  import torch
+
+def test_finetune_from_transformers(tmp_path):
+  from mamba_train import load_model
+  torch = pytest.importorskip("torch", reason="the transformers reference needs torch (the test extra)")
   from transformers import Mamba2Config as HFConfig, Mamba2ForCausalLM
   torch.manual_seed(0)
   hf = Mamba2ForCausalLM(HFConfig(hidden_size=64, num_heads=8, head_dim=16, n_groups=1,

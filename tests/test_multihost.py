@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from mamba_train import xla_flags
+
 from helpers import ROOT, free_port, model_flags
 
 STEPS = 4
@@ -30,7 +32,7 @@ SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.so
 ONE_HOST_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
 TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
 SEQUENCE_MESH = ["--config.mesh.dcn_sequence=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def _env(devices: int) -> dict:
