@@ -266,3 +266,21 @@ def test_heads_not_a_multiple_of_d_model(tmp_path):
   assert convert.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
   with pytest.raises(ValueError, match="mamba_num_heads"):
     convert.ours_to_mamba_ssm_config(ours.config)
+
+
+def test_run_config_refusals():
+  import sys
+  sys.path.insert(0, str(__import__("helpers").ROOT))
+  from configs import base
+  from mamba_train.train.run_config import ConfigError, validate
+  c = base.get_config()
+  c.model.update(MOE_CFG.to_dict())
+  assert validate(c, num_devices=8).moe.bias_update_rate == 1e-3
+  c.mesh.update(data=1, expert=8)
+  assert validate(c, num_devices=8).mesh_shape["expert"] == 8
+  c.model.n_routed_experts, c.model.n_group = 12, 1
+  with pytest.raises(ConfigError, match="n_routed_experts \\(12\\)"):
+    validate(c, num_devices=8)
+  c.model.n_routed_experts, c.moe.aux_loss_coef = 8, -1.0
+  with pytest.raises(ConfigError, match="moe.aux_loss_coef"):
+    validate(c, num_devices=8)
