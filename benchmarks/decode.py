@@ -109,7 +109,7 @@ def decode_benchmark(model: Mamba2LM, prompt_lens: Sequence[int], *, batch: int 
     _timed(loop, params, logits, cache)
     t = []
     for _ in range(repeats):
-      (dev_tokens, _), sec = _timed(loop, params, logits, cache)
+      (dev_tokens, *_), sec = _timed(loop, params, logits, cache)  # tokens, steps, lengths
       t.append(sec)
     row["device_tok_s"] = batch * (new_tokens - 1) / min(t)  # the first token is from prefill
 

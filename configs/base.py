@@ -26,6 +26,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batches = 4  # batches (of batch_size) per evaluation
   c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)
   c.checkpoint_keep = 3  # keep the newest k checkpoints (0 = keep all)
+  # Multi-tier checkpoints (mamba_train/workdir/local_tier.py): also save every local_every
+  # steps to local_dir, a directory on each host's own disk (not a bucket), which a
+  # restore prefers when it holds a newer step (a host that lost its own takes a peer's
+  # replica, else the persistent tier's). '' / 0 = off; both or neither.
+  c.checkpoint = ml_collections.ConfigDict(dict(local_dir="", local_every=0))
 
   # --- the model's architecture: Mamba2Config fields under mamba_ssm's names ---
   # (layer_pattern makes a hybrid: 'M' Mamba-2, '*' attention, '-' MLP, one per layer)

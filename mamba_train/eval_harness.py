@@ -22,11 +22,17 @@ needs more memory than prefill and decoding. Devices that report no memory limit
 (the CPU) take max_batch_size. The sizes found are in lm-eval's results, under
 config.batch_sizes.
 
-Multi-process jobs (the in-training hook with parameters sharded over processes):
-every process builds the same requests in the same order and runs every program
-with the same inputs, so each takes part in each sharded forward; the scores come
-back whole on every process (`sharding.to_host`), and detected batch sizes are the
-least over processes so the programs agree.
+Several devices or processes (`mesh`: the training mesh in the in-training hook,
+all devices in `scripts/eval.py`): every process builds the same requests in the
+same order, as lm-eval does, and each scoring forward is one global batch whose
+rows split over the mesh's data-parallel axes (data x fsdp), so each replica scores
+its own share of the requests: batch_size is per replica, as lm-eval's is per
+device in its data-parallel runs, and a forward scores batch_size x replicas
+requests. Each device runs the program a single device would on its rows, so the
+scores equal a single process's. They come back whole on every process
+(`sharding.to_host`), and detected batch sizes are the least over processes so the
+programs agree; process 0 writes. Generation (`generate_until`) is not split: every
+process runs every batch.
 
 lm_eval is imported when this module is, not by `import mamba_train`.
 """
@@ -78,15 +84,37 @@ def _log_probs(graphdef, params, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 _SCORERS: dict = {}
 
 
-def _scorer(graphdef, params, rows: int, width: int):
+def _scorer(graphdef, params, rows: int, width: int, ids_sharding=None):
   """The compiled scoring program for (rows, width) ids, shared by every HarnessLM
   of the same model shape (a task, the next hook call, batch size detection)."""
-  key = (graphdef, rows, width, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
-                                      for a in jax.tree.leaves(params)))
+  key = (graphdef, rows, width, ids_sharding, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
+                                                    for a in jax.tree.leaves(params)))
   if key not in _SCORERS:
-    ids = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+    ids = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=ids_sharding)
     _SCORERS[key] = _log_probs.lower(graphdef, params, ids).compile()
   return _SCORERS[key]
+
+
+def _row_sharding(mesh) -> tuple[jax.sharding.NamedSharding | None, int]:
+  """(the sharding of a scoring batch's rows over the mesh's data-parallel axes, how
+  many replicas that makes); (None, 1) without a mesh."""
+  if mesh is None:
+    return None, 1
+  axes = sharding.logical_to_spec(("batch",))[0]  # the batch's axes in the rules table
+  return (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes)),
+          sharding.axes_size(mesh, axes))
+
+
+def on_mesh(model: Mamba2LM, mesh) -> Mamba2LM:
+  """`model` with its parameters replicated on every device of `mesh` (each process
+  passes the same weights: every one loaded them from the same files)."""
+  graphdef, params = nnx.split(model)
+  everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def place(x):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, everywhere, lambda index: host[index])
+  return nnx.merge(graphdef, jax.tree.map(place, params))
 
 
 def _free_device_bytes() -> int | None:
@@ -120,8 +148,11 @@ class HarnessLM(TemplateLM):
 
   def __init__(self, model: Mamba2LM, tokenizer: TokenizerInfo, *, batch_size: int | str = 16,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_length: int = DEFAULT_MAX_LENGTH,
-               max_gen_toks: int = 256):
+               max_gen_toks: int = 256, mesh=None):
+    """`mesh`: the devices the parameters are on; the scoring rows split over its
+    data-parallel axes (batch_size rows a replica). None: one device."""
     super().__init__()
+    self._ids_sharding, self.replicas = _row_sharding(mesh)
     self.batch_size, self.batch_schedule = parse_batch_size(batch_size)
     if int(max_batch_size) < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -161,7 +192,7 @@ class HarnessLM(TemplateLM):
     start = 0
     while start < len(order):
       longest = min(len(pairs[order[start]][0]) + len(pairs[order[start]][1]), self.max_length + 1)
-      rows = self._rows(start, len(order), round_up_pow2(longest, MIN_WIDTH))
+      rows = self._rows(start, len(order), round_up_pow2(longest, MIN_WIDTH)) * self.replicas
       idx = order[start:start + rows]
       start += rows
       seqs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in idx]
@@ -169,13 +200,19 @@ class HarnessLM(TemplateLM):
       ids = np.full((rows, width), self.eot_token_id, np.int32)
       for r, s in enumerate(seqs):
         ids[r, :len(s)] = s
-      program = _scorer(self._graphdef, self._params, rows, width)
-      logp, greedy = map(sharding.to_host, program(self._params, jnp.asarray(ids)))
+      program = _scorer(self._graphdef, self._params, rows, width, self._ids_sharding)
+      logp, greedy = map(sharding.to_host, program(self._params, self._put(ids)))
       for r, (i, s) in enumerate(zip(idx, seqs)):
         n = len(pairs[i][1])
         cols = slice(len(s) - 1 - n, len(s) - 1)  # positions that predict the continuation
         out[i] = (float(logp[r, cols].sum()), bool(greedy[r, cols].all()))
     return out
+
+  def _put(self, ids: np.ndarray) -> jax.Array:
+    """The batch on the devices: each replica its rows (every process holds all of them)."""
+    if self._ids_sharding is None:
+      return jnp.asarray(ids)
+    return jax.make_array_from_callback(ids.shape, self._ids_sharding, lambda index: ids[index])
 
   # --- batch size: fixed, or detected as lm-eval's hf backend does ----------------
 
@@ -204,7 +241,8 @@ class HarnessLM(TemplateLM):
 
   def _fits(self, rows: int, width: int, free: int) -> bool:
     try:
-      m = _scorer(self._graphdef, self._params, rows, width).memory_analysis()
+      m = _scorer(self._graphdef, self._params, rows * self.replicas, width,
+                  self._ids_sharding).memory_analysis()
     except jax.errors.JaxRuntimeError as e:  # a TPU compile refuses what cannot fit
       if "RESOURCE_EXHAUSTED" in str(e):
         return False

@@ -1,15 +1,22 @@
-"""Compile the real train step for a TPU slice on any machine (a CPU laptop too)
-and say whether it fits, before renting the slice.
+"""Compile the real train step for a TPU slice or NVIDIA GPU hosts on any machine
+(a CPU laptop too) and say whether it fits, before renting them.
 
   pip install -e '.[tpu]'     # libtpu from PyPI: the TPU compiler, no TPU needed
+  pip install -e '.[gpu]'     # the CUDA plugin and ptxas: the GPU compiler, no GPU needed
   python scripts/aot_compile.py --config configs/130m.py --topology v5e:2x2
   python scripts/aot_compile.py --config configs/1.3b.py --topology v5p-128 --config.batch_size=512
   python scripts/aot_compile.py --config configs/tiny.py --topology v6e:1x1 --json out.json
   python scripts/aot_compile.py --config configs/long_context.py --topology v5p:2x2x2
+  python scripts/aot_compile.py --config configs/1.3b.py --topology h100-8 --config.batch_size=32 \
+      --config.runtime.compute_dtype=bfloat16
 
 --topology takes the names `jax.experimental.topologies` knows (v4:2x2x2,
 v5e:4x4, v5p:4x4x4, v6e:2x2, ...) or Cloud TPU slice names (v5p-128, v5e-16,
-v6e-8, v4-32; see mamba_train/parallel/topology.py).
+v6e-8, v4-32; see mamba_train/parallel/topology.py), or NVIDIA GPUs as h100-N /
+h200-N (N GPUs, 8 a host: h100-8 is one host, h100-64 eight). On GPUs the counts
+are XLA's HLO cost analysis of the optimised GPU module plus the Pallas kernels'
+own cost estimates (XLA counts a custom call as nothing there); nothing is
+autotuned without a GPU, so the roofline is the measure, not the binary's speed.
 
 The compile and its report are `mamba_train.train.aot.compile_train_step`: the
 trainer's own train step, with the run's mesh over the slice's devices, the runtime
@@ -36,6 +43,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
 from mamba_train import metrics  # noqa: E402
+from mamba_train.parallel.topology import is_gpu_topology  # noqa: E402
 from mamba_train.train import aot, run_config  # noqa: E402
 
 GIB = metrics.GIB
@@ -43,7 +51,8 @@ GIB = metrics.GIB
 
 def format_report(r: dict) -> str:
   g = lambda b: f"{b / GIB:.2f} GiB"
-  lines = [f"{r['chip']} slice {r['topology']}: {r['devices']} devices, mesh {r['mesh']}",
+  lines = [f"{r['chip']} {'hosts' if r['chip'].startswith('NVIDIA') else 'slice'} {r['topology']}: "
+           f"{r['devices']} devices, mesh {r['mesh']}",
            f"batch {r['batch_size']} x {r['seq_len']} (grad_accum {r['grad_accum']}), "
            f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}"
            + (f" (layers {r['model']['layer_pattern']}, attention {r['runtime']['attention']})"
@@ -72,9 +81,16 @@ def format_report(r: dict) -> str:
       lines.append(f"XLA counts per device: {c.get('flops', 0):.3e} FLOPs, {c.get('bytes accessed', 0):.3e} bytes "
                    f"(the scanned layer bodies counted once: --every_layer=false, or a hybrid); model FLOPs "
                    f"{r['model_flops_per_device']:.3e}")
+  k = r.get("kernel_cost")
+  if k:
+    w = r["cost_with_kernels"]
+    lines.append(f"Pallas kernels per device (their cost estimates{', every layer' if f else ''}; XLA counts "
+                 f"them as 0 on GPUs): "
+                 f"{k['flops']:.3e} FLOPs, {k['bytes accessed']:.3e} bytes; with XLA's: {w['flops']:.3e} FLOPs, "
+                 f"{w['bytes accessed']:.3e} bytes, {w['flops'] / max(w['bytes accessed'], 1):.0f} FLOP/byte")
   rl = r.get("roofline")
   if rl:
-    counted = ", every layer" if f else ", a lower bound"
+    counted = (", every layer" if f else ", a lower bound") + (" plus the kernels'" if k else "")
     lines.append(f"at datasheet peaks (the larger FLOP count; XLA bytes{counted}): "
                  f"step {rl['time_s'] * 1e3:.1f} ms ({rl['bound']}-bound; compute "
                  f"{rl['compute_s'] * 1e3:.1f} ms, memory {rl['memory_s'] * 1e3:.1f} ms), "
@@ -83,7 +99,8 @@ def format_report(r: dict) -> str:
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice: v5e:2x2, v6e:4x4, v5p:4x4x4, v5p-128, ...")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice (v5e:2x2, v6e:4x4, v5p:4x4x4, v5p-128, ...) "
+                                "or NVIDIA GPUs (h100-8, h200-8, h100-64, ...)")
 _JSON = flags.DEFINE_string("json", "", "Also write the report as JSON here.")
 _EVERY_LAYER = flags.DEFINE_bool("every_layer", True, "Count every layer's FLOPs and bytes (two more "
                                  "small compiles); false: the scanned layer body once, a lower bound.")
@@ -94,6 +111,11 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config configs/<name>.py is required")
+  if is_gpu_topology(_TOPOLOGY.value):
+    # Compiling for GPUs needs only the CPU client (and the CUDA plugin's topology):
+    # no TPU or GPU backend start-up. Before JAX initialises a backend.
+    import jax
+    jax.config.update("jax_platforms", "cpu")
   try:
     report = aot.compile_train_step(config, _TOPOLOGY.value, _EVERY_LAYER.value,
                                     reference=base.get_config())

@@ -13,6 +13,16 @@ checkpoint, or --step), a transformers or a mamba_ssm directory. The flags
 auto:N), --max_batch_size, --output_path and --log_samples mean what they mean to
 `lm_eval` (also its default batch size, 1), which writes its results and samples
 files under --output_path.
+
+On several devices or processes the weights are replicated on every device and
+each scoring forward splits its rows over them (mamba_train/eval_harness.py):
+--batch_size is then per device, as in lm-eval's data-parallel runs. Start every
+process of a job alike, with --coordinator_address, --num_processes and
+--process_id as train.py takes them (detected on a TPU pod, SLURM or Open MPI);
+process 0 prints the table and writes the files:
+
+  python scripts/eval.py --model runs/tiny --tasks tiny_mc ... \
+      --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0   # and =1
 """
 
 from mamba_train.xla_flags import apply_cpu_defaults
@@ -20,6 +30,7 @@ from mamba_train.xla_flags import apply_cpu_defaults
 apply_cpu_defaults()  # before JAX starts its CPU backend
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -42,10 +53,23 @@ _MAX_LEN = flags.DEFINE_integer("max_length", 2048, "Longest context scored (lm-
 _OUT = flags.DEFINE_string("output_path", None, "Where lm-eval writes results (and samples).")
 _SAMPLES = flags.DEFINE_bool("log_samples", False, "Also write per-sample outputs.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of few-shot sampling and generation.")
+# Multi-process jobs, as train.py takes them (mamba_train/parallel/distributed.py).
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the job (0 = detect).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's rank (-1 = detect).")
+_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join.")
 
 
 def main(argv):
   del argv
+  from mamba_train.parallel import distributed  # pylint: disable=import-outside-toplevel
+  try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           init_timeout=_INIT_TIMEOUT.value)
+  except distributed.DistributedInitError as e:
+    raise SystemExit(f"error: {e}") from None
+  import jax  # pylint: disable=import-outside-toplevel
+
   import mamba_train  # pylint: disable=import-outside-toplevel
   from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
@@ -64,12 +88,22 @@ def main(argv):
     raise app.UsageError(f"{_MODEL.value} holds no tokenizer.json: pass --tokenizer")
   if storage.is_remote(spec):  # the tokenizers library reads local files
     spec = storage.local_copy(spec)
-  lm = eval_harness.HarnessLM(mamba_train.load_model(path), load_tokenizer(spec),
+  model, mesh = mamba_train.load_model(path), None
+  if jax.device_count() > 1:  # data-parallel: the weights on every device, the rows split
+    from mamba_train.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+    mesh = make_mesh({"data": -1})
+    model = eval_harness.on_mesh(model, mesh)
+  main_process = jax.process_index() == 0
+  if not main_process:  # the same tables and progress bars as process 0's
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+  lm = eval_harness.HarnessLM(model, load_tokenizer(spec),
                               batch_size=_BATCH.value, max_batch_size=_MAX_BATCH.value,
-                              max_length=_MAX_LEN.value)
+                              max_length=_MAX_LEN.value, mesh=mesh)
   results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=_LIMIT.value,
                                    num_fewshot=_FEWSHOT.value, log_samples=_SAMPLES.value,
-                                   seed=_SEED.value)
+                                   seed=_SEED.value, env_info=main_process)
+  if not main_process:
+    return
   from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
   print(make_table(results))
   if _OUT.value:

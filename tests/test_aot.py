@@ -1,7 +1,8 @@
 """scripts/aot_compile.py, mamba_train/train/aot.py and mamba_train/parallel/topology.py:
-TPU slice names, and the real train step compiled for a TPU slice on this CPU
-(libtpu from PyPI, part of the `test` extra), its memory report, and the refusal
-of a config that cannot fit a chip's HBM."""
+TPU slice and GPU host names, and the real train step compiled for a TPU slice
+(libtpu from PyPI) and for H100s (the CUDA plugin and ptxas: the `gpu` extra), both
+in the `test` extra, on this CPU, its memory report, and the refusal of a config
+that cannot fit a chip's HBM."""
 
 import os
 import subprocess
@@ -71,6 +72,42 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]
   assert rep["cost"]["flops"] > 0 and rep["compile_s"] > 0
+
+
+def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
+  """The real train step for two H100s (CUDA plugin and ptxas, no GPU): ssd_impl auto
+  resolves to the GPU kernels, whose cost estimates join XLA's counts (XLA counts a
+  Pallas call as nothing on GPUs). Skips, saying why, without the gpu extra."""
+  import importlib.util
+  missing = [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if importlib.util.find_spec(m) is None]
+  if missing:
+    reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
+    print(reason)
+    pytest.skip(reason)
+  out = tmp_path / "report.json"
+  narrow = ("--config.model.d_model=64", "--config.model.headdim=16", "--config.model.d_state=16",
+            "--config.model.n_layer=2")
+  r = _run("--topology", "h100-2", *_SMALL, *narrow, "--config.runtime.compute_dtype=bfloat16",
+           "--json", str(out), "--every_layer=false")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Pallas kernels per device" in r.stdout and "of 80.00 GiB HBM" in r.stdout, r.stdout
+  import json
+  rep = json.loads(out.read_text())
+  assert rep["devices"] == 2 and rep["chip"] == "NVIDIA H100" and rep["runtime"]["ssd_impl"] == "triton"
+  k, xla = rep["kernel_cost"], rep["cost"]
+  assert k["flops"] > 0 and k["bytes accessed"] > 0 and xla["flops"] > 0
+  assert rep["cost_with_kernels"]["flops"] == pytest.approx(xla["flops"] + k["flops"])
+  assert 0 < rep["memory"]["peak_bytes"] < rep["hbm_bytes_per_device"]
+
+
+def test_gpu_topology_names():
+  from mamba_train.parallel.topology import gpu_topology_name
+  assert gpu_topology_name("h100-8") == ("h100", 1, 8)
+  assert gpu_topology_name("H200-64") == ("h200", 8, 8)
+  assert gpu_topology_name("h100-2") == ("h100", 1, 2)
+  for bad in ("h100-12", "a100-8", "h100-0", "h100"):
+    with pytest.raises(ValueError):
+      gpu_topology_name(bad)
 
 
 def test_too_large_for_hbm_is_refused():

@@ -187,11 +187,11 @@ def test_weight_differences_name_each_field_in_the_callers_order():
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
-    ("gpu", 256, ("parallel", 128)), ("tpu", 64, ("pallas", 64))])
+    ("gpu", 256, ("triton", 128)), ("tpu", 64, ("pallas", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   """The form and chunk the SSD runs at, resolved for the target backend whatever
   backend Python runs on: the scan form (CPU) capped by scan_chunk_size, the
-  Pallas kernels (TPU) or the parallel form (GPU, or asked for) by
+  Pallas kernels (TPU, GPU) or the parallel form (asked for) by
   parallel_chunk_size. Unresolved, the model resolves for JAX's default backend."""
   import jax
   from flax import nnx

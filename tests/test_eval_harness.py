@@ -2,7 +2,7 @@
 tests/data/harness: the same per-sample scores and generations as lm-eval's own `hf`
 backend running the exported transformers weights (also from the training hook in a
 two-process job), stop sequences matched on the device, lm-eval's batch sizes, and
-the script's files and errors.
+the script's files and errors, and the script in a two-process job.
 
 Cost: one random model, one hf-backend run and one run of ours per module (fixtures),
 whose compiled programs the later tests reuse; the script and the two-process hook
@@ -99,7 +99,12 @@ def background(setup):
   worker = _HOOK_WORKER.format(root=str(ROOT), port=free_port(), small=SMALL, tasks="tiny_ppl,tiny_gen",
                                include=tasks, hf=hf, out=str(tmp / "two"))
   os.makedirs(tmp / "two")
+  # The same evaluation in a two-process job: each process scores its share of the rows.
+  join = ["--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
+  script2 = [str(tmp / "out2") if a == str(tmp / "out") else a for a in script] + join
   procs = {"script": ([start(script, tmp / "script.log")], [tmp / "script.log"], tmp / "out"),
+           "script2": ([start([*script2, "--process_id", str(r)], tmp / f"script2_{r}.log")
+                        for r in range(2)], [tmp / f"script2_{r}.log" for r in range(2)], tmp / "out2"),
            "two": ([start(["-c", worker, str(r)], tmp / f"two{r}.log") for r in range(2)],
                    [tmp / f"two{r}.log" for r in range(2)], tmp / "two")}
   yield procs
@@ -343,3 +348,21 @@ def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(backgro
   from mamba_train import eval_harness
   with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['tiny_mcq'\].*Found: tiny_gen, tiny_mc, tiny_ppl"):
     eval_harness.check_tasks(["tiny_mc", "tiny_mcq"], eval_harness.task_manager(tasks, ["tiny_mc"]))
+
+
+def test_eval_script_in_a_two_process_job_scores_as_one(background, setup):
+  """Two processes, one device each: each scores its share of every batch's rows, and
+  process 0 writes the files, with the single process's results and per-sample scores."""
+  one, two = _finish(background["script"]), _finish(background["script2"])
+  named = os.path.abspath(setup[1]).replace("/", "__")
+  files = {tag: (glob.glob(str(out / named / "results_*.json")),
+                 glob.glob(str(out / named / "samples_tiny_mc_*.jsonl"))) for tag, out in
+           (("one", one), ("two", two))}
+  assert [len(f) for f in files["two"]] == [1, 1], files  # written once, by process 0
+  r1, r2 = (json.load(open(files[t][0][0])) for t in ("one", "two"))
+  assert r2["results"] == r1["results"] and r2["n-shot"] == r1["n-shot"]
+  assert r2["config"]["batch_sizes"] == r1["config"]["batch_sizes"]  # per replica, as lm-eval's
+  s1, s2 = ([json.loads(line) for line in open(files[t][1][0])] for t in ("one", "two"))
+  assert [s["filtered_resps"] for s in s2] == [s["filtered_resps"] for s in s1]
+  logs = [open(f).read() for f in background["script2"][1]]
+  assert "n-shot" in logs[0] and "n-shot" not in logs[1]  # lm-eval's table: process 0's only

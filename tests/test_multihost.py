@@ -3,9 +3,9 @@ simulated devices each) joined by mamba_train.parallel.distributed, against one 
 four devices on the same mesh.
 
 The two-process runs use the hybrid mesh (dcn_data=2 across the processes, fsdp=2
-inside each), so they also check that layout end to end; a third job splits each
-sequence across the two processes instead (dcn_sequence=2), where a process's devices
-hold positions of the other's rows.
+inside each), so they also check that layout end to end; a third job splits one
+sequence a step (batch 1) across the two processes instead (dcn_sequence=2): both
+read the same row and each keeps its half, against one process with the same mesh.
 """
 
 import json
@@ -31,7 +31,10 @@ SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.so
          "--config.log_every=1", "--config.eval_every=0", "--config.wandb.mode=disabled"]
 ONE_HOST_MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
 TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
-SEQUENCE_MESH = ["--config.mesh.dcn_sequence=2", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
+# Batch 1, its 32 positions over 4 devices: two a process (dcn_sequence), or four in one.
+SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.dcn_sequence=2", "--config.mesh.data=1",
+                 "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
+ONE_HOST_SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.data=1", "--config.mesh.sequence=4"]
 FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
@@ -81,9 +84,12 @@ def runs(tmp_path_factory):
                 "--workdir", str(tmp / "one")], 4, tmp / "one.log")
   seq = _start_two([train_py, *SMALL, *SEQUENCE_MESH, "--config.checkpoint_every=0",
                     "--workdir", str(tmp / "seq")], free_port(), tmp, "seq")
-  codes = _wait([*two, one, *seq], timeout=500)
-  logs = {name: (tmp / f"{name}.log").read_text() for name in ("two0", "two1", "one", "seq0", "seq1")}
-  assert codes == [0] * 5, "\n\n".join(f"== {k} ==\n{v[-3000:]}" for k, v in logs.items())
+  one_seq = _start([train_py, *SMALL, *ONE_HOST_SEQUENCE_MESH, "--config.checkpoint_every=0",
+                    "--workdir", str(tmp / "one_seq")], 4, tmp / "one_seq.log")
+  codes = _wait([*two, one, *seq, one_seq], timeout=500)
+  logs = {name: (tmp / f"{name}.log").read_text()
+          for name in ("two0", "two1", "one", "seq0", "seq1", "one_seq")}
+  assert codes == [0] * 6, "\n\n".join(f"== {k} ==\n{v[-3000:]}" for k, v in logs.items())
   return tmp, logs
 
 
@@ -98,11 +104,12 @@ def test_two_processes_train_as_one(runs):
 
 
 def test_sequence_split_across_processes_trains_as_one(runs):
-  """dcn_sequence=2: each sequence's first half on process 0's devices, its second on
-  process 1's. Each process loads its own rows as always; they move on the devices."""
+  """dcn_sequence=2 with batch 1: the sequence's first half on process 0's devices, its
+  second on process 1's. Both processes read the same row (one data group) and each
+  keeps its half; the run equals one process's with the same mesh."""
   tmp, logs = runs
-  assert "'sequence': 2" in logs["seq0"], logs["seq0"][-2000:]
-  seq, one = _rows(tmp / "seq"), _rows(tmp / "one")
+  assert "'sequence': 4" in logs["seq0"], logs["seq0"][-2000:]
+  seq, one = _rows(tmp / "seq"), _rows(tmp / "one_seq")
   assert [r["step"] for r in seq] == list(range(1, STEPS + 1))
   for key in ("loss", "grad_norm", "param_norm"):
     np.testing.assert_allclose([r[key] for r in seq], [r[key] for r in one], rtol=2e-5, err_msg=key)

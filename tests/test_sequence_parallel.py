@@ -19,11 +19,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK = 16
 # mesh name -> (mesh config, length). 256 is a multiple of devices x chunk for
 # every mesh here; 200 is not (slices of 25, 50 and 100 positions: ragged chunks).
+# The `_fused` ones run the Pallas SSD kernels (in interpret mode) per slice, inside the
+# heads' map, against the unsharded XLA SSD; `_gpu` the GPU ones (ssd_gpu) the same way.
 FORWARD = {
     "seq8_l256": ({"sequence": 8}, 256),
     "seq8_l200": ({"sequence": 8}, 200),
     "s4d2_l256": ({"sequence": 4, "data": 2}, 256),
     "s2t2f2_l200": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
+    "s2t2f2_l200_fused": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
+    "s2t2f2_l200_gpu": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
 }
 TRAIN = {  # name -> (mesh config, runtime overrides, grad_accum)
     "single": ({}, {}, 1),
@@ -64,7 +68,10 @@ def _worker(out_dir):
   out = {}
 
   # --- forward and gradients: logits, final states (from random initial states), grads ---
-  def loss_and_grads(params, ids, seq, states, weights):
+  fused_rt = Runtime(ssd_impl="interpret").resolve("cpu")
+  gpu_rt = Runtime(ssd_impl="triton_interpret").resolve("cpu")
+
+  def loss_and_grads(params, ids, seq, states, weights, rt=rt):
     def f(params, states):
       m = Mamba2LM.from_params(cfg, params, rt)
       h, final = m.backbone(ids, seq_idx=seq, states=states)
@@ -91,9 +98,9 @@ def _worker(out_dir):
     inputs, _ = refs[l]
     mesh = make_mesh(mesh_cfg)
 
-    def sharded(*a, mesh=mesh):
+    def sharded(*a, mesh=mesh, rt={"fused": fused_rt, "gpu": gpu_rt}.get(name.rsplit("_", 1)[-1], rt)):
       with sharding.use_rules(mesh):
-        return loss_and_grads(*a)
+        return loss_and_grads(*a, rt=rt)
 
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.jit(sharded)(*inputs)))
 

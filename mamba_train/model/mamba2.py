@@ -33,6 +33,7 @@ from mamba_train.model import attention as attn_lib, lora as lora_lib, moe as mo
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
+from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
 from mamba_train.model.ssd_pallas import ssd_fused
 from mamba_train.parallel import sharding
 
@@ -293,8 +294,9 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
   form, chunk = rt.ssd_plan(cfg.chunk_size, cfg.ssd_window)
   x = x.astype(cd)
-  fused = form in ("pallas", "interpret") and split is None
-  if fused and l % chunk == 0:
+  fused = form in ("pallas", "interpret")
+  on_gpu = form in ("triton", "triton_interpret")  # the GPU kernels read the natural layout
+  if fused and split is None and l % chunk == 0:
     # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
     # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
     x = with_layout_constraint(x.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h, hp)
@@ -302,17 +304,21 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ssd_kw = dict(D=p["D"], initial_state=state.get("ssm"), seq_idx=seq_idx)
   if cfg.ssd_window:
     ssd_kw["window"] = cfg.ssd_window
-  if fused:
+  if fused or on_gpu:
     # XLA cannot partition a Pallas call: under a mesh it runs per device's batch and heads.
-    kernel = functools.partial(ssd_fused, interpret=form == "interpret")
+    kernel = (functools.partial(ssd_fused, interpret=form == "interpret") if fused
+              else functools.partial(ssd_gpu, interpret=form == "triton_interpret"))
     heads = sharding.head_split()
-    y, ssm = (kernel if heads is None else functools.partial(heads.ssd, kernel))(*ssd_args, **ssd_kw)
+    kernel = kernel if heads is None else functools.partial(heads.ssd, kernel)
+    # A split sequence runs the kernels per slice from a zero state and adds what the
+    # entering state gives in XLA (parallel/sequence.py), as it does for the XLA SSD.
+    if split is not None:
+      kernel = functools.partial(split.ssd, kernel, state_outputs, kernel=True)
+    y, ssm = kernel(*ssd_args, **ssd_kw)
   else:
-    # A split sequence runs the XLA SSD per slice (parallel/sequence.py); the Pallas
-    # kernels do not take a slice's entering state from the other devices yet.
-    y, ssm = ssd(*ssd_args, **ssd_kw, form="parallel" if form in ("pallas", "interpret") else form)
+    y, ssm = ssd(*ssd_args, **ssd_kw, form=form)
   y = y.reshape(b, l, h * hp)
-  if fused and l % chunk == 0:
+  if fused and split is None and l % chunk == 0:
     y = with_layout_constraint(y.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h * hp)
   if fused:
     # The kernel writes y positions-minor; turned channels-minor here, in y's
@@ -366,7 +372,12 @@ def unstack(tree, n: int) -> list:
 
 _REMAT_POLICIES = {
     "full": None,  # recompute everything in the backward pass
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The GPU SSD kernels' output and entering states too: without them the backward
+    # pass runs the forward kernel again (for 1.3b on 8 H100s, 4 x 2048 a GPU, about
+    # 5% of the step's bytes, for 16 GiB a GPU: docs/bench/gpu.md).
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*SSD_GPU_SAVE_NAMES)),
 }
 
 

@@ -34,7 +34,7 @@ def default_attention(backend: str, compute_dtype: str) -> str:
   if backend == "tpu":
     return "splash"
   return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
-SSD_IMPLS = ("auto", "xla", "pallas", "interpret")
+SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -53,12 +53,13 @@ def default_form(backend: str) -> str:
 
 
 def default_impl(backend: str) -> str:
-  """The SSD implementation for a backend: the Pallas kernels of `ssd_pallas` on TPUs,
-  where they keep each chunk's (t, s) terms out of HBM; the plain-JAX
-  `ssd.ssd_chunked` on CPU (XLA:CPU keeps those terms in cache; Pallas runs there
-  only in its interpreter) and on GPUs, until the kernels have run on one (they are
-  written to Mosaic TPU's rules and were never compiled for a GPU; 'pallas' asks)."""
-  return "pallas" if backend == "tpu" else "xla"
+  """The SSD implementation for a backend: the Pallas kernels of `ssd_pallas` on TPUs
+  and those of `ssd_gpu` (Pallas Triton) on NVIDIA GPUs, where they keep each chunk's
+  (t, s) terms out of HBM; the plain-JAX `ssd.ssd_chunked` on CPU (XLA:CPU keeps
+  those terms in cache; Pallas runs there only in its interpreter)."""
+  if backend == "tpu":
+    return "pallas"
+  return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +83,11 @@ class Runtime(FrozenFields):
   # Run Pallas kernels (splash attention) in interpret mode: on a CPU, for tests.
   pallas_interpret: bool = False
   # Who computes the SSD: 'xla' (`ssd.ssd_chunked`, in `ssd_form`), 'pallas' (the
-  # fused kernels of `ssd_pallas`, at parallel_chunk_size; TPU and GPU only),
-  # 'interpret' (those kernels in Pallas' interpreter: any backend, slow; for
-  # tests), or 'auto' (`default_impl` of the backend the runtime is resolved for:
-  # pallas on TPU, xla elsewhere).
+  # fused TPU kernels of `ssd_pallas`, at parallel_chunk_size), 'triton' (the GPU
+  # kernels of `ssd_gpu`, Pallas Triton, at most parallel_chunk_size),
+  # 'interpret' / 'triton_interpret' (those kernels in Pallas' interpreter: any
+  # backend, slow; for tests), or 'auto' (`default_impl` of the backend the
+  # runtime is resolved for: pallas on TPU, triton on GPU, xla on CPU).
   ssd_impl: str = "auto"
   # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
   # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled

@@ -4,8 +4,9 @@ XLA cannot partition a Pallas call itself, so under a mesh the kernel runs in
 `jax.shard_map` on each device's part of the batch and heads. The SSD is
 independent per sequence and head, so no device needs another's part: B and C
 are split with the heads when their groups divide evenly over the heads' devices,
-and replicated when there is one group. The length stays whole (a split sequence
-runs the XLA SSD per slice: `parallel/sequence.py`).
+and replicated when there is one group. The length stays whole here: a split
+sequence (`parallel/sequence.py`) shard_maps over its own axis first and calls this
+map inside, per slice.
 
 As in `parallel/sequence.py`, the functions here take the math as a function (the
 kernel) and the mesh axes, and import nothing of the package; the model reaches
@@ -38,7 +39,7 @@ class HeadSplit:
   def ssd(self, kernel: Callable, x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None,
           seq_idx=None):
     """`kernel(x, dt, A, B, C, chunk_size, D=..., initial_state=..., seq_idx=...)`
-    (`ssd_pallas.ssd_fused` with its options) on each device's part of the batch and
+    (`ssd_pallas.ssd_fused` or `ssd_gpu.ssd_gpu` with its options) on each device's part of the batch and
     heads, with the same arguments and results as `ssd.ssd_chunked`."""
     g = B.shape[2]
     if g > 1 and g % self.head_devices:
@@ -57,5 +58,9 @@ class HeadSplit:
     def local(x, dt, A, B, C, D, h0, seq=None):
       return kernel(x, dt, A, B, C, chunk_size, D=D, initial_state=h0, seq_idx=seq)
 
-    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
+    # Inside another map (a split sequence's, manual over its axis) the kernel's map
+    # takes the context's mesh, which says which axes are manual already.
+    context = jax.sharding.get_abstract_mesh()
+    mesh = context if not context.empty and context.manual_axes else self.mesh
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
                          check_vma=False)(*args)

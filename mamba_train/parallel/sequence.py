@@ -49,9 +49,9 @@ class SequenceSplit:
   def size(self) -> int:
     return self.mesh.shape[self.axis]
 
-  def _map(self, fn, in_specs, out_specs):
+  def _map(self, fn, in_specs, out_specs, check_vma=True):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=frozenset({self.axis}))
+                         axis_names=frozenset({self.axis}), check_vma=check_vma)
 
   def _check_length(self, l: int, least: int = 1):
     if l % self.size or l // self.size < least:
@@ -84,13 +84,15 @@ class SequenceSplit:
     return y, last[-1]
 
   def ssd(self, scan: Callable, state_outputs: Callable, x, dt, A, B, C, *args, D=None,
-          initial_state=None, seq_idx=None, window: int = 0, **kw):
+          initial_state=None, seq_idx=None, window: int = 0, kernel: bool = False, **kw):
     """`scan(x, dt, A, B, C, *args, D=..., initial_state=..., seq_idx=..., **kw)`
     (`ssd.ssd_chunked`, or a kernel with its arguments) on a sequence split over
     the axis, with the same arguments and results. `state_outputs` is the SSD's
     (`ssd.state_outputs`): what the entering state adds, by the same math as
     between chunks. With a `window`, the slices exchange the inputs the window
-    reaches back to instead (`_windowed`)."""
+    reaches back to instead (`_windowed`). `kernel`: `scan` is a Pallas kernel (in
+    its own map over batch and heads, `parallel/kernels.py`), whose results carry
+    no varying-axes types, so this map runs with check_vma off."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     self._check_length(l)
@@ -109,7 +111,7 @@ class SequenceSplit:
 
     def local(x, dt, B, C, ids, A, D, init):
       # From a zero state, typed as varying over the axis like the slice it scans.
-      zero = jax.lax.pcast(jnp.zeros_like(init), (ax,), to="varying")
+      zero = jnp.zeros_like(init) if kernel else jax.lax.pcast(jnp.zeros_like(init), (ax,), to="varying")
       y, own = scan(x, dt, A, B, C, *args, D=D, initial_state=zero, seq_idx=ids, **kw)
       total = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)  # (b, h)
       i = jax.lax.axis_index(ax)
@@ -133,7 +135,7 @@ class SequenceSplit:
     seq = P(None, ax)
     # The last device's final state is the sequence's.
     y, final = self._map(local, in_specs=(seq, seq, seq, seq, seq, P(), P(), P()),
-                         out_specs=(seq, P(ax)))(x, dt, B, C, seq_idx, A, D, initial_state)
+                         out_specs=(seq, P(ax)), check_vma=not kernel)(x, dt, B, C, seq_idx, A, D, initial_state)
     return y, final[-1]
 
   def _windowed(self, scan, x, dt, A, B, C, *args, D, seq_idx, window, **kw):

@@ -12,6 +12,7 @@ train/state.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Any, Mapping, Sequence
@@ -145,9 +146,9 @@ def head_split() -> HeadSplit | None:
   if not _ACTIVE:
     return None
   mesh, rules = _ACTIVE[-1]
-  batch, length, heads = logical_to_spec(("batch", "act_length", "act_inner"), rules)
-  if axes_size(mesh, length) > 1:  # the mixer sends split sequences to XLA's SSD
-    raise ValueError("the Pallas SSD cannot split the sequence over devices: use runtime.ssd_impl='xla'")
+  # The length is not among its axes: a split sequence is shard_map'd over its own
+  # axis first (sequence_split), and the kernel's map runs inside it per slice.
+  batch, heads = logical_to_spec(("batch", "act_inner"), rules)
   return HeadSplit(mesh, batch, heads, axes_size(mesh, heads))
 
 
@@ -188,22 +189,83 @@ def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch", "act_length"), rules))
 
 
+def data_group(mesh: Mesh, rules=DEFAULT_RULES) -> tuple[int, int]:
+  """(index, count) of this process's data group: the processes whose devices hold
+  the same rows of a batch (those the sequence or tensor axis spans), in row order.
+  The loaders hand each group its rows, read alike by every process of the group,
+  and `to_global` keeps each process's positions of them; so a sequence split over
+  hosts (dcn_sequence) trains with batch 1. A layout where processes hold rows in no
+  such blocks gives (process index, process count): each loads its own rows, and
+  `to_global` moves them on the devices."""
+  groups = _row_groups(batch_sharding(mesh, rules), mesh)
+  if groups is None:
+    return jax.process_index(), jax.process_count()
+  return next(i for i, (_, procs) in enumerate(groups) if jax.process_index() in procs), len(groups)
+
+
+@functools.lru_cache(maxsize=16)  # asked at every step; a pod's mesh has thousands of devices
+def _row_groups(sh: NamedSharding, mesh: Mesh):
+  """[((first row, end row), processes)] in row order over a batch of one row per
+  row shard, when each process's devices hold one block of rows that is either the
+  same as another process's or disjoint from it, the blocks equal in size; else None."""
+  spec = tuple(sh.spec) + (None, None)
+  rows, cols = (math.prod(mesh.shape[a] for a in _axis_names(axes)) for axes in spec[:2])
+  held: dict[int, tuple[set, set]] = {}
+  for d, (r, c) in sh.devices_indices_map((rows, cols)).items():
+    mine = held.setdefault(d.process_index, (set(), set()))
+    mine[0].add(r.indices(rows)[:2])
+    mine[1].add(c.indices(cols)[:2])
+  blocks = {}
+  for p, (row_pieces, col_pieces) in held.items():
+    if _block(col_pieces) is None:  # positions in pieces: `to_global` keeps one block
+      return None
+    span = _block(row_pieces)
+    if span is None:
+      return None
+    blocks.setdefault(span, []).append(p)
+  spans = sorted(blocks)
+  if len({e - a for a, e in spans}) != 1 or any(a < prev for (a, _), (_, prev) in zip(spans[1:], spans)):
+    return None
+  return [(span, tuple(sorted(blocks[span]))) for span in spans]
+
+
+def _block(pieces: set) -> tuple[int, int] | None:
+  """(first, end) of distinct pieces (first, end) that tile one block; None if they leave holes."""
+  first, end = min(a for a, _ in pieces), max(e for _, e in pieces)
+  return (first, end) if sum(e - a for a, e in pieces) == end - first else None
+
+
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:
   """This process's rows of a batch -> global arrays split by `batch_sharding`.
 
-  Process p holds global rows [p*b, (p+1)*b), as the loaders hand them out, so
-  the global batch equals the one a single process would load. When the sequence
-  axis spans processes (mesh.dcn_sequence), a process's devices hold some positions
-  of other processes' rows instead: the rows go up as loaded and move on the devices.
+  The rows are those of the process's data group (`data_group`): group g holds
+  global rows [g*b, (g+1)*b), as the loaders hand them out, so the global batch
+  equals the one a single process would load. Each process keeps the positions its
+  devices hold (all of them, unless the sequence axis spans processes). A layout
+  with no such groups (a process's devices hold positions of rows other processes
+  loaded) sends the rows up as loaded and moves them on the devices.
   """
   sh = batch_sharding(mesh, rules)
   arrays = {k: np.asarray(v) for k, v in batch.items()}
-  if not arrays or _holds_own_rows(sh, next(iter(arrays.values())).shape):
-    return {k: jax.make_array_from_process_local_data(sh, v) for k, v in arrays.items()}
+  if not arrays:
+    return {}
+  b, l = next(iter(arrays.values())).shape
+  if _row_groups(sh, mesh) is not None or _holds_own_rows(sh, (b, l)):
+    count = data_group(mesh, rules)[1]
+    global_shape = (b * count, l)
+    cols = _held_columns(sh, global_shape)
+    return {k: jax.make_array_from_process_local_data(sh, v[:, cols], (b * count,) + v.shape[1:])
+            for k, v in arrays.items()}
   loaded = _process_rows(mesh)
   # device_put between shardings of one device set in another order: XLA moves the data.
   return {k: jax.device_put(jax.make_array_from_process_local_data(loaded, v), sh)
           for k, v in arrays.items()}
+
+
+def _held_columns(sh: NamedSharding, global_shape) -> slice:
+  """The positions this process's devices hold (one block: `data_group` found groups)."""
+  pieces = {c.indices(global_shape[1])[:2] for _, c in sh.addressable_devices_indices_map(global_shape).values()}
+  return slice(min(a for a, _ in pieces), max(e for _, e in pieces))
 
 
 def _holds_own_rows(sh: NamedSharding, local_shape) -> bool:

@@ -1,10 +1,12 @@
-"""TPU slices by name, as devices this host can compile for.
+"""TPU slices and NVIDIA GPU hosts by name, as devices this host can compile for.
 
 With `libtpu` installed (from PyPI; no TPU needed), `jax.experimental.topologies`
 describes any slice, and `jax.jit(...).lower(...).compile()` with its devices
 compiles for it on a CPU host. Names: those `topologies` knows (v4:2x2x2, v5e:4x4,
 v5p:4x4x4, v6e:2x2, ...) or Cloud TPU slice names (v5p-128, v5e-16, v6e-8, v4-32;
 v4 and v5p names count TensorCores, two per chip, v5e and v6e names count chips).
+With the CUDA plugin, ptxas and XLA's GPU target descriptions (the `gpu` extra),
+the same holds for NVIDIA GPUs named h100-N / h200-N (`gpu_devices`).
 """
 
 from __future__ import annotations
@@ -69,3 +71,64 @@ def tpu_devices(name: str):
     raise RuntimeError(f"could not describe TPU topology {topo!r}: {e}\nIs libtpu installed? "
                        f"pip install -e '.[tpu]' (or pip install libtpu)") from e
   return gen, topo, list(desc.devices)
+
+
+# ----------------------------------------------------------------------------
+# NVIDIA GPUs: 'h100-8' is one host of 8 H100 SXM, 'h200-64' eight hosts of 8 H200.
+# XLA compiles for a GPU with no device from a target description (a
+# GpuTargetConfigProto in text form); gpu_targets/ holds XLA's own H100 SXM and H200
+# specs (xla/backends/gpu/target_config/specs/), less the
+# `collective_memory_granularity` field that jaxlib 0.10.2 does not parse.
+_GPU_TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+GPUS_PER_HOST = 8
+
+
+def gpu_topology_name(name: str) -> tuple[str, int, int]:
+  """('h100', hosts, GPUs per host) from 'h100-8', 'h200-64', 'h100-1', ..."""
+  m = re.fullmatch(r"(h100|h200)-(\d+)", name.strip().lower())
+  if not m or int(m.group(2)) < 1:
+    raise ValueError(f"unknown GPU topology {name!r}: use h100-N or h200-N for N GPUs "
+                     f"({GPUS_PER_HOST} a host: h100-8 is one host, h100-64 eight)")
+  kind, n = m.group(1), int(m.group(2))
+  if n > GPUS_PER_HOST and n % GPUS_PER_HOST:
+    raise ValueError(f"{name}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}")
+  hosts = max(1, n // GPUS_PER_HOST)
+  return kind, hosts, n // hosts
+
+
+def is_gpu_topology(name: str) -> bool:
+  return re.match(r"(h100|h200)-", name.strip().lower()) is not None
+
+
+def _ptxas_on_path() -> None:
+  # XLA and Triton run ptxas from PATH (then the system CUDA toolkit): put the
+  # nvidia-cuda-nvcc wheel's first, as the jax CUDA wheels' own plugin does on a GPU.
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+  if spec is None or not spec.submodule_search_locations:
+    return
+  bin_dir = os.path.join(list(spec.submodule_search_locations)[0], "bin")
+  if os.path.isdir(bin_dir) and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def gpu_devices(name: str):
+  """(kind, 'h100:1x8', devices) for GPU hosts by name, via the CUDA plugin, on any
+  host with no GPU (`pip install -e '.[gpu]'`). `kind` keys `metrics.CHIPS`."""
+  kind, hosts, per_host = gpu_topology_name(name)
+  _ptxas_on_path()
+  # With no CUDA driver here the plugin's library version check fails and the
+  # plugin is not registered; compiling needs no driver. Read when JAX first loads
+  # its plugins: entry points call this before anything initialises a backend.
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  target = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets", _GPU_TARGETS[kind])
+  with open(target) as f:
+    config = f.read()
+  try:
+    from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+    desc = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}",
+                                        target_config=config)
+  except Exception as e:  # noqa: BLE001 - the CUDA plugin missing, or too old for the config
+    raise RuntimeError(f"could not describe {name}: {e}\nAre the GPU compile wheels installed? "
+                       f"pip install -e '.[gpu]'") from e
+  return kind, f"{kind}:{hosts}x{per_host}", list(desc.devices)

@@ -1,5 +1,6 @@
-"""The run's train step compiled ahead of time for a TPU slice, on any host (a CPU
-laptop too), and whether it fits, before renting the slice (scripts/aot_compile.py).
+"""The run's train step compiled ahead of time for a TPU slice or NVIDIA GPU hosts,
+on any host (a CPU laptop too), and whether it fits, before renting the machines
+(scripts/aot_compile.py).
 
 The train step is the trainer's own (`step.build`), with the run's mesh over the
 slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
@@ -9,19 +10,27 @@ XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with ev
 layer counted (two more small compiles: one layer, and two layers unrolled), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
+
+On GPUs XLA's own `cost_analysis()` is unimplemented (the CUDA plugin's), so the
+counts are XLA's HLO cost analysis of the optimised GPU module run through the
+CPU client (`gpu_hlo_cost`), which counts the GEMM fusions but gives a custom
+call (a Pallas kernel) nothing: the cost estimates of the kernels XLA kept are
+added apart, every layer counted the same way (`kernel_costs`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
 from mamba_train import metrics
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.parallel.topology import tpu_devices
+from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -84,13 +93,109 @@ def _advice(config, state_bytes: int, hbm: float, temp_bytes: float | None = Non
   return "; ".join(tips)
 
 
+_COUNTS = ("flops", "bytes accessed", "transcendentals")
+
+
+def gpu_hlo_cost(compiled) -> dict[str, float]:
+  """XLA's HLO cost analysis of a program compiled for GPUs, through the CPU client
+  (the CUDA plugin implements no `cost_analysis()`): the optimised module's
+  fusions, GEMM fusions included; custom calls (Pallas kernels) count nothing.
+  A private jaxlib entry point, guarded: empty where it is missing."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+    module = compiled.runtime_executable().hlo_modules()[0]
+    c = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  except Exception:  # noqa: BLE001 - another jaxlib: report no counts rather than fail
+    return {}
+  return {k: float(c[k]) for k in _COUNTS if k in c}
+
+
+def xla_cost(compiled, platform: str) -> dict[str, float]:
+  """XLA's counts of a compiled program: its own analysis, or `gpu_hlo_cost` on GPUs."""
+  return gpu_hlo_cost(compiled) if platform == "gpu" else metrics.compiled_cost(compiled)
+
+
+def _subjaxprs(value):
+  if isinstance(value, jax_core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax_core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _subjaxprs(v)
+
+
+def kernel_estimates(jaxpr) -> dict[str, list]:
+  """{kernel name: [(result shapes, pl.CostEstimate)]} of the Pallas calls in a traced
+  program (`jax.jit(f).trace(*args).jaxpr`), nested jaxprs included."""
+  found: dict[str, list] = {}
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        est = eqn.params.get("cost_estimate")
+        info = eqn.params.get("name_and_src_info")
+        name = getattr(info, "name", None) or eqn.params.get("name")
+        if est is not None and name:
+          found.setdefault(str(name), []).append((tuple(tuple(v.aval.shape) for v in eqn.outvars), est))
+        continue
+      for v in eqn.params.values():
+        for j in _subjaxprs(v):
+          walk(j)
+
+  walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr)
+  return found
+
+
+_HLO_SHAPE = re.compile(r"\b(?:pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
+_TOKEN = re.compile(r"[A-Za-z_]\w*")
+
+
+def kernel_costs(compiled, jaxpr) -> dict[str, float]:
+  """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
+  as XLA counts its own ops (a loop body once: `every_layer_cost` scales it): each
+  custom call of the optimised module matched by kernel name (and result shapes)
+  to its estimate in the traced program. From the compiled module, not the jaxpr:
+  XLA drops a recomputation a remat policy made dead (the forward kernel, when its
+  output and states are saved), which the jaxpr still holds."""
+  total = dict.fromkeys(_COUNTS, 0.0)
+  found = kernel_estimates(jaxpr)
+  if not found:
+    return total
+  fused = False
+  for line in compiled.as_text().splitlines():
+    if line and not line[0].isspace():  # a computation's header: fusion bodies hold no calls of ours
+      fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
+      continue
+    if fused or "custom-call(" not in line:
+      continue
+    names = [t for t in set(_TOKEN.findall(line)) if t in found]
+    if not names:
+      continue
+    cands = found[max(names, key=len)]
+    shapes = tuple(tuple(int(d) for d in m.split(",") if d)
+                   for m in _HLO_SHAPE.findall(line.split("custom-call(")[0]))
+    est = next((e for sh, e in cands if sh == shapes), cands[0][1])
+    total["flops"] += est.flops
+    total["bytes accessed"] += est.bytes_accessed
+    total["transcendentals"] += est.transcendentals
+  return total
+
+
 def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll: bool) -> dict:
   """XLA's counts of the plan's train step with n_layer layers (an unrolled loop if asked)."""
   plan = plan.replace(model=plan.model.replace(n_layer=n_layer),
                       runtime=plan.runtime.replace(unroll_layers=unroll))
   built = build(plan, mesh, init=False)
   batch = abstract_batch(plan.config.batch_size, plan.config.seq_len, mesh)
-  return metrics.compiled_cost(built.train_step.lower(built.state, batch).compile())
+  compiled = built.train_step.lower(built.state, batch).compile()
+  platform = mesh.devices.flat[0].platform
+  cost = xla_cost(compiled, platform)
+  if platform == "gpu":  # XLA counts the kernels as nothing there: theirs, apart
+    kernels = kernel_costs(compiled, built.train_step.trace(built.state, batch).jaxpr)
+    cost.update({"kernel " + k: v for k, v in kernels.items()})
+  return cost
 
 
 def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
@@ -107,7 +212,12 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
     return {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   one = cost_with_layers(plan, mesh, 1, unroll=False)
   two = cost_with_layers(plan, mesh, 2, unroll=True)
-  return metrics.every_layer_counts(one, n, more=two, fewer=one)
+  out = metrics.every_layer_counts(one, n, more=two, fewer=one)
+  if "kernel flops" in one:  # GPUs: the kernels' estimates, every layer counted the same way
+    kernels = lambda c: {k: c.get("kernel " + k, 0.0) for k in ("flops", "bytes accessed")}
+    out.update({"kernel " + k: v for k, v in metrics.every_layer_counts(
+        kernels(one), n, more=kernels(two), fewer=kernels(one)).items()})
+  return out
 
 
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
@@ -115,7 +225,8 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
   or the per-device peak exceeds HBM."""
-  gen, topo, devices = tpu_devices(topology)
+  gpu = is_gpu_topology(topology)
+  gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   chip = metrics.CHIPS[gen]
   chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
   per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
@@ -152,8 +263,11 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   report["compile_s"] = t.seconds
   mem = metrics.compiled_memory(compiled)
   report["memory"] = mem
-  cost = metrics.compiled_cost(compiled)
+  cost = xla_cost(compiled, devices[0].platform)
   report["cost"] = cost
+  # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
+  # count): the estimates of the calls XLA kept, added apart.
+  kernels = kernel_costs(compiled, built.train_step.trace(state, batch).jaxpr) if gpu else None
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -173,6 +287,12 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   report["cost_every_layer"] = full
   if full is None:  # the scanned body counted once: bytes a lower bound
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  if kernels:
+    if report["cost_every_layer"] and "kernel flops" in report["cost_every_layer"]:
+      kernels = {k: report["cost_every_layer"]["kernel " + k] for k in ("flops", "bytes accessed")}
+    report["kernel_cost"] = kernels
+    full = {k: full[k] + kernels[k] for k in ("flops", "bytes accessed")}
+    report["cost_with_kernels"] = full
   flops = max(full["flops"], model_flops)
   rl = metrics.roofline_seconds(flops, full["bytes accessed"], peak, bandwidth)
   report["roofline"] = rl

@@ -11,6 +11,8 @@ from typing import Callable, Iterator
 import jax
 
 from mamba_train import data
+from mamba_train.parallel import sharding
+from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train.run_config import ConfigError, Plan
 from mamba_train.workdir import storage
 
@@ -31,12 +33,18 @@ def tokenizer_path(sources: list[data.Source]) -> str:
 def make_loaders(plan: Plan, sources: list[data.Source], workdir: str | None = None
                  ) -> tuple[Iterator[dict], dict[str, Callable[[], Iterator[dict]]]]:
   """(train iterator, {source name: factory of eval-batch iterators}), both yielding
-  this process's rows of `sources` (`data_sources(plan)`). One unnamed ('') eval
+  this process's rows of `sources` (`data_sources(plan)`): those of its data group
+  (`parallel.sharding.data_group`), whole; `train.step.to_global` keeps its positions. One unnamed ('') eval
   source unless the run reads a mixture. With a workdir, process 0 copies the
   tokenizer there (exports ship it)."""
   config, vocab_size = plan.config, plan.model.vocab_size
+  # The processes of one data group (a sequence split across them) read the same rows.
+  group, groups = sharding.data_group(make_mesh(config.mesh, shape=plan.mesh_shape))
+  if config.batch_size % groups:  # a layout the plan's check could not foresee
+    raise ConfigError(f"batch_size {config.batch_size} does not divide over the {groups} sets of "
+                      f"rows the {jax.process_count()} processes of this mesh load; use a multiple of {groups}")
   kw = dict(seq_len=config.seq_len, global_batch_size=config.batch_size,
-            process_index=jax.process_index(), process_count=jax.process_count())
+            process_index=group, process_count=groups)
   if not sources:  # synthetic
     train = data.SyntheticLoader(vocab_size=vocab_size, seed=config.seed, **kw)
     held_out = lambda: itertools.islice(

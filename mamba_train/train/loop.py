@@ -61,7 +61,8 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   is_main = jax.process_index() == 0
   # A workdir that holds checkpoints of another model is refused before anything is written
   # (a LoRA run's base is checked once it is loaded, below, before config.json is written).
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep)
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep,
+                                 local_dir=config.checkpoint.local_dir)
   check_resumable(ckpt, plan, force=force_resume)
 
   # ===== mesh =====
@@ -71,7 +72,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
   # ===== data =====
   sources = inputs.data_sources(plan)
   train_loader, held_out = inputs.make_loaders(plan, sources, workdir)
-  harness = make_harness(plan, inputs.tokenizer_path(sources))  # task names checked before compiling
+  harness = make_harness(plan, inputs.tokenizer_path(sources), mesh)  # task names checked before compiling
 
   # ===== model and optimizer, sharded =====
   params = load_init_params(config.init_from, model_cfg) if config.init_from else None
@@ -164,6 +165,8 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
       # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.
       hooks.Hook("checkpoint", config.checkpoint_every, save),
+      hooks.Hook("local_checkpoint", config.checkpoint.local_every,
+                 guarded_save(ckpt, train_loader, run_record, writer, local=True), at_end=False),
       hooks.Hook("eval", config.eval_every, evaluate),
       hooks.Hook("harness", config.harness.every if harness else 0,
                  lambda step, state, _: harness(step, state.params, writer, throughput, state.frozen)),
@@ -206,9 +209,11 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool) -> None:
 # The loop's policy: which states it saves, and the roll-back after a loss spike.
 
 
-def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, writer):
+def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, writer, *,
+                 local: bool = False):
   """`save(step, state, metrics, force=False)`, the checkpoint hook: saves the state
-  with the data iterator and the run config, then syncs the record."""
+  with the data iterator and the run config, then syncs the record (`local`: to the
+  local tier, config.checkpoint.local_dir)."""
 
   def save(step, state, metrics, force=False):
     # Never from a state inside a non-finite streak: its last update was skipped, and the
@@ -219,6 +224,9 @@ def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, 
         logging.warning("not saving step %d: its loss or gradient is non-finite (streak %d)",
                         step, int(m["nonfinite_streak"]))
         return
+    if local:
+      ckpt.save_local(step, trainable(state), train_loader, run_config)
+      return
     ckpt.save(step, trainable(state), train_loader, run_config, force=force)
     writer.sync()  # on a bucket: the record reaches every saved step
 
@@ -315,14 +323,15 @@ def load_init_params(path: str, model_cfg: Mamba2Config):
   return model.params()
 
 
-def make_harness(plan: Plan, tokenizer_path: str):
+def make_harness(plan: Plan, tokenizer_path: str, mesh=None):
   """`fn(step, params, writer, throughput, frozen=None)` running config.harness.tasks with
   lm-evaluation-harness and logging harness/<task>/<metric>; None when off.
 
   In a multi-process job every process calls it: the parameters are sharded over
   the processes, so no process can run the model's forward alone, and lm-eval builds
   the same requests in the same order everywhere, so all run the same programs (see
-  mamba_train/eval_harness.py). Only process 0's writer writes."""
+  mamba_train/eval_harness.py), each data-parallel replica of `mesh` (the run's)
+  scoring its share of the rows. Only process 0's writer writes."""
   h = plan.config.harness
   if not (h.tasks and h.every > 0):
     return None
@@ -345,8 +354,8 @@ def make_harness(plan: Plan, tokenizer_path: str):
 
   def run(step, params, writer, throughput, frozen=None):
     model = steps.model_of(params, frozen, plan.model, plan.runtime, plan.lora).merged()
-    lm = eval_harness.HarnessLM(model, tokenizer,
-                                batch_size=h.batch_size, max_batch_size=h.max_batch_size)
+    lm = eval_harness.HarnessLM(model, tokenizer, batch_size=h.batch_size,
+                                max_batch_size=h.max_batch_size, mesh=mesh)
     results = eval_harness.run_tasks(lm, tasks, manager=manager, limit=h.limit or None,
                                      num_fewshot=None if h.num_fewshot < 0 else h.num_fewshot,
                                      bootstrap_iters=0, env_info=False)

@@ -85,6 +85,15 @@ _OPTIM_RANGES = (
 )
 
 
+def data_groups(mesh_cfg: Mapping, process_count: int) -> int:
+  """How many sets of rows the processes load (`parallel.sharding.data_group`): the
+  processes one sequence or tensor group spans over the network (dcn_sequence x
+  dcn_tensor) read the same rows. Without dcn_* the layout is the devices' order,
+  and the check assumes one set per process (what it refused before)."""
+  shared = int(mesh_cfg.get("dcn_sequence", 1)) * int(mesh_cfg.get("dcn_tensor", 1))
+  return process_count // shared if shared > 1 and process_count % shared == 0 else process_count
+
+
 def _optim_problems(optim: Mapping) -> list[str]:
   out = [f"optim.{key} must be {what}, got {optim.get(key)!r}"
          for key, ok, what in _OPTIM_RANGES if not (_number(optim.get(key)) and ok(optim[key]))]
@@ -179,8 +188,11 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
       problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
                       f"of at least d_conv - 1 = {model.d_conv - 1} positions")
-    if b % process_count:
-      problems.append(f"batch_size {b} does not divide over {process_count} processes")
+    groups = data_groups(cfg["mesh"], process_count)
+    if b % groups:
+      problems.append(f"batch_size {b} does not divide over the {groups} data groups of the "
+                      f"{process_count} processes (processes that dcn_sequence or dcn_tensor "
+                      f"spans share rows); use a multiple of {groups}")
   problems += _optim_problems(optim)
   lora = None
   if model is not None and "lora" in cfg:
@@ -193,6 +205,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
     if not isinstance(cfg.get(key), int) or cfg[key] < 0:
       problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
+  problems += _tier_problems(cfg.get("checkpoint", {}))
   if optim.get("schedule") not in SCHEDULES:
     problems.append(f"optim.schedule must be one of {SCHEDULES}, got {optim.get('schedule')!r}")
   if optim.get("state_dtype") not in STATE_DTYPES:
@@ -235,6 +248,21 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
               dpo=dpo, moe=moe)
+
+
+def _tier_problems(tiers: Mapping) -> list[str]:
+  every, where = tiers.get("local_every", 0), tiers.get("local_dir", "")
+  if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+    return [f"checkpoint.local_every must be an integer >= 0 (0 turns it off), got {every!r}"]
+  if not isinstance(where, str):
+    return [f"checkpoint.local_dir must be a path, got {where!r}"]
+  if bool(every) != bool(where):
+    return ["checkpoint.local_dir and checkpoint.local_every go together: set both (a directory on "
+            "each host's own disk, and the steps between local saves) or neither"]
+  if "://" in where:
+    return [f"checkpoint.local_dir {where!r} must be a directory on each host's own disk; a bucket "
+            "is the persistent tier (--workdir)"]
+  return []
 
 
 def _dpo(cfg: Mapping) -> tuple[DpoSpec | None, list[str]]:

@@ -13,6 +13,12 @@ so a save cut off by a crash never becomes a step that a restart can pick.
 A step any of whose items (state, data, config) is damaged is skipped on restore,
 with a warning naming it and the step used instead, and set aside as
 `<step>.damaged` (`storage.move_dir`). Nothing is deleted except by the keep-last-k policy.
+
+With `local_dir` (config.checkpoint.local_dir) the Checkpointer has two tiers: this
+one, the persistent tier, and each host's local disk (`mamba_train.workdir.local_tier`),
+saved more often (`save_local`). A restore takes the newest step any tier can give
+every process (a peer's replica where a host lost its own), with the same fallback
+past damaged steps.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from mamba_train.errors import RunFailure, UserError
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import param_shapes, shape_problems
 from mamba_train.model.runtime import Runtime
-from mamba_train.workdir import storage
+from mamba_train.workdir import local_tier, storage
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,9 @@ def checkpoint_dir(workdir) -> epath.Path:
 class Checkpointer:
   """Saves and restores (state, data iterator, config) under `<workdir>/checkpoints`."""
 
-  def __init__(self, workdir, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir, *, keep: int = 3, async_save: bool = True, local_dir: str = ""):
     self.directory = checkpoint_dir(workdir)
+    self.local = local_tier.LocalTier(local_dir) if local_dir else None
     self.keep = keep if keep > 0 else None
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.keep, create=True,
@@ -104,6 +111,10 @@ class Checkpointer:
       raise self._write_error(self.last_saved, e) from None
     self.last_saved = step
     return saved
+
+  def save_local(self, step: int, state, data_iter, config: dict) -> None:
+    """Save to this host's local tier: returns once the state is in host memory."""
+    self.local.save(step, state, json.dumps(data_iter.get_state()), config)
 
   def check(self) -> None:
     """Raise CheckpointWriteError if an asynchronous save has failed; never waits.
@@ -146,6 +157,8 @@ class Checkpointer:
                   f"{keep} kept" if keep else "all kept; counting 1", state_bytes / 2**30)
 
   def close(self) -> None:
+    if self.local is not None:
+      self.local.wait()
     try:
       with _quiet_orbax():
         self.manager.wait_until_finished()
@@ -186,39 +199,95 @@ class Checkpointer:
     """Restore the newest complete step (or `step`) into `abstract_state`'s shapes and
     shardings, which may differ from the ones it was saved with (resharding).
     A step that fails to read is skipped for the one before it, with a warning.
+    With a local tier the newest step of either tier (see the module docstring).
     Returns (step, state) or (None, None) when there is nothing to restore."""
+    if self.local is not None and step is None:
+      return self._restore_tiers(abstract_state, data_iter)
     candidates = [step] if step is not None else self.steps()[::-1]
     failed = []
     for s in candidates:
       try:
-        self.check_shapes(s, abstract_state)
-        item = _grain_item(data_iter)
-        data_dir = self.directory / str(s) / "data"
-        mine = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        # Every item is read, the config too: a step is trusted only if all of it is whole.
-        args = dict(state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore())
-        if mine.exists():
-          args["data"] = grain.checkpoint.CheckpointRestore(item)
-        out = self.manager.restore(s, args=ocp.args.Composite(**args))
-        if not mine.exists():
-          _restore_data_from_other_process_count(data_dir, item)
+        state = self._restore_step(s, abstract_state, data_iter)
       except ShapeMismatchError:
         raise
       except Exception as e:  # a damaged or partial step: fall back to the previous one
         if step is not None:
           raise
-        log.warning("checkpoint step %d in %s cannot be read (%s: %s); trying an earlier step",
-                    s, self.directory, type(e).__name__, str(e).splitlines()[0][:200])
+        self._warn_unreadable(s, e)
         failed.append(s)
         continue
       if failed:
         log.warning("resuming from step %d instead of the newest step %d, which is damaged",
                     s, failed[0])
         self._set_aside(failed)
-      return s, out["state"]
+      return s, state
     if failed:
       raise RuntimeError(f"no checkpoint in {self.directory} could be read (steps {failed}); "
                          f"move the directory away to start afresh")
+    return None, None
+
+  def _warn_unreadable(self, s: int, e: Exception) -> None:
+    log.warning("checkpoint step %d in %s cannot be read (%s: %s); trying an earlier step",
+                s, self.directory, type(e).__name__, str(e).splitlines()[0][:200])
+
+  def _restore_step(self, s: int, abstract_state, data_iter):
+    """The state of persistent step `s` (and the data iterator's); raises if any item is damaged."""
+    self.check_shapes(s, abstract_state)
+    item = _grain_item(data_iter)
+    data_dir = self.directory / str(s) / "data"
+    mine = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    # Every item is read, the config too: a step is trusted only if all of it is whole.
+    args = dict(state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore())
+    if mine.exists():
+      args["data"] = grain.checkpoint.CheckpointRestore(item)
+    out = self.manager.restore(s, args=ocp.args.Composite(**args))
+    if not mine.exists():
+      _restore_data_from_other_process_count(data_dir, item)
+    return out["state"]
+
+  def _restore_tiers(self, abstract_state, data_iter):
+    """The newest step that the local tiers (every process's own, or a peer's replica)
+    or the persistent tier gives every process; damaged steps of either are set aside
+    and passed over. Every process takes the same decisions from the same facts
+    (the persistent listing, the gathered local listings)."""
+    self.local.wait()
+    self.manager.wait_until_finished()
+    persistent, failed = set(self.steps()), []
+    prints = local_tier.fingerprints(abstract_state)
+    local = local_tier.gather_steps(self.local.usable(abstract_state))
+    newest = max(persistent.union(*local), default=None)
+    try:
+      while (choice := local_tier.choose(local, persistent, prints)) is not None:
+        s, tier, sources = choice
+        if tier == "persistent":
+          try:
+            state = self._restore_step(s, abstract_state, data_iter)
+          except ShapeMismatchError:
+            raise
+          except Exception as e:  # noqa: BLE001 - damaged: the next newest of either tier
+            self._warn_unreadable(s, e)
+            failed.append(s)
+            persistent.discard(s)
+            continue
+        else:
+          got = local_tier.restore(self.local, s, sources, abstract_state,
+                                   {p for p, steps in enumerate(local) if s in steps})
+          if got is None:  # a holder's copy is damaged (and set aside): look again
+            local = local_tier.gather_steps(self.local.usable(abstract_state))
+            continue
+          state, data_state = got
+          data_iter.set_state(json.loads(data_state))
+        where = {"persistent": str(self.directory), "local": "the local tiers",
+                 "peer": "the local tiers and peers' replicas"}[tier]
+        log.info("restoring step %d from %s%s", s, where,
+                 "" if s == newest else f" (the newest step {newest} is damaged)")
+        return s, state
+    finally:
+      if failed:
+        self._set_aside(failed)
+    if failed:
+      raise RuntimeError(f"no checkpoint in {self.directory} or the local tiers could be read "
+                         f"(persistent steps {failed}); move them away to start afresh")
     return None, None
 
 
