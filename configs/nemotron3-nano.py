@@ -10,7 +10,8 @@ sharded over fsdp, bfloat16 matmuls, full remat.
 
 Neither compile fits yet (docs/bench/moe.md: the dropless dispatch's buffers; try
 --config.optim.grad_accum=4 with a batch it divides). The router keeps NemotronH's
-balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4 auxiliary loss (config.moe; 0 turns either off).
+balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4
+auxiliary loss (config.moe; 0 turns either off).
 """
 
 from configs import base
