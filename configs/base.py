@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- length and size of the run ---
   c.steps = 1000  # optimizer steps
-  c.batch_size = 8  # global batch, in sequences (split over data x fsdp devices)
+  c.batch_size = 8  # global batch, in sequences (split over data x fsdp x expert devices)
   c.seq_len = 2048  # tokens per sequence
   c.seed = 0  # parameter init and data order
 
@@ -99,13 +99,15 @@ def get_config() -> ml_collections.ConfigDict:
       max_batch_size=64,  # the most "auto" tries (lm-eval's default)
   ))
 
-  # --- devices: data x fsdp x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # --- devices: data x fsdp x expert x sequence x tensor; one axis may be -1 (fills the rest) ---
   # sequence splits each sequence's length over devices (long context:
   # mamba_train/parallel/sequence.py); seq_len must divide over it.
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
   # across them (slow network) and data / fsdp / sequence / tensor then count devices
   # inside one (fast links): each mesh axis is dcn_<axis> x <axis> (mamba_train/parallel/mesh.py).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1, tensor=1, dcn_data=1,
+  # expert splits mixture-of-experts layers' experts (and, like data, the batch):
+  # mamba_train/parallel/experts.py.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1, dcn_data=1,
                                           dcn_fsdp=1, dcn_sequence=1))
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).
@@ -128,6 +130,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.dpo = ml_collections.ConfigDict(dict(
       beta=0.1,  # the strength of the pull towards the reference (KL weight)
       label_smoothing=0.0,  # in [0, 0.5): the share of pairs assumed mislabelled (cDPO)
+  ))
+
+  # --- mixture-of-experts routers (models with 'E' layers; mamba_train/train/balance.py) ---
+  # As Megatron-Core trains NemotronH: the aux-loss-free bias update (the correction
+  # bias moves by rate * sign(mean load - load) after each step) and a small
+  # auxiliary load-balancing loss. 0 turns either off.
+  c.moe = ml_collections.ConfigDict(dict(
+      aux_loss_coef=1e-4,
+      bias_update_rate=1e-3,
   ))
 
   # --- LoRA adapters (mamba_train/model/lora.py); rank 0 = off, the whole model trains ---

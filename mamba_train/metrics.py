@@ -50,7 +50,7 @@ def forward_flops_per_token(cfg, runtime, seq_len: int) -> float:
   padded vocabulary, per Mamba-2 layer: in_proj 2 d (2i + 2gn + h), out_proj
   2 i d, conv 2 k (i + 2gn), and the SSD (`ssd_flops_per_token`); plus the LM
   head 2 d V. A hybrid's other layers (`attention_flops_per_token`,
-  `mlp_flops_per_token`) add theirs. Elementwise work (norms, gates,
+  `mlp_flops_per_token`, `moe_flops_per_token`: active experts only) add theirs. Elementwise work (norms, gates,
   exponentials, softmax) is left out, as is the convention for MFU.
   """
   d, i, h = cfg.d_model, cfg.d_inner, cfg.nheads
@@ -60,7 +60,8 @@ def forward_flops_per_token(cfg, runtime, seq_len: int) -> float:
   conv = 2 * k * (i + 2 * g * n)
   ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form, cfg.ssd_window)
   return (cfg.count("M") * (proj + conv + ssd) + cfg.count("*") * attention_flops_per_token(cfg, seq_len)
-          + cfg.count("-") * mlp_flops_per_token(cfg) + 2 * d * cfg.padded_vocab_size)
+          + cfg.count("-") * mlp_flops_per_token(cfg) + cfg.count("E") * moe_flops_per_token(cfg)
+          + 2 * d * cfg.padded_vocab_size)
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> float:
@@ -76,6 +77,27 @@ def mlp_flops_per_token(cfg) -> float:
   """One MLP layer's matmul FLOPs per token: up and down 4 d f, plus the gate's
   2 d f for swiglu."""
   return (6 if cfg.mlp_act == "swiglu" else 4) * cfg.d_model * cfg.d_intermediate
+
+
+def moe_flops_per_token(cfg) -> float:
+  """One mixture-of-experts layer's matmul FLOPs per token, its active parameters
+  only (what MFU counts): the router 2 d E, the k chosen experts' up and down
+  4 w f each, the latent projections 4 d w, the shared expert 4 d s. The
+  experts a token does not reach cost nothing: the dispatch is a grouped matmul
+  over the t k assignments (model/moe.py)."""
+  d, w = cfg.d_model, cfg.moe_width
+  return (2 * d * cfg.n_routed_experts + cfg.num_experts_per_tok * 4 * w * cfg.moe_intermediate_size
+          + (4 * d * w if cfg.moe_latent_size else 0) + 4 * d * cfg.moe_shared_expert_intermediate_size)
+
+
+def inactive_params(cfg) -> int:
+  """Parameters a token does not use: of each MoE layer's routed experts, all but the
+  num_experts_per_tok it is sent to (0 for a dense model). Total minus these is the
+  active count."""
+  if not cfg.count("E"):
+    return 0
+  per_expert = 2 * cfg.moe_width * cfg.moe_intermediate_size
+  return cfg.count("E") * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
 
 
 def train_flops_per_token(cfg, runtime, seq_len: int) -> float:

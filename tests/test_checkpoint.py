@@ -124,10 +124,13 @@ def test_uninterrupted_run_saves_keep_last_k(reference):
   assert sorted(losses(reference)) == [1, 2, 3, 4, 5, 6]
 
 
-# A hybrid (Mamba-2, attention, MLP layers): its own parameter stacks and optimizer state.
-HYBRID = ["--config.model.layer_pattern=M*-", "--config.model.n_layer=3",
+# A hybrid (Mamba-2, attention, MLP, mixture-of-experts layers): its own parameter
+# stacks and optimizer state, and the routers' correction biases the steps move.
+HYBRID = ["--config.model.layer_pattern=M*-E", "--config.model.n_layer=4",
           "--config.model.attn_num_heads=4", "--config.model.attn_num_heads_kv=2",
-          "--config.model.attn_head_dim=16", "--config.model.d_intermediate=128"]
+          "--config.model.attn_head_dim=16", "--config.model.d_intermediate=128",
+          "--config.model.n_routed_experts=4", "--config.model.num_experts_per_tok=2",
+          "--config.model.moe_intermediate_size=32", "--config.model.moe_shared_expert_intermediate_size=32"]
 
 
 def test_sigkill_and_restart_gives_identical_losses(tmp_path, start):
@@ -168,6 +171,9 @@ def test_sigkill_and_restart_gives_identical_losses(tmp_path, start):
   rows = [json.loads(l) for l in open(work / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, end + 1))
   assert {"step": killed_at, "event": "resumed"}.items() <= rows[killed_at].items()
+  # The routers' statistics, bit-exact too: tokens per expert of the one 'E' layer.
+  loads = {r["step"]: r["moe_tokens_per_expert"] for r in rows if "loss" in r}
+  assert all(sum(loads[s][0]) == 8 * 32 * 2 for s in loads)
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes(uninterrupted, tmp_path, start):

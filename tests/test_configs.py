@@ -86,7 +86,7 @@ def test_batch_not_divisible_error():
   c.batch_size = 6
   c.mesh.update(data=2, fsdp=2, tensor=2)
   msg = _errors(c, num_devices=8)
-  assert "batch_size 6 does not divide over the data-parallel devices: data x fsdp = 2 x 2 = 4" in msg
+  assert "batch_size 6 does not divide over the data-parallel devices: data x fsdp x expert = 2 x 2 x 1 = 4" in msg
   c.batch_size = 4
   c.optim.grad_accum = 2
   assert "times optim.grad_accum 2; use a multiple of 8" in _errors(c, num_devices=8)
@@ -95,7 +95,7 @@ def test_batch_not_divisible_error():
 def test_mesh_mismatch_errors():
   c = base.get_config()
   c.mesh.update(data=2, fsdp=2, tensor=1)
-  assert "spans data*fsdp*sequence*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
+  assert "spans data*fsdp*expert*sequence*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
   c.mesh.update(data=-1, fsdp=3, tensor=1)
   assert "do not divide the 8 devices" in _errors(c, num_devices=8)
   c.mesh.update(data=-1, fsdp=-1, tensor=1)

@@ -123,8 +123,8 @@ def test_export_then_from_pretrained(tmp_path):
 
 def test_nemotron_h_refusals():
   base = convert.ours_to_nemotron_h_config(HYB)
-  with pytest.raises(ValueError, match="mixture-of-experts"):
-    convert.nemotron_h_config_to_ours({**base, "layers_block_type": ["mamba", "moe", "attention"]})
+  with pytest.raises(ValueError, match="kinds"):
+    convert.nemotron_h_config_to_ours({**base, "layers_block_type": ["mamba", "dense", "attention"]})
   with pytest.raises(ValueError, match="mlp_hidden_act"):
     convert.nemotron_h_config_to_ours({**base, "mlp_hidden_act": "gelu"})
   with pytest.raises(ValueError, match="rotary"):
@@ -283,7 +283,7 @@ def test_param_and_cache_axes_have_rules(hyb):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(layer_pattern="M*E"), "mixture-of-experts"),
+    (dict(layer_pattern="M*E"), "n_routed_experts"),
     (dict(layer_pattern="M*x"), "must be one of"),
     (dict(layer_pattern="M*"), "n_layer"),
     (dict(layer_pattern="M*-", attn_num_heads=0), "attn_num_heads"),

@@ -307,9 +307,9 @@ def test_hybrid_grid_matches_create_hybrid_device_mesh():
 def test_mesh_config_errors():
   from mamba_train.parallel.mesh import hybrid_device_grid, resolve_mesh_shape
   assert resolve_mesh_shape({"dcn_data": 2, "data": 1, "fsdp": -1, "tensor": 1}, 8) == \
-      {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 1}
+      {"data": 2, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1}
   assert resolve_mesh_shape({"dcn_sequence": 2, "data": 1, "sequence": -1}, 8) == \
-      {"data": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
+      {"data": 1, "fsdp": 1, "expert": 1, "sequence": 8, "tensor": 1}
   with pytest.raises(ValueError, match="spans 3 hosts or slices, which do not divide the 8"):
     resolve_mesh_shape({"dcn_data": 3, "data": -1}, 8)
   with pytest.raises(ValueError, match="per host or slice"):

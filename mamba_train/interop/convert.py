@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
+from mamba_train.model import moe as moe_lib
+from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 from mamba_train.model.mamba2 import KIND_PARAMS
 
 # The files of the outside layouts.
@@ -123,7 +125,62 @@ MLP_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
     "mixer.up_proj.weight": (("up_proj",), TRANSPOSE),
     "mixer.down_proj.weight": (("down_proj",), TRANSPOSE),
 }
-KIND_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE}
+SWAP_LAST = Codec(lambda w, cfg: (np.swapaxes(w, -1, -2),), lambda ws, cfg: np.swapaxes(ws[0], -1, -2))
+# NemotronH's mixture-of-experts layers. The routed experts' weights as transformers
+# holds them in memory, stacked (e, out, in); its files hold one tensor per expert
+# (`mixer.experts.{j}.up_proj.weight`), joined and split by `_join_experts` and
+# `_split_experts`. Rows whose parameters the config lacks (no latent projection,
+# no shared expert) are left out (`_moe_table`).
+MOE_TABLE: dict[str, tuple[tuple[str, ...], Codec]] = {
+    "norm.weight": (("norm",), IDENTITY),
+    "mixer.gate.weight": (("router",), TRANSPOSE),
+    "mixer.gate.e_score_correction_bias": ((moe_lib.BIAS,), IDENTITY),
+    "mixer.experts.up_proj": (("experts_up",), SWAP_LAST),
+    "mixer.experts.down_proj": (("experts_down",), SWAP_LAST),
+    "mixer.fc1_latent_proj.weight": (("latent_down",), TRANSPOSE),
+    "mixer.fc2_latent_proj.weight": (("latent_up",), TRANSPOSE),
+    "mixer.shared_experts.up_proj.weight": (("shared_up",), TRANSPOSE),
+    "mixer.shared_experts.down_proj.weight": (("shared_down",), TRANSPOSE),
+}
+KIND_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE, MOE: MOE_TABLE}
+# Tensors transformers keeps float32 whatever the model's dtype (NemotronH's
+# `_keep_in_fp32_modules_strict`): the router. An export in bfloat16 leaves them float32.
+FLOAT32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
+_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+def _moe_table(cfg: Mamba2Config) -> dict[str, tuple[tuple[str, ...], Codec]]:
+  have = moe_lib.shapes(cfg)
+  return {s: row for s, row in MOE_TABLE.items() if all(n in have for n in row[0])}
+
+
+def _join_experts(sd: dict, cfg: Mamba2Config) -> dict:
+  """A file's per-expert tensors -> the stacked ones of MOE_TABLE. The expert
+  indices of a layer must be exactly 0 .. n_routed_experts - 1."""
+  out, per = {}, {}
+  for k, v in sd.items():
+    m = _EXPERT.match(k)
+    if m:
+      per.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = v
+    else:
+      out[k] = v
+  for name, experts in per.items():
+    if sorted(experts) != list(range(cfg.n_routed_experts)):
+      raise ValueError(f"{name}: experts {sorted(experts)[:8]}..., expected 0..{cfg.n_routed_experts - 1}")
+    out[name] = np.stack([experts[j] for j in range(cfg.n_routed_experts)])
+  return out
+
+
+def _split_experts(sd: dict) -> dict:
+  """The inverse of `_join_experts`: the layout transformers writes."""
+  out = {}
+  for k, v in sd.items():
+    m = re.match(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$", k)
+    if m:
+      out.update({f"{m[1]}.{j}.{m[2]}.weight": np.ascontiguousarray(v[j]) for j in range(v.shape[0])})
+    else:
+      out[k] = v
+  return out
 
 
 def _split_qkv(w, cfg):  # mamba_ssm MHA in_proj ((h + 2kv) e, d) -> q (d, h, e), k, v (d, kv, e)
@@ -168,7 +225,8 @@ def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
     if layout == "hf" and cfg.pattern != MAMBA * cfg.n_layer:
       raise ValueError(f"transformers' Mamba2 layout holds pure Mamba-2 models; a hybrid "
                        f"(layer_pattern {cfg.layer_pattern!r}) reads and writes as nemotron_h")
-    return [(k, f"{LAYER_PREFIX}{i}.", KIND_TABLES[k]) for i, k in enumerate(cfg.pattern)]
+    tables = {**KIND_TABLES, MOE: _moe_table(cfg) if MOE in cfg.pattern else MOE_TABLE}
+    return [(k, f"{LAYER_PREFIX}{i}.", tables[k]) for i, k in enumerate(cfg.pattern)]
   problem = mamba_ssm_pattern_problem(cfg)
   if problem:
     raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
@@ -182,6 +240,8 @@ def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
 def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
   """Why mamba_ssm's MambaLMHeadModel cannot hold `cfg`'s layers, or None."""
   p = cfg.pattern
+  if MOE in p:
+    return "mamba_ssm has no mixture-of-experts layers ('E'); export as NemotronH (save_hf)"
   if p.startswith(MLP) or MLP + MLP in p:
     return f"layer_pattern {p!r}: every MLP must follow a Mamba-2 or attention layer"
   if MLP in p and p.count(MLP) != p.count(MAMBA) + p.count(ATTENTION):
@@ -209,6 +269,10 @@ def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA,
   if kind == MLP:
     f = cfg.d_intermediate
     return {"norm.weight": (d,), "mixer.up_proj.weight": (f, d), "mixer.down_proj.weight": (d, f)}
+  if kind == MOE:  # our shapes through each row's codec (all transposes)
+    ours = moe_lib.shapes(cfg)
+    flip = lambda shp: shp if len(shp) == 1 else shp[:-2] + (shp[-1], shp[-2])
+    return {s: flip(ours[names[0]]) for s, (names, _) in _moe_table(cfg).items()}
   d_in_proj = sum(_in_proj_sizes(cfg))
   return {
       "norm.weight": (cfg.d_model,),
@@ -231,6 +295,8 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
     # (its checkpoint conversion); both are read.
     sd = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v
           for k, v in sd.items() if not k.startswith(NEMOTRON_H_IGNORED)}
+    if MOE in cfg.pattern:
+      sd = _join_experts(sd, cfg)
   slots = _layer_slots(cfg, layout)
   shapes = {kind: _outside_layer_shapes(cfg, kind, layout) for kind in set(cfg.pattern)}
   expected = {f"{prefix}{s}": shp for kind, prefix, _ in slots for s, shp in shapes[kind].items()}
@@ -292,6 +358,7 @@ def params_to_state_dict(params: dict, cfg: Mamba2Config, layout: str, *,
           codec.to_outside(tuple(stacks[KIND_PARAMS[kind]][n][j] for n in ours), cfg))
   if layout == "nemotron_h":  # transformers never ties NemotronH's head: write it
     sd[top["lm_head"]] = np.asarray(params["embedding" if cfg.tie_embeddings else "lm_head"])[:rows]
+    sd = _split_experts(sd)
   elif not cfg.tie_embeddings:
     sd[top["lm_head"]] = np.asarray(params["lm_head"])[:rows]
   else:
@@ -356,6 +423,9 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
   """transformers' Mamba2Config fields of `cfg`. for_json: as `save_pretrained` writes
   them (infinity as {"__float__": "Infinity"}); else as Python values, for
   `transformers.Mamba2Config(**...)`."""
+  if cfg.mamba_num_heads:
+    raise ValueError("Cannot export as Mamba2ForCausalLM: mamba_num_heads is set (d_inner is not "
+                     "expand * d_model); export a hybrid as NemotronH")
   lo, hi = cfg.dt_limit
   return {
       "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -376,13 +446,18 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
 
 # NemotronH's names of the layer kinds (transformers 5 and the older ones).
 NEMOTRON_H_KINDS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
-                    "attention": ATTENTION, "mlp": MLP, "moe": "E"}
-NEMOTRON_H_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "E"}
+                    "attention": ATTENTION, "mlp": MLP, "moe": MOE}
+NEMOTRON_H_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+# NemotronHConfig's mixture-of-experts fields that are ours under the same name,
+# with transformers' defaults.
+NEMOTRON_H_MOE_FIELDS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+                         "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1,
+                         "norm_topk_prob": True, "routed_scaling_factor": 1.0}
 
 
 def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
-  """transformers' NemotronHConfig (as config.json holds it) -> ours. Dense layer
-  kinds only: MoE layers are refused by name."""
+  """transformers' NemotronHConfig (as config.json holds it) -> ours: every layer
+  kind, mixture-of-experts ones included (latent or not)."""
   if "layers_block_type" in hf or "layer_types" in hf:
     kinds = hf.get("layers_block_type") or hf["layer_types"]
     unknown = sorted({k for k in kinds if k not in NEMOTRON_H_KINDS})
@@ -398,10 +473,13 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
                        f"hybrid_override_pattern; characters {unknown} unknown)")
     pattern = "".join(NEMOTRON_H_CHARS[c] for c in raw)
   problems = []
-  moe = [i for i, c in enumerate(pattern) if c == "E"]
-  if moe:
-    problems.append(f"layers {moe[:8]} are mixture-of-experts ('moe'); only the dense kinds "
-                    f"(mamba, attention, mlp) are supported")
+  moe = {}
+  if MOE in pattern:
+    moe = {k: hf.get(k, v) for k, v in NEMOTRON_H_MOE_FIELDS.items()}
+    moe["moe_latent_size"] = hf.get("moe_latent_size") or 0
+    moe["routed_scaling_factor"] = float(moe["routed_scaling_factor"])
+    if hf.get("moe_shared_expert_overlap", True) is not True:
+      problems.append("moe_shared_expert_overlap=false is not supported (transformers ignores it too)")
   for key, ok in (("use_bias", False), ("mamba_proj_bias", False), ("mlp_bias", False),
                   ("use_conv_bias", True), ("mamba_hidden_act", "silu"),
                   ("mlp_hidden_act", "relu2"), ("sliding_window", None)):
@@ -409,9 +487,6 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
       problems.append(f"{key}={hf[key]!r} is not supported (only {ok!r})")
   d = hf["hidden_size"]
   inner = hf.get("mamba_num_heads", 128) * hf.get("mamba_head_dim", 64)
-  if MAMBA in pattern and inner % d:
-    problems.append(f"mamba_num_heads*mamba_head_dim = {inner} is not a multiple of "
-                    f"hidden_size = {d}; such a model cannot be represented")
   if problems:
     raise ValueError("Cannot represent this transformers NemotronH config: " + "; ".join(problems))
   # NemotronH's Mamba-2 layers clamp dt from below at time_step_min and ignore
@@ -422,6 +497,8 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
       d_model=d, n_layer=len(pattern), vocab_size=hf["vocab_size"],
       d_state=hf.get("ssm_state_size", 128), d_conv=hf.get("conv_kernel", 4),
       expand=max(1, inner // d), headdim=hf.get("mamba_head_dim", 64), ngroups=hf.get("n_groups", 8),
+      # Heads given outright only where expand cannot say them (see Mamba2Config).
+      mamba_num_heads=hf.get("mamba_num_heads", 128) if inner % d else 0,
       chunk_size=hf.get("chunk_size", 128), dt_min=t_min if t_min > 0 else 0.001,
       dt_max=hf.get("time_step_max", 0.1), dt_init_floor=hf.get("time_step_floor", 1e-4),
       dt_limit=(t_min, math.inf), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -430,7 +507,7 @@ def nemotron_h_config_to_ours(hf: dict) -> Mamba2Config:
       attn_num_heads=hf.get("num_attention_heads", 32) if attn else 0,
       attn_num_heads_kv=(hf.get("num_key_value_heads") or hf.get("num_attention_heads", 32)) if attn else 0,
       attn_head_dim=hf.get("head_dim", 128), d_intermediate=hf.get("intermediate_size", 0) if MLP in pattern else 0,
-      mlp_act="relu2")
+      mlp_act="relu2", **moe)
 
 
 def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
@@ -446,9 +523,17 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
   if math.isfinite(cfg.dt_limit[1]):
     problems.append(f"dt_limit upper bound {cfg.dt_limit[1]}: NemotronH clamps dt only from "
                     f"below (at time_step_min)")
+  if MOE in cfg.pattern and not cfg.moe_shared_expert_intermediate_size:
+    problems.append("moe_shared_expert_intermediate_size = 0: NemotronH's MoE layers always "
+                    "have a shared expert")
   if problems:
     raise ValueError("Cannot export as NemotronHForCausalLM: " + "; ".join(problems))
-  names = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp"}
+  names = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}
+  moe = {}
+  if MOE in cfg.pattern:
+    moe = {k: getattr(cfg, k) for k in NEMOTRON_H_MOE_FIELDS}
+    moe.update(moe_latent_size=cfg.moe_latent_size or None, n_shared_experts=1,
+               moe_shared_expert_overlap=True)
   return {
       "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
       "hidden_size": cfg.d_model, "vocab_size": vocab_rows or cfg.padded_vocab_size,
@@ -466,7 +551,7 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
       "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": False,
       "residual_in_fp32": True, "rescale_prenorm_residual": False, "num_nextn_predict_layers": 0,
       "eos_token_id": eos_token_id, "bos_token_id": bos_token_id, "pad_token_id": pad_token_id,
-      "torch_dtype": dtype,
+      "torch_dtype": dtype, **moe,
   }
 
 
@@ -527,6 +612,9 @@ def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
 
 
 def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
+  if cfg.mamba_num_heads:
+    raise ValueError("Cannot represent this model in the mamba_ssm layout: mamba_num_heads is set "
+                     "(mamba_ssm derives d_inner as expand * d_model)")
   d = Mamba2Config()  # write only what differs from mamba_ssm's Mamba2 defaults
   ssm = {"layer": "Mamba2"}
   for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_min",

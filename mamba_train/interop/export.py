@@ -99,7 +99,10 @@ def _atomic_dir(out: Path, overwrite: bool):
 def _cast(sd: dict, dtype: str) -> dict:
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-  return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(DTYPES[dtype])) for k, v in sd.items()}
+  # The router stays float32 (as transformers keeps it: convert.FLOAT32_SUFFIXES).
+  keep = lambda k: k.endswith(convert.FLOAT32_SUFFIXES)
+  return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(np.float32 if keep(k) else DTYPES[dtype]))
+          for k, v in sd.items()}
 
 
 def _tokenizer_files(dst: Path, tokenizer_file: Path, eos_token: str | None):

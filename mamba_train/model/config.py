@@ -7,7 +7,8 @@ kinds) are properties, never configured.
 
 `layer_pattern` makes a hybrid: one character per layer, as Megatron-Core's
 `--hybrid-override-pattern` and Nemotron-H write it: 'M' a Mamba-2 layer, '*'
-causal self-attention, '-' an MLP. Empty (the default) is 'M' * n_layer, the
+causal self-attention, '-' an MLP, 'E' a mixture-of-experts layer (model/moe.py;
+its fields are named as transformers' NemotronHConfig names them). Empty (the default) is 'M' * n_layer, the
 pure Mamba-2 model, whose parameters and files are unchanged by the option. How the
 model runs on a machine (compute dtype, remat, SSD form and chunk caps) is not here:
 see `runtime.Runtime`.
@@ -28,10 +29,10 @@ INIT_ONLY = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
 FINETUNE_MAY_CHANGE = ("ssd_window",)
 
 # The layer kinds of `layer_pattern`, by their character.
-MAMBA, ATTENTION, MLP = "M", "*", "-"
-KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP"}
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts"}
 # Characters other tools use for kinds this library does not build.
-UNSUPPORTED_KINDS = {"E": "mixture-of-experts (MoE) layers are not supported"}
+UNSUPPORTED_KINDS: dict[str, str] = {}
 MLP_ACTS = ("relu2", "swiglu")  # squared ReLU (Nemotron-H); gated SiLU (mamba_ssm's GatedMLP)
 
 
@@ -99,6 +100,26 @@ class Mamba2Config(FrozenFields):
   attn_rotary_base: float = 10000.0
   d_intermediate: int = 0
   mlp_act: str = "relu2"
+  # Mixture of experts ('E', model/moe.py), as NemotronH: n_routed_experts squared-ReLU
+  # experts of moe_intermediate_size, num_experts_per_tok of them per token, chosen
+  # by sigmoid scores plus a correction bias within the topk_group best of n_group
+  # groups; their weights renormalised (norm_topk_prob) and scaled by
+  # routed_scaling_factor; a shared expert of moe_shared_expert_intermediate_size
+  # (0: none) beside them; moe_latent_size > 0 runs the routed experts in a
+  # latent space of that width (projected down before, up after).
+  n_routed_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  moe_shared_expert_intermediate_size: int = 0
+  moe_latent_size: int = 0
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  # The Mamba-2 layers' heads where d_inner is not a multiple of d_model
+  # (NemotronH's mamba_num_heads: Nemotron-3-Nano has 64 heads of 64 on d_model
+  # 2688); 0, the default, derives them as expand * d_model / headdim.
+  mamba_num_heads: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
@@ -109,6 +130,9 @@ class Mamba2Config(FrozenFields):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         problems.append(f"{name} must be a positive integer, got {v!r}")
+    mh = self.mamba_num_heads
+    if not isinstance(mh, int) or isinstance(mh, bool) or mh < 0:
+      problems.append(f"mamba_num_heads must be 0 (derived) or a number of heads, got {mh!r}")
     if not problems:
       if self.d_inner % self.headdim:
         problems.append(f"expand*d_model = {self.d_inner} must be a multiple of headdim "
@@ -168,6 +192,34 @@ class Mamba2Config(FrozenFields):
         out.append("layer_pattern has MLP layers ('-'): set d_intermediate (their hidden size)")
       if self.mlp_act not in MLP_ACTS:
         out.append(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+    if MOE in p:
+      out += self._moe_problems()
+    return out
+
+  def _moe_problems(self) -> list[str]:
+    ints = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group")
+    out = [f"{n} must be an integer >= 0, got {getattr(self, n)!r}" for n in ints
+           if not isinstance(getattr(self, n), int) or isinstance(getattr(self, n), bool)
+           or getattr(self, n) < 0]
+    if out:
+      return out
+    e, k, g, tg = self.n_routed_experts, self.num_experts_per_tok, self.n_group, self.topk_group
+    if e < 1 or self.moe_intermediate_size < 1 or k < 1:
+      return ["layer_pattern has mixture-of-experts layers ('E'): set n_routed_experts, "
+              "num_experts_per_tok and moe_intermediate_size (all >= 1)"]
+    if g < 1 or e % g:
+      out.append(f"n_group ({g}) must divide n_routed_experts ({e})")
+    elif g > 1 and e // g < 2:
+      out.append(f"grouped routing scores a group by its two best experts: n_routed_experts / "
+                 f"n_group = {e // g} must be at least 2")
+    elif not 1 <= tg <= g:
+      out.append(f"topk_group ({tg}) must be between 1 and n_group ({g})")
+    elif k > tg * (e // g):
+      out.append(f"num_experts_per_tok ({k}) exceeds the experts of the topk_group ({tg}) groups "
+                 f"a token may use ({tg * (e // g)})")
+    if not isinstance(self.routed_scaling_factor, (int, float)) or self.routed_scaling_factor <= 0:
+      out.append(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
     return out
 
   def weight_differences(self, other: "Mamba2Config", *, init: bool = True) -> dict[str, tuple]:
@@ -185,8 +237,13 @@ class Mamba2Config(FrozenFields):
     return self.layer_pattern or MAMBA * self.n_layer
 
   def count(self, kind: str) -> int:
-    """How many layers of `kind` ('M', '*' or '-') the model has."""
+    """How many layers of `kind` ('M', '*', '-' or 'E') the model has."""
     return self.pattern.count(kind)
+
+  @property
+  def moe_width(self) -> int:
+    """The width the routed experts read and write: moe_latent_size, or d_model without one."""
+    return self.moe_latent_size or self.d_model
 
   @property
   def n_kv_heads(self) -> int:
@@ -194,7 +251,7 @@ class Mamba2Config(FrozenFields):
 
   @property
   def d_inner(self) -> int:
-    return self.expand * self.d_model
+    return self.mamba_num_heads * self.headdim if self.mamba_num_heads else self.expand * self.d_model
 
   @property
   def nheads(self) -> int:
@@ -232,6 +289,18 @@ for _name, _heads, _kv in (("1.3b", 16, 8), ("2.7b", 20, 4)):
   _n = SIZES[_name]["n_layer"]
   SIZES[f"{_name}-hybrid"] = dict(SIZES[_name], layer_pattern="MMMM*MMM" * (_n // 8),
                                   attn_num_heads=_heads, attn_num_heads_kv=_kv, attn_head_dim=128)
+# NVIDIA's Nemotron-3-Nano-30B-A3B (Megatron-Bridge's Nemotron3NanoProvider): 52 layers,
+# 23 Mamba-2 (64 heads of 64 on d_model 2688), 23 MoE (128 squared-ReLU experts of
+# 1856, 6 a token, scaled by 2.5, one shared expert of 3712), 6 grouped-query
+# attention layers; 31.6B parameters, 3.2B active a token. What `init_from` a
+# transformers directory of it reads must equal this (the trainer says which field differs).
+SIZES["nemotron3-nano"] = dict(
+    d_model=2688, n_layer=52, vocab_size=131072, d_state=128, headdim=64, expand=1,
+    mamba_num_heads=64, ngroups=8, chunk_size=128, dt_limit=(0.001, math.inf), tie_embeddings=False,
+    layer_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    attn_num_heads=32, attn_num_heads_kv=2, attn_head_dim=128,
+    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True)
 SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
                             attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 

@@ -1,12 +1,13 @@
 """The Mamba-2 language model in Flax NNX: the same function as mamba_ssm's
 MambaLMHeadModel with Mamba2 mixers, and as transformers' Mamba2ForCausalLM;
-with a `layer_pattern`, a hybrid of Mamba-2, attention and MLP layers, the same
-function as transformers' NemotronHForCausalLM.
+with a `layer_pattern`, a hybrid of Mamba-2, attention, MLP and mixture-of-experts
+layers, the same function as transformers' NemotronHForCausalLM.
 
 Layers are stored stacked (a leading `layers` axis on every block parameter, one
 stack per layer kind) and run with `jax.lax.scan` (`pattern.py`), so compile
 time does not grow with depth. The per-layer math is written as pure functions
-of a dict of that layer's arrays (attention and MLP layers: `attention.py`).
+of a dict of that layer's arrays (attention and MLP layers: `attention.py`;
+mixture-of-experts layers: `moe.py`).
 
 Precision policy: parameters float32; the projections and the LM head run in the
 runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32
@@ -30,8 +31,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from mamba_train.model import attention as attn_lib, lora as lora_lib, matmul as mm, pattern as pattern_lib
-from mamba_train.model.config import ATTENTION, MAMBA, MLP, Mamba2Config
+from mamba_train.model import (
+  attention as attn_lib,
+  lora as lora_lib,
+  matmul as mm,
+  moe as moe_lib,
+  pattern as pattern_lib,
+)
+from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
@@ -64,7 +71,7 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 # The parameters each layer multiplies by in the compute dtype (its projections);
 # every other parameter enters float32 math.
 MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj", "q_proj", "k_proj",
-                            "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"})
+                            "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"}) | moe_lib.MATMUL_WEIGHTS
 
 
 # The key under which a layer's adapters travel beside its weights (`Mamba2LM._compute_params`).
@@ -74,9 +81,11 @@ ADAPTERS = mm.ADAPTERS
 # Each layer kind: its name in `Mamba2LM.params()` and the keys of its decoding
 # state. The Mamba-2 stack is `layers` in pure models and hybrids alike, so a pure
 # model's parameters and checkpoints carry no hybrid-only name.
-KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp"}
+KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp", MOE: "moe"}
+# (A mixture-of-experts layer has no decoding state; over a sequence it returns
+# its router statistics, moe.STATS, in the place of one.)
 STATE_KEYS = {MAMBA: ("conv_x", "conv_bc", "ssm"), ATTENTION: ("k", "v", "kv_valid", "kv_pos"),
-              MLP: ()}
+              MLP: (), MOE: ()}
 # A windowed Mamba-2 layer (`Mamba2Config.ssd_window`) holds its last W positions'
 # inputs instead of an SSM state (`ssd.ssd_window_step`).
 WINDOW_KEYS = ("conv_x", "conv_bc", "win_x", "win_B", "win_a")
@@ -93,6 +102,8 @@ def kind_axes(cfg: Mamba2Config, kind: str) -> dict[str, tuple[str | None, ...]]
     return BLOCK_PARAM_AXES
   if kind == ATTENTION:
     return attn_lib.param_axes(attn_lib.attn_shapes(cfg), attn_lib.ATTN_PARAM_AXES)
+  if kind == MOE:
+    return moe_lib.param_axes(cfg)
   return attn_lib.param_axes(attn_lib.mlp_shapes(cfg), attn_lib.MLP_PARAM_AXES)
 
 
@@ -401,6 +412,9 @@ def _init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
       u = jax.random.uniform(jax.random.fold_in(key, salt),
                              (cfg.count(kind), attn_lib.draws(shapes)), F32)
       out[KIND_PARAMS[kind]] = jax.vmap(lambda r: attn_lib.init_params(shapes, out_names, cfg, r))(u)
+  if cfg.count(MOE):
+    keys = jax.random.split(jax.random.fold_in(key, 3), cfg.count(MOE))
+    out[KIND_PARAMS[MOE]] = jax.vmap(lambda k: moe_lib.init_params(cfg, k))(keys)
   if not cfg.tie_embeddings:
     out["lm_head"] = emb[1]
   return out
@@ -488,7 +502,8 @@ class Mamba2LM(nnx.Module):
         out, st = attn_lib.attention_step(p, norm(p, h), cfg, rt, st)
         return h + out, st
       return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st), ATTENTION: attn,
-              MLP: lambda p, h, st: (h + attn_lib.mlp(p, norm(p, h), cfg, rt), None)}
+              MLP: lambda p, h, st: (h + attn_lib.mlp(p, norm(p, h), cfg, rt), None),
+              MOE: lambda p, h, st: (h + moe_lib.moe(p, norm(p, h), cfg, rt)[0], None)}
     act = lambda h: sharding.constrain(h, ("batch", "act_length", "act_embed"))
 
     def mamba(p, h, st):
@@ -502,7 +517,11 @@ class Mamba2LM(nnx.Module):
     def mlp(p, h, _):
       return act(h + attn_lib.mlp(p, norm(p, h), cfg, rt)), None
 
-    fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp}
+    def moe(p, h, _):  # its router statistics travel as its state (moe.STATS)
+      out, stats = moe_lib.moe(p, norm(p, h), cfg, rt)
+      return act(h + out), stats
+
+    fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe}
     if self.lora is not None:  # inside the remat: the backward pass merges again, nothing is kept
       fns = {k: (lambda p, h, st, f=f: f(self._merged_layer(p), h, st)) for k, f in fns.items()}
     if rt.remat != "none":
@@ -572,7 +591,8 @@ class Mamba2LM(nnx.Module):
     final norm, and the per-layer states stacked over each kind's layers: the
     Mamba-2 layers' recurrent states (continued from `states` when given), an
     attention layer's keys and values {k, v} (b, l, kv, e) (`Mamba2Cache.from_prefill`
-    puts them in a decoding buffer)."""
+    puts them in a decoding buffer), a mixture-of-experts layer's router
+    statistics (`moe.STATS`: tokens per expert, auxiliary loss)."""
     cfg = self.config
     h = sharding.constrain(self.embed(input_ids), ("batch", "act_length", "act_embed"))
     b = input_ids.shape[0]

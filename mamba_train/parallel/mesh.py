@@ -1,4 +1,4 @@
-"""The device mesh of a run, from `config.mesh` (axes data, fsdp, sequence, tensor).
+"""The device mesh of a run, from `config.mesh` (axes data, fsdp, expert, sequence, tensor).
 
 `-1` on one axis means "all the devices the other axes leave". The shape is
 checked against the device count here, before anything is traced or compiled.
@@ -72,7 +72,7 @@ def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int
                        f"the {num_devices} devices, so '{fill[0]}' = -1 cannot fill the rest")
     shape[fill[0]] = num_devices // fixed
   elif fixed != num_devices:
-    raise ValueError(f"config.mesh {shape} spans data*fsdp*sequence*tensor = {fixed} devices, but "
+    raise ValueError(f"config.mesh {shape} spans data*fsdp*expert*sequence*tensor = {fixed} devices, but "
                      f"{num_devices} devices are present; make the product {num_devices} "
                      f"or set one axis to -1")
   return shape
@@ -80,7 +80,7 @@ def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None, *,
               shape: Mapping[str, int] | None = None) -> Mesh:
-  """A Mesh over `devices` (default: all) with axes MESH_AXES ('data', 'fsdp', 'sequence', 'tensor').
+  """A Mesh over `devices` (default: all) with axes MESH_AXES ('data', 'fsdp', 'expert', 'sequence', 'tensor').
   `shape`: `mesh_cfg` already resolved for as many devices (`resolve_mesh_shape`)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices)) if shape is None else shape
@@ -127,7 +127,7 @@ def hybrid_device_grid(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device
         f"{len(granules)}")
   sizes = {len(g) for g in granules}
   if sizes != {math.prod(ici_dims)}:
-    raise ValueError(f"config.mesh: each {kind} must hold data*fsdp*sequence*tensor = {math.prod(ici_dims)} "
+    raise ValueError(f"config.mesh: each {kind} must hold data*fsdp*expert*sequence*tensor = {math.prod(ici_dims)} "
                      f"devices, but they hold {sorted(sizes)}")
   grid = None
   if devices[0].platform != "cpu":  # topology-aware inside each granule on TPU/GPU

@@ -21,12 +21,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mamba_train.parallel.experts import ExpertSplit
 from mamba_train.parallel.kernels import HeadSplit
 from mamba_train.parallel.sequence import SequenceSplit
 
 # The sequence axis sits next to tensor: after it, the fastest links. Its traffic
 # is small (a state summary and a conv halo per layer), but on the critical path.
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+# The expert axis (mixture-of-experts layers' experts; parallel/experts.py) splits
+# the batch too, like a data axis, and exchanges tokens by all-to-all twice per
+# MoE layer: it sits inside fsdp, on faster links than data.
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 # Logical name -> mesh axis (or axes, or None = replicated).
 # Parameters: 'embed' is the model dimension FSDP shards; 'inner'/'heads'/'vocab'
@@ -36,7 +40,7 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # splits one sequence over the 'sequence' axis (parallel/sequence.py); the mixer
 # then runs its convolution and SSD under shard_map (`sequence_split`).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("act_length", "sequence"),
     ("act_embed", None),
     ("act_inner", "tensor"),
@@ -56,6 +60,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("attn_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # Mixture of experts (model/moe.py): an expert's width over fsdp like 'embed',
+    # its hidden units over tensor like 'mlp'.
+    ("experts", "expert"),
+    ("expert_embed", "fsdp"),
+    ("expert_mlp", "tensor"),
 )
 
 _ACTIVE: list[tuple[Mesh, dict]] = []
@@ -111,6 +120,23 @@ def sequence_split() -> SequenceSplit | None:
   if axis is None or mesh.shape[axis] == 1:
     return None
   return SequenceSplit(mesh, axis)
+
+
+def expert_split() -> ExpertSplit | None:
+  """How a mixture-of-experts layer runs under the active rules: an `ExpertSplit`
+  (each device dispatches its own tokens; experts over the mesh axis 'experts'
+  maps to, their hidden units over 'expert_mlp''s), or None outside `use_rules`
+  (the layer runs as on one device)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+  batch, length, expert, hidden = logical_to_spec(("batch", "act_length", "experts", "expert_mlp"), rules)
+  if isinstance(expert, tuple):
+    if len(expert) > 1:
+      raise ValueError(f"'experts' must map to one mesh axis, got {expert}")
+    expert = expert[0] if expert else None
+  return ExpertSplit(mesh, batch, length, expert if axes_size(mesh, expert) > 1 else None,
+                     hidden if axes_size(mesh, hidden) > 1 else None)
 
 
 def head_split() -> HeadSplit | None:

@@ -17,6 +17,7 @@ import math
 import os
 
 import jax
+import numpy as np
 import tqdm
 
 from mamba_train import data, metrics as metrics_lib
@@ -97,8 +98,9 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   flops_per_token = metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
   tokens_per_step = config.batch_size * config.seq_len
-  logging.info("%.2fM parameters, %.3g train FLOPs/token, %d tokens/step",
-               n_params / 1e6, flops_per_token, tokens_per_step)
+  logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",
+               n_params / 1e6, (n_params - (0 if plan.lora else metrics_lib.inactive_params(model_cfg))) / 1e6,
+               flops_per_token, tokens_per_step)
 
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
@@ -133,14 +135,15 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
 
   def log(step, state, metrics):
-    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # (per-expert tokens: lists)
+         for k, v in jax.device_get(metrics).items()}
     speed = throughput.read(tokens_per_step)
     row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
            "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
            "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
            **metrics_lib.memory_stats(jax.devices()[0]),
-           **share.read(), **{k: m[k] for k in steps.DPO_METRICS if k in m}, **gp.row()}
+           **share.read(), **{k: m[k] for k in steps.DPO_METRICS + steps.ROUTER_METRICS if k in m}, **gp.row()}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
 

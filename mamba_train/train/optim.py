@@ -23,9 +23,14 @@ DECAYED = frozenset({"embedding", "lm_head", "in_proj_zx", "in_proj_bc", "in_pro
                      # hybrids' attention and MLP layers (their norms are "norm")
                      "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj",
                      # LoRA adapters' two factors (model/lora.py), decayed as peft's AdamW does
-                     "a", "b"})
+                     "a", "b",
+                     # mixture-of-experts layers (model/moe.py)
+                     "router", "experts_up", "experts_down", "latent_down", "latent_up",
+                     "shared_up", "shared_down"})
 NOT_DECAYED = frozenset({"norm", "gate_norm", "norm_f", "conv_x_bias", "conv_bc_bias",
-                         "dt_bias", "A_log", "D"})
+                         "dt_bias", "A_log", "D",
+                         # moved by the load, never by gradients (train/balance.py)
+                         "e_score_correction_bias"})
 
 SCHEDULES = ("cosine", "wsd", "constant")
 STATE_DTYPES = ("float32", "bfloat16")

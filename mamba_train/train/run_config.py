@@ -22,6 +22,7 @@ from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
+from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
 
@@ -126,6 +127,7 @@ class Plan:
   default_corpus: str = ""
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
   dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
+  moe: MoeSpec | None = None  # config.moe (router load balancing) when the model has 'E' layers
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -172,13 +174,18 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"optim.grad_accum must be a positive integer, got {accum!r}")
     accum = 1
   if mesh is not None and isinstance(cfg.get("batch_size"), int):
-    dp = mesh["data"] * mesh["fsdp"]
+    dp = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     b = cfg["batch_size"]
     if b % (dp * accum):
       problems.append(
-          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp = "
-          f"{mesh['data']} x {mesh['fsdp']} = {dp}" + (f" times optim.grad_accum {accum}" if accum > 1 else "")
-          + f"; use a multiple of {dp * accum}")
+          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp x expert = "
+          f"{mesh['data']} x {mesh['fsdp']} x {mesh['expert']} = {dp}"
+          + (f" times optim.grad_accum {accum}" if accum > 1 else "") + f"; use a multiple of {dp * accum}")
+    if model is not None and mesh["expert"] > 1 and (
+        not model.count("E") or model.n_routed_experts % mesh["expert"]):
+      problems.append(f"mesh.expert = {mesh['expert']} splits the experts of mixture-of-experts layers: "
+                      f"the model needs 'E' layers whose n_routed_experts ({model.n_routed_experts}) "
+                      f"it divides")
     sp, l = mesh["sequence"], cfg.get("seq_len")
     if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
       problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
@@ -211,6 +218,13 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
   dpo, dpo_problems = _dpo(cfg)
   problems += dpo_problems
+  moe = None
+  if model is not None and model.count("E"):
+    moe_cfg = cfg.get("moe", {})
+    bad = moe_problems(moe_cfg)
+    problems += bad
+    if not bad:
+      moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), float(moe_cfg["bias_update_rate"]))
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})
@@ -235,7 +249,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
-              dpo=dpo)
+              dpo=dpo, moe=moe)
 
 
 def _tier_problems(tiers: Mapping) -> list[str]:

@@ -21,7 +21,7 @@ from mamba_train.model.lora import LoraSpec
 from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
-from mamba_train.train import dpo as dpo_lib, run_config
+from mamba_train.train import balance, dpo as dpo_lib, run_config
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.optim import guard, guard_metrics, make_optimizer
@@ -35,6 +35,7 @@ from mamba_train.train.state import (
 
 F32 = jnp.float32
 DPO_METRICS = dpo_lib.METRICS
+ROUTER_METRICS = balance.METRICS + (balance.TOKENS_PER_EXPERT,)
 BATCH_KEYS = ("input_ids", "targets", "seq_idx", "loss_mask")
 
 
@@ -54,25 +55,35 @@ def loss_sums(params, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime
   Returning sums, not a mean, lets micro-batches add up to exactly the big batch.
   With use_seq_idx, no state passes between the documents packed in a row.
   """
+  return _lm_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora, dropout_key=dropout_key)[:2]
+
+
+def _lm_sums(params, batch, cfg, runtime, use_seq_idx=True, frozen=None, lora=None, moe=None, dropout_key=None):
+  """`loss_sums` and the router sums of its MoE layers (`balance.sums`); with
+  moe.aux_loss_coef the auxiliary loss (per token) is in the loss sum."""
   model = model_of(params, frozen, cfg, runtime, lora, dropout_key)
-  h, _ = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
+  h, states = model.backbone(batch["input_ids"], seq_idx=batch["seq_idx"] if use_seq_idx else None)
   mask = batch["loss_mask"].astype(F32)
   # LM head and cross entropy blockwise: no (b, l, vocab) logits (train/loss.py).
   total = linear_cross_entropy(*model.head_operands(h), batch["targets"], mask,
                                cfg.vocab_size, runtime.compute_dtype, batch_shards=_batch_shards())
-  return total, jnp.sum(mask)
+  router = balance.sums(states, jnp.sum(mask), cfg)
+  if router and moe is not None and moe.aux_loss_coef:
+    total = total + moe.aux_loss_coef * router["moe_aux"]
+  return total, jnp.sum(mask), router
 
 
 def objective_sums(params, frozen, batch: Mapping[str, jax.Array], cfg: Mamba2Config, runtime: Runtime,
                    use_seq_idx: bool = True, lora: LoraSpec | None = None, dpo: DpoSpec | None = None,
-                   dropout_key=None):
+                   moe: balance.MoeSpec | None = None, dropout_key=None):
   """(loss sum, count, {metric: sum}) of the run's objective: cross entropy over the
   unmasked tokens, or with `dpo` the DPO loss over the pairs (train/dpo.py), against
   the reference the state holds: the base with adapters off (LoRA), or `frozen`.
-  dropout_key: a training step's, for LoRA's dropout (the policy's alone)."""
+  An MoE model's router sums (`balance.sum_shapes`) are among the metric sums of
+  the cross entropy objective. dropout_key: a training step's, for LoRA's dropout
+  (the policy's alone)."""
   if dpo is None:
-    total, count = loss_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora, dropout_key)
-    return total, count, {}
+    return _lm_sums(params, batch, cfg, runtime, use_seq_idx, frozen, lora, moe, dropout_key)
   policy = model_of(params, frozen, cfg, runtime, lora, dropout_key)
   reference = (model_of(jax.tree.map(jnp.zeros_like, params), frozen, cfg, runtime, lora) if lora
                else Mamba2LM.from_params(cfg, frozen, runtime))
@@ -104,7 +115,8 @@ def _split_micro(batch, k: int, mesh: Mesh, rules):
 def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh, *, grad_accum: int = 1,
                     rules=sharding.DEFAULT_RULES, use_seq_idx: bool = True,
-                    lora: LoraSpec | None = None, dpo: DpoSpec | None = None) -> Callable:
+                    lora: LoraSpec | None = None, dpo: DpoSpec | None = None,
+                    moe: balance.MoeSpec | None = None) -> Callable:
   """`step(state, batch) -> (state, metrics)`: one jax.jit with explicit
   shardings; the incoming state is donated. With `lora` only the adapters
   (`state.params`) are differentiated and updated; the base (`state.frozen`) is read.
@@ -121,7 +133,9 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
   Metrics (float32 scalars, replicated): loss, grad_norm, param_norm, update_norm, lr,
   tokens (unmasked), nonfinite_streak (steps in a row skipped), weight_jump (1: this
-  step was skipped for a norm jump).
+  step was skipped for a norm jump); with MoE layers (cross entropy) the router's
+  (`balance.metrics`), and with moe.bias_update_rate the correction biases move
+  after the update (`balance.update_bias`; not with LoRA, whose base is frozen).
   """
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"make_train_step needs an optax GradientTransformation (e.g. optax.adamw(1e-3), "
@@ -130,11 +144,11 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
   st_sh = state_shardings(cfg, optimizer, mesh, rules, lora=lora, frozen_copy=dpo is not None)
   b_sh = {k: sharding.batch_sharding(mesh, rules) for k in BATCH_KEYS}
   replicated = NamedSharding(mesh, P())
-  extra = dpo_lib.METRICS if dpo is not None else ()
+  extra = {k: () for k in dpo_lib.METRICS} if dpo is not None else balance.sum_shapes(cfg)
 
   def sums_and_grads(params, mb, frozen, key):
     def loss(p):
-      total, count, sums = objective_sums(p, frozen, mb, cfg, runtime, use_seq_idx, lora, dpo, key)
+      total, count, sums = objective_sums(p, frozen, mb, cfg, runtime, use_seq_idx, lora, dpo, moe, key)
       return total, (count, sums)
     (loss_sum, (count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return loss_sum, count, sums, grads
@@ -159,7 +173,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
           return (acc_loss + loss_sum, acc_count + count, jax.tree.map(jnp.add, acc_sums, sums), acc_grads), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        start = (jnp.zeros((), F32), jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in extra}, zeros)
+        start = (jnp.zeros((), F32), jnp.zeros((), F32), {k: jnp.zeros(s, F32) for k, s in extra.items()}, zeros)
         (loss_sum, count, sums, grads), _ = jax.lax.scan(
             body, start, (jnp.arange(grad_accum), _split_micro(batch, grad_accum, mesh, rules)))
       denom = jnp.maximum(count, 1.0)
@@ -167,6 +181,9 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       loss = loss_sum / denom
       updates, opt_state = optimizer.update(grads, state.opt_state, params)
       new_params = optax.apply_updates(params, updates)
+      router = {k: sums.pop(k) for k in balance.sum_shapes(cfg) if k in sums}
+      if router and moe is not None and lora is None:
+        new_params = balance.update_bias(new_params, router["moe_load"], moe.bias_update_rate)
       new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng,
                              frozen=state.frozen)
       metrics = {
@@ -177,6 +194,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
           "tokens": count,
           **guard_metrics(opt_state),
           **{k: v / denom for k, v in sums.items()},
+          **(balance.metrics(router["moe_load"], router["moe_aux"] / denom) if router else {}),
       }
       return new_state, metrics
 
@@ -273,6 +291,7 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) 
     state = abstract_train_state(model_cfg, optimizer, mesh, lora=lora, frozen_copy=copy)
   docs = bool(config.data.use_seq_idx)
   train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
-                               grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora, dpo=dpo)
+                               grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora, dpo=dpo,
+                               moe=plan.moe)
   return Built(optimizer, schedule, state, train_step,
                make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs, lora=lora, dpo=dpo))

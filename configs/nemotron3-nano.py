@@ -1,0 +1,40 @@
+"""Finetune NVIDIA's Nemotron-3-Nano-30B-A3B (Mamba-2 + attention + MoE) from its
+transformers directory: experts split over the 'expert' axis, everything else
+sharded over fsdp, bfloat16 matmuls, full remat.
+
+  python train.py --config configs/nemotron3-nano.py --workdir runs/nano-ft \\
+      --config.init_from=PATH/TO/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --config.data.dir=data/my_sft
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v5p-128
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v6e-256 \
+      --config.batch_size=256 --config.mesh.sequence=2
+
+Neither compile fits yet (docs/bench/moe.md: the dropless dispatch's buffers; try
+--config.optim.grad_accum=4 with a batch it divides). The router keeps NemotronH's
+balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4
+auxiliary loss (config.moe; 0 turns either off).
+"""
+
+from configs import base
+from mamba_train import config_for
+
+
+def get_config():
+  c = base.get_config()
+  c.name = "nemotron3-nano-ft"
+  c.model.update(config_for("nemotron3-nano").to_dict())
+  # 128 x 2048 = 262k tokens a step, in two micro-batches: at 4096 tokens a v5p chip
+  # the dropless dispatch's buffers (8 x the tokens' assignments) did not fit
+  # (docs/bench/moe.md).
+  c.seq_len = 2048
+  c.batch_size = 128
+  c.optim.grad_accum = 2
+  c.steps = 2000
+  c.log_every, c.eval_every, c.checkpoint_every = 10, 200, 500
+  c.optim.update(lr=1e-5, warmup_frac=0.05, final_lr_frac=0.1, weight_decay=0.1)
+  c.runtime.compute_dtype = "bfloat16"
+  c.runtime.remat = "full"
+  c.data.source = "corpus"
+  # 128 experts over 8 devices (16 each); fsdp fills the rest of the slice.
+  c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)
+  c.init_from = ""  # set on the command line: the transformers directory
+  return c

@@ -1,0 +1,83 @@
+"""Load balancing of mixture-of-experts routers in training, as Megatron-Core
+trains NemotronH (both switchable, config.moe):
+
+- the auxiliary-loss-free update (DeepSeek-V3; Megatron's
+  `moe_router_enable_expert_bias`): after each step every layer's
+  e_score_correction_bias moves by bias_update_rate * sign(mean load - load), so
+  an overloaded expert is chosen less often; it changes only which experts are
+  chosen, never their weights, and no gradient or optimizer touches it;
+- the auxiliary loss (Switch Transformer; `moe_aux_loss_coeff`): aux_loss_coef
+  times the mean over 'E' layers of `moe.router_stats`' loss, added to the
+  per-token loss.
+
+The router statistics of a step go to metrics.jsonl (`metrics`): the tokens each
+expert of each layer received, the most and least loaded expert against an even
+load, the auxiliary loss, and the dropped tokens (zero: dispatch is dropless).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mamba_train.model import moe as moe_lib
+from mamba_train.model.config import MOE, Mamba2Config
+from mamba_train.model.mamba2 import KIND_PARAMS
+
+F32 = jnp.float32
+# The scalar metrics of a step (besides moe_tokens_per_expert, a list per layer).
+METRICS = ("moe_aux_loss", "moe_load_max", "moe_load_min", "moe_dropped_tokens")
+TOKENS_PER_EXPERT = "moe_tokens_per_expert"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+  aux_loss_coef: float = 0.0  # 0: no auxiliary loss
+  bias_update_rate: float = 0.0  # 0: the correction bias stays as loaded
+
+
+def spec_problems(moe_cfg) -> list[str]:
+  out = []
+  for key in ("aux_loss_coef", "bias_update_rate"):
+    v = moe_cfg.get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+      out.append(f"moe.{key} must be a number >= 0 (0 turns it off), got {v!r}")
+  return out
+
+
+def sum_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
+  """The router sums a step adds up over micro-batches (empty without 'E' layers):
+  tokens per expert per layer, and the auxiliary loss times the tokens."""
+  if not cfg.count(MOE):
+    return {}
+  return {"moe_load": (cfg.count(MOE), cfg.n_routed_experts), "moe_aux": ()}
+
+
+def sums(states: dict, count, cfg: Mamba2Config) -> dict[str, jax.Array]:
+  """The router sums of one forward pass from the states `Mamba2LM.backbone`
+  returns (`moe.STATS`, stacked over 'E' layers); count: its loss tokens."""
+  if not cfg.count(MOE):
+    return {}
+  return {"moe_load": states["moe_load"].astype(F32),
+          "moe_aux": jnp.mean(states["moe_aux"]) * count}
+
+
+def update_bias(params: dict, load, rate: float) -> dict:
+  """params with each 'E' layer's correction bias moved by rate * sign(mean load -
+  load) (load: (layers, experts) tokens of the step)."""
+  if not rate or KIND_PARAMS[MOE] not in params:
+    return params
+  moe = dict(params[KIND_PARAMS[MOE]])
+  step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+  moe[moe_lib.BIAS] = moe[moe_lib.BIAS] + step.astype(moe[moe_lib.BIAS].dtype)
+  return {**params, KIND_PARAMS[MOE]: moe}
+
+
+def metrics(load, aux_mean) -> dict[str, jax.Array]:
+  """A step's router metrics from its tokens per expert (layers, experts) and mean auxiliary loss."""
+  even = jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)
+  return {"moe_aux_loss": aux_mean, "moe_load_max": jnp.max(load / even),
+          "moe_load_min": jnp.min(load / even), "moe_dropped_tokens": jnp.zeros((), F32),
+          TOKENS_PER_EXPERT: load}

@@ -1,0 +1,286 @@
+"""Mixture-of-experts layers ('E'): against transformers' NemotronHForCausalLM on
+identical random weights (logits, greedy tokens, export and from_pretrained), the
+grouped-matmul dispatch against a dense every-expert reference (forward and
+gradients), packed documents against each document alone, and the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
+from mamba_train.interop import convert
+from mamba_train.interop.export import save_hf, save_mamba_ssm
+from mamba_train.model import moe as moe_lib
+from mamba_train.model.runtime import Runtime
+
+from helpers import rel
+
+forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
+
+COMMON = dict(hidden_size=32, vocab_size=90, ssm_state_size=8, mamba_head_dim=16,
+              mamba_num_heads=4, chunk_size=8, head_dim=8, intermediate_size=48, n_groups=2,
+              num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8,
+              moe_intermediate_size=24, moe_shared_expert_intermediate_size=16,
+              pad_token_id=0, bos_token_id=0, eos_token_id=0)
+# Two patterns: grouped routing (4 groups, the best 2 kept) with renormalised and
+# scaled weights; a latent projection with ungrouped, unnormalised weights.
+SMALL = {
+    "grouped_ME*E": dict(layers_block_type=["mamba", "moe", "attention", "moe"], n_group=4,
+                         topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
+                         routed_scaling_factor=2.5),
+    "latent_EM-E*": dict(layers_block_type=["moe", "mamba", "mlp", "moe", "attention"],
+                         moe_latent_size=12, num_experts_per_tok=2, norm_topk_prob=False),
+}
+
+
+def hf_model(path, seed, **kw):
+  torch.manual_seed(seed)
+  model = NemotronHForCausalLM(NemotronHConfig(**{**COMMON, **kw})).eval()
+  # Spread what transformers initialises to constants; the router wider than its
+  # 0.02 init, and the correction bias nonzero, so both decide the choice.
+  with torch.no_grad():
+    for layer in model.model.layers:
+      layer.norm.weight.normal_(1.0, 0.2)
+      if layer.block_type == "linear_attention":
+        layer.mixer.A_log.uniform_(-1.0, 2.5)
+        layer.mixer.dt_bias.uniform_(-3.0, 0.0)
+        layer.mixer.D.normal_(1.0, 0.5)
+      if layer.block_type == "moe":
+        layer.mixer.gate.weight.normal_(0.0, 0.5)
+        layer.mixer.gate.e_score_correction_bias.normal_(0.0, 0.1)
+        layer.mixer.experts.up_proj.normal_(0.0, 0.3)
+        layer.mixer.experts.down_proj.normal_(0.0, 0.3)
+  model.save_pretrained(path)
+  return model
+
+
+@pytest.fixture(scope="module", params=list(SMALL))
+def pair(request, tmp_path_factory):
+  path = tmp_path_factory.mktemp("nemotron_h_moe")
+  ref = hf_model(path, seed=list(SMALL).index(request.param), **SMALL[request.param])
+  return request.param, ref, load_model(path)
+
+
+def test_config_read(pair):
+  name, ref, ours = pair
+  c, r = ours.config, ref.config
+  assert c.pattern == "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[k]
+                              for k in SMALL[name]["layers_block_type"])
+  assert (c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+          c.routed_scaling_factor, c.moe_latent_size or None) == (
+      r.n_routed_experts, r.num_experts_per_tok, r.n_group, r.topk_group, r.norm_topk_prob,
+      r.routed_scaling_factor, r.moe_latent_size)
+
+
+def test_logits_match_transformers(pair):
+  _, ref, ours = pair
+  ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
+  with torch.no_grad():
+    want = ref(ids).logits.numpy()
+  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
+  assert got.shape == want.shape and got.dtype == np.float32
+  assert rel(got, want) < 1e-5
+
+
+def test_greedy_matches_transformers(pair):
+  _, ref, ours = pair
+  prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 10
+  with torch.no_grad():
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
+  np.testing.assert_array_equal(generate(ours, prompt, n), want)
+
+
+MOE_CFG = Mamba2Config(d_model=32, n_layer=4, d_state=8, headdim=16, ngroups=2, chunk_size=8,
+                       vocab_size=90, layer_pattern="EM*E", attn_num_heads=4, attn_num_heads_kv=2,
+                       attn_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=24, moe_shared_expert_intermediate_size=16,
+                       moe_latent_size=12, n_group=2, topk_group=1)
+
+
+def test_export_then_from_pretrained(tmp_path):
+  """An MoE hybrid built here (tied head, latent, grouped routing) -> transformers
+  -> the same logits; back through load_model bit-exact; bfloat16 keeps the router float32."""
+  ours = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(3))
+  save_hf(ours, tmp_path / "out")
+  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ids = np.random.default_rng(0).integers(0, 90, (2, 19))
+  with torch.no_grad():
+    want = ref(torch.tensor(ids)).logits.numpy()
+  assert rel(np.asarray(forward(ours, jnp.asarray(ids))), want) < 1e-5
+  back = load_model(tmp_path / "out")
+  assert back.config.weight_differences(MOE_CFG.replace(tie_embeddings=False)) == {}
+  jax.tree.map(np.testing.assert_array_equal, back.params()["moe"], ours.params()["moe"])
+  save_hf(ours, tmp_path / "bf16", dtype="bfloat16")
+  from safetensors import safe_open
+  with safe_open(tmp_path / "bf16" / "model.safetensors", "np") as f:
+    assert f.get_tensor("backbone.layers.0.mixer.gate.weight").dtype == np.float32
+    assert f.get_tensor("backbone.layers.0.mixer.experts.3.up_proj.weight").dtype != np.float32
+  with pytest.raises(ValueError, match="mixture-of-experts"):
+    save_mamba_ssm(ours, tmp_path / "ssm")
+  with pytest.raises(ValueError, match="shared expert"):
+    convert.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(moe_latent_size=0, n_group=4, topk_group=3,
+                                              num_experts_per_tok=3, norm_topk_prob=False)])
+def test_grouped_matmuls_equal_dense_reference(kw):
+  """The ragged_dot dispatch against every expert on every token, masked (float32):
+  the layer's output and the gradients of every parameter and the input."""
+  cfg = MOE_CFG.replace(**kw)
+  p = jax.tree.map(lambda a: a[0], Mamba2LM(cfg, rngs=nnx.Rngs(1)).layer_params("E"))
+  p = {**p, moe_lib.BIAS: jnp.linspace(-0.05, 0.05, 8)}
+  u = jax.random.normal(jax.random.key(2), (3, 37, 32))
+  rt = Runtime().resolve()
+  loss = lambda dense: lambda p, u: jnp.sum(jnp.sin(moe_lib.moe(p, u, cfg, rt, dense=dense)[0]))
+  got, want = (jax.jit(jax.value_and_grad(loss(d), argnums=(0, 1)))(p, u) for d in (False, True))
+  assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+  y, stats = jax.jit(lambda p, u: moe_lib.moe(p, u, cfg, rt))(p, u)
+  yd, _ = moe_lib.moe(p, u, cfg, rt, dense=True)
+  assert rel(y, yd) < 1e-6
+  for name in set(p) - {"norm"}:  # (the norm is the block's, before the layer's function)
+    if name == moe_lib.BIAS:  # the choice is discrete: no gradient reaches the bias
+      assert not np.any(got[1][0][name]) and not np.any(want[1][0][name])
+    else:
+      assert rel(got[1][0][name], want[1][0][name]) < 1e-5, name
+  assert rel(got[1][1], want[1][1]) < 1e-5
+  # Every token reaches its k experts (dropless).
+  assert float(jnp.sum(stats["moe_load"])) == 3 * 37 * cfg.num_experts_per_tok
+
+
+def test_router_is_nemotron_h():
+  """The router against a numpy transcription of NemotronH's (grouped top-k over
+  sigmoid scores plus the bias; the weights without it)."""
+  cfg = MOE_CFG.replace(n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.0)
+  rng = np.random.default_rng(0)
+  p = {"router": rng.normal(size=(32, 8)).astype(np.float32),
+       moe_lib.BIAS: rng.normal(0, 0.1, 8).astype(np.float32)}
+  u = rng.normal(size=(50, 32)).astype(np.float32)
+  experts, weights, _ = moe_lib.route(p, jnp.asarray(u), cfg)
+  s = 1 / (1 + np.exp(-(u.astype(np.float64) @ p["router"])))
+  c = s + p[moe_lib.BIAS]
+  for t in range(50):
+    groups = np.sort(c[t].reshape(4, 2), axis=1)[:, -2:].sum(1)
+    allowed = np.repeat(np.isin(np.arange(4), np.argsort(groups)[-2:]), 2)
+    best = np.argsort(np.where(allowed, c[t], -np.inf))[-3:]
+    assert set(np.asarray(experts[t])) == set(best)
+    w = s[t, np.asarray(experts[t])]
+    np.testing.assert_allclose(weights[t], 2.0 * w / w.sum(), rtol=1e-5, atol=1e-7)
+
+
+def test_packed_row_equals_each_document_alone():
+  model = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  lens = (7, 13, 4)
+  docs = [rng.integers(0, 90, n) for n in lens]
+  row = jnp.asarray(np.concatenate(docs))[None]
+  seq_idx = jnp.asarray(np.repeat(np.arange(3), lens))[None]
+  packed = np.asarray(forward(model, row, seq_idx))[0]
+  alone = np.zeros((3, 13), np.int32)
+  for i, d in enumerate(docs):
+    alone[i, :len(d)] = d
+  alone = np.asarray(forward(model, jnp.asarray(alone), jnp.zeros((3, 13), jnp.int32)))
+  start = 0
+  for i, n in enumerate(lens):
+    assert rel(packed[start:start + n], alone[i, :n]) < 1e-5
+    start += n
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_routed_experts=0), "n_routed_experts"),
+    (dict(n_group=3), "n_group"),
+    (dict(n_group=8), "two best"),
+    (dict(topk_group=3), "topk_group"),
+    (dict(num_experts_per_tok=5), "exceeds"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+])
+def test_bad_moe_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    MOE_CFG.replace(**kw)
+
+
+# ----------------------------------------------------------------------------
+# Training: the router's load balancing and statistics.
+
+
+def test_train_step_balances_routers():
+  """The train step's router metrics are the forward pass's tokens per expert; the
+  correction bias moves by rate * sign(mean - load) and no optimizer touches it;
+  the auxiliary loss adds coef * its value to the loss; micro-batches add up."""
+  from mamba_train.data import SyntheticLoader
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.train import balance, optim, state as train_state, step as trainer
+  cfg = MOE_CFG.replace(layer_pattern="EM-E", d_intermediate=32, vocab_size=64)
+  ocfg = dict(lr=1e-2, schedule="constant", warmup_frac=0.0, decay_frac=0.0, final_lr_frac=0.1,
+              b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, state_dtype="float32")
+  tx, schedule = optim.make_optimizer(ocfg, 10)
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  rt = Runtime().resolve("cpu")
+  batch = trainer.to_global(next(SyntheticLoader(vocab_size=64, seq_len=24, global_batch_size=4, seed=0)), mesh)
+  state = train_state.init_train_state(cfg, tx, mesh, seed=0)
+  init = jax.device_get(state.params)
+  ours = Mamba2LM.from_params(cfg, init, rt)
+  fwd = nnx.jit(lambda m, ids, s: m.backbone(ids, seq_idx=s)[1])
+  states = fwd(ours, batch["input_ids"], batch["seq_idx"])
+  load, aux = np.asarray(states["moe_load"]), float(np.mean(states["moe_aux"]))
+  # The loss is per micro-batch (rows i, i + 2 in micro-batch i of two), weighted by its tokens.
+  halves = [fwd(ours, batch["input_ids"][i::2], batch["seq_idx"][i::2]) for i in (0, 1)]
+  counts = [float(batch["loss_mask"][i::2].sum()) for i in (0, 1)]
+  aux2 = sum(c * float(np.mean(h["moe_aux"])) for c, h in zip(counts, halves)) / sum(counts)
+  assert load.shape == (2, 8) and (load.sum(-1) == 4 * 24 * 2).all()
+
+  def run(coef, rate, accum):
+    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, grad_accum=accum,
+                                   moe=balance.MoeSpec(coef, rate))
+    return jax.device_get(step(jax.tree.map(jnp.copy, state), batch))
+
+  # Balancing on, in one batch; off, in two micro-batches (whose sums add up).
+  (on, m), (off, m0) = run(1e-2, 1e-3, 1), run(0.0, 0.0, 2)
+  for metrics, want_aux in ((m, aux), (m0, aux2)):
+    np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], load)
+    assert float(metrics["moe_dropped_tokens"]) == 0.0
+    assert float(metrics["moe_aux_loss"]) == pytest.approx(want_aux, rel=1e-5)
+    assert float(metrics["moe_load_max"]) == pytest.approx(np.max(load / load.mean(-1, keepdims=True)))
+  assert float(m["loss"]) - float(m0["loss"]) == pytest.approx(1e-2 * aux, rel=1e-3)  # (0.01 x ~1: 1e-5 of the loss)
+  bias0 = np.asarray(init["moe"][moe_lib.BIAS])
+  want = bias0 + 1e-3 * np.sign(load.mean(-1, keepdims=True) - load)
+  np.testing.assert_allclose(on.params["moe"][moe_lib.BIAS], want, rtol=0, atol=1e-9)
+  np.testing.assert_array_equal(off.params["moe"][moe_lib.BIAS], bias0)  # off: untouched
+
+
+def test_heads_not_a_multiple_of_d_model(tmp_path):
+  """Nemotron-3-Nano's Mamba-2 layers have 64 heads of 64 on d_model 2688: d_inner
+  4096 is no multiple of it, so the heads are given outright (mamba_num_heads)."""
+  ref = hf_model(tmp_path, seed=5, **{**SMALL["grouped_ME*E"], "hidden_size": 40,
+                                     "mamba_num_heads": 6})
+  ours = load_model(tmp_path)
+  assert (ours.config.mamba_num_heads, ours.config.d_inner, ours.config.d_model) == (6, 96, 40)
+  ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(4))
+  with torch.no_grad():
+    want = ref(ids).logits.numpy()
+  assert rel(np.asarray(forward(ours, jnp.asarray(ids.numpy()))), want) < 1e-5
+  assert convert.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
+  with pytest.raises(ValueError, match="mamba_num_heads"):
+    convert.ours_to_mamba_ssm_config(ours.config)
+
+
+def test_run_config_refusals():
+  import sys
+  sys.path.insert(0, str(__import__("helpers").ROOT))
+  from configs import base
+  from mamba_train.train.run_config import ConfigError, validate
+  c = base.get_config()
+  c.model.update(MOE_CFG.to_dict())
+  assert validate(c, num_devices=8).moe.bias_update_rate == 1e-3
+  c.mesh.update(data=1, expert=8)
+  assert validate(c, num_devices=8).mesh_shape["expert"] == 8
+  c.model.n_routed_experts, c.model.n_group = 12, 1
+  with pytest.raises(ConfigError, match="n_routed_experts \\(12\\)"):
+    validate(c, num_devices=8)
+  c.model.n_routed_experts, c.moe.aux_loss_coef = 8, -1.0
+  with pytest.raises(ConfigError, match="moe.aux_loss_coef"):
+    validate(c, num_devices=8)
