@@ -37,6 +37,32 @@ def test_restore_checks_the_config_item_too(tmp_path, caplog):
   assert "resuming from step 1 instead of the newest step 2" in caplog.text
   assert (tmp_path / "checkpoints" / "2.damaged").exists()
 
+def test_steps_of_another_state_layout_are_one_line_and_left_alone(tmp_path):
+  """A workdir written before the train state changed shape (the weight guard's optimizer
+  state): every step reads, into another tree. The refusal says how to go on, and no step
+  is set aside as damaged."""
+  import jax
+
+  from mamba_train.data import SyntheticLoader
+  from mamba_train.errors import UserError
+  from mamba_train.workdir import checkpoint
+  loader = SyntheticLoader(vocab_size=17, seq_len=4, global_batch_size=1, seed=0)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0, async_save=False)
+  for step in (1, 2):
+    ck.save(step, _tiny_state(step), loader, {"step_saved": step})
+  ck.close()
+  new_layout = dict(_tiny_state(0), guard={"accepted": jax.numpy.zeros((), "int32")})
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), new_layout)
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  with pytest.raises(UserError) as e:
+    ck.restore(target, loader)
+  ck.close()
+  msg = str(e.value)
+  assert "another layout" in msg and f"--config.init_from={tmp_path}" in msg and "\n" not in msg
+  assert complete_steps(tmp_path) == [1, 2]
+  assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
+
+
 def test_resumed_metrics_hold_each_step_once(tmp_path):
   from mamba_train.workdir.record import MetricsWriter
   path = tmp_path / "metrics.jsonl"

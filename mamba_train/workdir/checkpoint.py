@@ -233,7 +233,8 @@ class Checkpointer:
           raise
         self._warn_unreadable(s, e)
         failed.append(s)
-        layout |= "tree structures do not match" in str(e)
+        # Orbax's words for a step read into another tree (train-state layout changed).
+        layout |= any(w in str(e) for w in ("tree structures do not match", "Structure mismatch"))
         continue
       if failed:
         log.warning("resuming from step %d instead of the newest step %d, which is damaged",
