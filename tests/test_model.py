@@ -116,7 +116,7 @@ def test_config_errors(kw, match):
     (dict(compute_dtype="float16"), "compute_dtype"),
     (dict(remat="some"), "remat"),
     (dict(ssd_form="fast"), "ssd_form"),
-    (dict(ssd_impl="triton"), "ssd_impl"),
+    (dict(ssd_impl="cuda"), "ssd_impl"),
     (dict(scan_chunk_size=0), "scan_chunk_size must be a positive integer"),
 ])
 def test_runtime_errors(kw, match):

@@ -20,14 +20,14 @@ CHUNK = 16
 # mesh name -> (mesh config, length). 256 is a multiple of devices x chunk for
 # every mesh here; 200 is not (slices of 25, 50 and 100 positions: ragged chunks).
 # The `_fused` ones run the Pallas SSD kernels (in interpret mode) per slice, inside the
-# heads' map, against the unsharded XLA SSD; `_gpu` the GPU ones (ssd_gpu) the same way.
+# heads' map, against the unsharded XLA SSD (the GPU kernels go the same way: tests/test_ssd_gpu.py
+# runs the model with them).
 FORWARD = {
     "seq8_l256": ({"sequence": 8}, 256),
     "seq8_l200": ({"sequence": 8}, 200),
     "s4d2_l256": ({"sequence": 4, "data": 2}, 256),
     "s2t2f2_l200": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
     "s2t2f2_l200_fused": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
-    "s2t2f2_l200_gpu": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
 }
 TRAIN = {  # name -> (mesh config, runtime overrides, grad_accum)
     "single": ({}, {}, 1),

@@ -30,7 +30,7 @@ ARGS = [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs"
         "--config.seq_len=32", "--config.batch_size=4", f"--config.steps={STEPS}",
         "--config.log_every=1", "--config.eval_every=0", "--config.wandb.mode=disabled",
         "--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2",
-        "--heartbeat_timeout=5"]
+        "--heartbeat_timeout=15"]
 TIERS = ["--config.checkpoint_every=3", "--config.checkpoint.local_every=2"]
 # Process 0 dies (SIGKILL) with local step 8 written but not yet committed (renamed):
 # once persistent step 6 is committed, and before its main thread can pass step 8.
