@@ -39,6 +39,17 @@ def require_libtpu() -> None:
                 "the TPU compiler these tests compile with; no TPU is needed)")
 
 
+def missing_gpu_wheels() -> list[str]:
+  """The GPU compile wheels (the `gpu` extra) that are not installed. find_spec of a
+  submodule raises when its parent package is absent too (no jax_plugins at all)."""
+  def absent(name):
+    try:
+      return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:
+      return True
+  return [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if absent(m)]
+
+
 def free_port() -> int:
   """A TCP port on 127.0.0.1 free now (for a coordinator or gloo)."""
   with socket.socket() as s:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, require_libtpu
+from helpers import ROOT, missing_gpu_wheels, require_libtpu
 
 SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
 
@@ -78,8 +78,7 @@ def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
   """The real train step for two H100s (CUDA plugin and ptxas, no GPU): ssd_impl auto
   resolves to the GPU kernels, whose cost estimates join XLA's counts (XLA counts a
   Pallas call as nothing on GPUs). Skips, saying why, without the gpu extra."""
-  import importlib.util
-  missing = [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if importlib.util.find_spec(m) is None]
+  missing = missing_gpu_wheels()
   if missing:
     reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
     print(reason)

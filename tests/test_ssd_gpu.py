@@ -6,7 +6,6 @@ state sizes that are not powers of two; and the kernels compiled for an H100
 (sm_90a) on this CPU through the CUDA plugin (no GPU needed), forward and backward."""
 
 import functools
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 
 from mamba_train.model import ssd, ssd_gpu
 
-from helpers import ROOT, packed_ids, rel, ssd_inputs
+from helpers import ROOT, missing_gpu_wheels, packed_ids, rel, ssd_inputs
 
 
 def _grads(fn, chunk, seq, wy, ws):
@@ -133,7 +132,7 @@ def test_gpu_kernels_compile_for_h100():
   """Forward and backward through XLA's GPU pipeline, Triton and ptxas for sm_90a,
   with the gpu extra's wheels (no GPU needed): Triton's power-of-two and shared
   memory rules are checked here. Skips, saying why, without those wheels."""
-  missing = [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if importlib.util.find_spec(m) is None]
+  missing = missing_gpu_wheels()
   if missing:
     reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
     print(reason)
