@@ -364,6 +364,12 @@ def _stray_write_completion(u) -> bool:
   `loop.call_soon_threadsafe` on the closed loop from a C++ thread, which reports it as
   unraisable (a bare traceback on stderr, a dozen a failed save). Nothing is lost: the
   save has failed already, and the checkpointer reports it."""
+  # The same failed save's writes that never finished: Python closes their coroutines
+  # while it shuts down, and their cleanup can no longer import anything.
+  code = getattr(u.object, "cr_code", None)
+  if (u.exc_type is ImportError and "shutting down" in str(u.exc_value)
+          and "orbax" in getattr(code, "co_filename", "")):
+    return True
   if u.exc_type is not RuntimeError or str(u.exc_value) != "Event loop is closed":
     return False
   tb = u.exc_traceback
