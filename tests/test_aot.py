@@ -75,9 +75,10 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
 
 
 def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
-  """The real train step for two H100s (CUDA plugin and ptxas, no GPU): ssd_impl auto
-  resolves to the GPU kernels, whose cost estimates join XLA's counts (XLA counts a
-  Pallas call as nothing on GPUs). Skips, saying why, without the gpu extra."""
+  """The real train step for two H100s (CUDA plugin and ptxas, no GPU): ssd_impl and
+  layer_impl auto resolve to the GPU kernels (the SSD's and the layer's), whose cost
+  estimates join XLA's counts (XLA counts a Pallas call as nothing on GPUs). Skips,
+  saying why, without the gpu extra."""
   missing = missing_gpu_wheels()
   if missing:
     reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
@@ -93,6 +94,7 @@ def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
   import json
   rep = json.loads(out.read_text())
   assert rep["devices"] == 2 and rep["chip"] == "NVIDIA H100" and rep["runtime"]["ssd_impl"] == "triton"
+  assert rep["runtime"]["layer_impl"] == "triton"
   k, xla = rep["kernel_cost"], rep["cost"]
   assert k["flops"] > 0 and k["bytes accessed"] > 0 and xla["flops"] > 0
   assert rep["cost_with_kernels"]["flops"] == pytest.approx(xla["flops"] + k["flops"])

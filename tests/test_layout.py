@@ -195,14 +195,19 @@ ERRORS_MODULE = f"{PACKAGE}.errors"
 _MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.parallel.sharding")
 _PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "workdir"))
 
+# The math the kernels stand beside: the SSD's, and the layer's elementwise chain.
+_MATH = ("mamba_train.model.ssd", "mamba_train.model.layer_math")
+_KERNEL_MODULES = ("mamba_train.model.ssd_pallas", "mamba_train.model.ssd_gpu", "mamba_train.model.layer_gpu")
+
 SSD_IS_PURE = Rule(
-    "ssd-is-pure", "the SSD math imports nothing of the package",
-    governs=lambda m: m == "mamba_train.model.ssd",
+    "ssd-is-pure", "the SSD math (and the layer's, layer_math) imports nothing of the package",
+    governs=lambda m: m in _MATH,
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
 KERNELS = Rule(
-    "kernels", "the SSD kernels import nothing of the package but the SSD math (mamba_train.model.ssd)",
-    governs=lambda m: m == "mamba_train.model.ssd_pallas",
-    broken_by=lambda t: (ours(t) and t != "mamba_train.model.ssd") or t.startswith("<relative"))
+    "kernels", "the kernels import nothing of the package but the math they stand beside "
+    "(mamba_train.model.ssd, mamba_train.model.layer_math)",
+    governs=lambda m: m in _KERNEL_MODULES,
+    broken_by=lambda t: (ours(t) and t not in _MATH) or t.startswith("<relative"))
 MODEL = Rule(
     "model", "the model knows no trainer, data, workdir, metrics, generation or interop: it "
     "imports only mamba_train.model.* and mamba_train.parallel.sharding",
@@ -257,8 +262,10 @@ def test_the_layout_is_where_the_rules_expect_it():
 
 
 def test_ssd_math_imports_nothing_of_the_package_and_its_kernels_only_the_math():
-  assert SSD_IS_PURE.violations(MODULES["mamba_train.model.ssd"]) == []
-  assert KERNELS.violations(MODULES["mamba_train.model.ssd_pallas"]) == []
+  for name in _MATH:
+    assert SSD_IS_PURE.violations(MODULES[name]) == []
+  for name in _KERNEL_MODULES:
+    assert KERNELS.violations(MODULES[name]) == []
 
 
 @pytest.mark.parametrize("module", _governed(MODEL))
@@ -465,6 +472,8 @@ _CASES = [
     (KERNELS, "mamba_train.model.ssd_pallas", "from mamba_train.model import ssd, config", True),
     (KERNELS, "mamba_train.model.ssd_pallas", "import mamba_train", True),
     (KERNELS, "mamba_train.model.ssd_pallas", "def f():\n  from mamba_train.parallel import sharding", True),
+    (KERNELS, "mamba_train.model.layer_gpu", "from mamba_train.model.layer_math import causal_conv_silu", False),
+    (KERNELS, "mamba_train.model.layer_gpu", "from mamba_train.model import mamba2", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.model.config import Mamba2Config", False),
     (MODEL, "mamba_train.model.mamba2", "from .ssd import ssd_chunked\nfrom . import config", False),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import sharding", False),

@@ -124,12 +124,26 @@ compiled = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)))).lower(*arg
 hlo = compiled.as_text()
 for kernel in ("ssd_gpu_fwd_save", "ssd_gpu_bwd"):  # Triton custom calls, compiled by ptxas
   assert kernel in hlo, kernel + " missing"
+# The layer kernels (model/layer_gpu.py) at the 130m layer's channels, with documents.
+from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
+i, c = 1536, 256
+def layer(x, bc, w, wb, z, gw, seq):
+  xs, _ = causal_conv_silu_gpu(x, w, wb, jnp.zeros((b, 3, i), x.dtype), seq)
+  bcs, _ = causal_conv_silu_gpu(bc, jnp.ones((4, c)), jnp.zeros((c,)), jnp.zeros((b, 3, c)), seq)
+  out = gated_rms_norm_gpu(xs, z, gw, 1, 1e-5)
+  return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(bcs.astype(jnp.float32))
+largs = (S((b, l, i), jnp.bfloat16), S((b, l, c), jnp.bfloat16), S((4, i)), S((i,)), S((b, l, i), jnp.bfloat16),
+         S((i,)), S((b, l), jnp.int32))
+hlo = jax.jit(jax.grad(layer, argnums=tuple(range(6)))).lower(*largs).compile().as_text()
+for kernel in ("conv_silu_gpu_fwd", "conv_silu_gpu_bwd", "gated_norm_gpu_fwd", "gated_norm_gpu_bwd"):
+  assert kernel in hlo, kernel + " missing"
 print("compiled", compiled.runtime_executable().hlo_modules()[0].name)
 """
 
 
 def test_gpu_kernels_compile_for_h100():
-  """Forward and backward through XLA's GPU pipeline, Triton and ptxas for sm_90a,
+  """The SSD kernels and the layer kernels (model/layer_gpu.py), forward and
+  backward, through XLA's GPU pipeline, Triton and ptxas for sm_90a,
   with the gpu extra's wheels (no GPU needed): Triton's power-of-two and shared
   memory rules are checked here. Skips, saying why, without those wheels."""
   missing = missing_gpu_wheels()

@@ -39,6 +39,8 @@ from mamba_train.model import (
   pattern as pattern_lib,
 )
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
+from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
+from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
@@ -165,45 +167,6 @@ def rms_norm(x, weight, eps):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def gated_rms_norm(y, z, weight, groups, eps):
-  """y * silu(z), then RMS over groups of i / g channels, times weight (norm after gate)."""
-  x = y.astype(F32) * jax.nn.silu(z.astype(F32))
-  xs = x.reshape(*x.shape[:-1], groups, -1)
-  xs = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps)
-  return xs.reshape(x.shape) * weight
-
-
-def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
-  """Depthwise causal convolution along l.
-
-  x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c), the inputs before
-  position 0 (zeros, a decoding cache's conv state, or the previous device's last
-  inputs when the sequence is split). With seq_idx, an input from another
-  document than the output position's contributes nothing; front_idx (b, k-1)
-  are the front's document ids (default: position 0's).
-  Written as k shifted multiply-adds: k is 4, and XLA fuses them into one loop.
-  """
-  k = w.shape[0]
-  l = x.shape[1]
-  # Joined in x's dtype and widened per tap, inside the conv's fusion: a float32
-  # join is a whole (b, l, *c) float32 copy that XLA writes to HBM. The front is
-  # a conv state of earlier inputs of the same projection, so x's dtype holds it.
-  xp = jnp.concatenate([front.astype(x.dtype), x], axis=1)  # (b, k-1+l, *c)
-  extra = x.ndim - 2
-  if seq_idx is not None:
-    if front_idx is None:
-      front_idx = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)
-    ids = jnp.concatenate([front_idx, seq_idx], axis=1)
-  out = jnp.broadcast_to(bias.astype(F32), x.shape)
-  for j in range(k):  # tap j reads position t - (k-1-j)
-    tap = xp[:, j:j + l].astype(F32) * w[j]
-    if seq_idx is not None and j < k - 1:
-      ok = (ids[:, j:j + l] == seq_idx).reshape(ids.shape[0], l, *([1] * extra))
-      tap = jnp.where(ok, tap, 0.0)
-    out = out + tap
-  return out, xp[:, l:].astype(F32)  # new front: the last k-1 inputs
-
-
 def _dt_and_A(p, dt_raw, cfg):
   dt = jax.nn.softplus(dt_raw.astype(F32) + p["dt_bias"])
   lo, hi = cfg.dt_limit
@@ -231,8 +194,8 @@ def _project_in(p, u, rt):
   return z, x, bc, r[..., 2 * i + 2 * gn:]
 
 
-def _project_out(p, y, z, cfg, rt):
-  y = gated_rms_norm(y, z, p["gate_norm"], cfg.ngroups, cfg.norm_eps)
+def _project_out(p, y, z, cfg, rt, norm=gated_rms_norm):
+  y = norm(y, z, p["gate_norm"], cfg.ngroups, cfg.norm_eps)
   return mm.linear(y, p["out_proj"], rt.compute_dtype, rt.matmul_precision, 1,
                    mm.adapter_of(p, "out_proj"))
 
@@ -271,6 +234,29 @@ def window_tail(x, dt, A, B, window: int, seq_idx=None) -> dict[str, Array]:
 _CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
 
 
+def _elementwise(cfg: Mamba2Config, rt: Runtime, split):
+  """(conv, norm): the conv + SiLU (`causal_conv_silu`'s arguments) and the gated
+  RMSNorm (`gated_rms_norm`'s) as `rt.layer_impl` says: the plain forms, or the GPU
+  kernels, which under a mesh run on each device's batch and channels
+  (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
+  exchanges a halo inside its own map)."""
+  conv, norm = causal_conv_silu, gated_rms_norm
+  if split is not None:
+    return functools.partial(split.conv, causal_conv_silu), norm
+  if rt.layer_impl in ("triton", "triton_interpret"):
+    interpret = rt.layer_impl == "triton_interpret"
+    conv = functools.partial(causal_conv_silu_gpu, interpret=interpret)
+    norm = functools.partial(gated_rms_norm_gpu, interpret=interpret)
+    heads = sharding.head_split()
+    if heads is not None:
+      conv = functools.partial(heads.conv, conv)
+      # A group split over devices needs its sum of squares from all of them: the
+      # plain form, whose reduction XLA partitions, unless whole groups are local.
+      norm = (functools.partial(heads.norm, norm) if cfg.ngroups % heads.head_devices == 0
+              else gated_rms_norm)
+  return conv, norm
+
+
 def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None):
   """The Mamba-2 mixer over a sequence, run as `rt` (a resolved runtime) says.
 
@@ -290,12 +276,11 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   # With the length split over devices (the 'sequence' mesh axis), the conv and
   # the SSD run per slice and exchange a halo and state summaries (parallel/sequence.py).
   split = sharding.sequence_split()
-  conv = causal_conv if split is None else functools.partial(split.conv, causal_conv)
+  conv, norm = _elementwise(cfg, rt, split)
   ssd = (ssd_chunked if split is None
          else functools.partial(split.ssd, ssd_chunked, state_outputs))
   x, conv_x = conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
   bc, conv_bc = conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
-  x, bc = jax.nn.silu(x), jax.nn.silu(bc)
   dt, A = _dt_and_A(p, dt_raw, cfg)
   if mask is not None:
     dt = jnp.where(mask[..., None], dt, 0.0)
@@ -334,7 +319,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
     # widens y to float32 and transposes and retiles that (3 float32 copies).
     y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
-  out = _project_out(p, y, z, cfg, rt)
+  out = _project_out(p, y, z, cfg, rt, norm)
   if cfg.ssd_window:
     return out, {"conv_x": conv_x, "conv_bc": conv_bc,
                  **window_tail(x, dt, A, ssd_args[3], cfg.ssd_window, seq_idx)}

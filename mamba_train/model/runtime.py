@@ -38,6 +38,13 @@ def default_attention(backend: str, compute_dtype: str) -> str:
     return "splash"
   return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
 SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
+# Who computes a Mamba-2 layer's elementwise chain around its matmuls (the conv +
+# SiLU, the gated RMSNorm): 'xla' (the plain forms of `layer_math`), 'triton' (the
+# GPU kernels of `layer_gpu`), 'triton_interpret' (those in Pallas' interpreter, for
+# tests), or 'auto' (`default_layer_impl`). A field apart from ssd_impl: the kernels
+# do not depend on the SSD's, a run (and benchmarks/gpu.sh) can time either with the
+# same SSD, and a TPU lowering can join as its own value.
+LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -62,6 +69,11 @@ def default_impl(backend: str) -> str:
   those terms in cache; Pallas runs there only in its interpreter)."""
   if backend == "tpu":
     return "pallas"
+  return "triton" if backend in ("gpu", "cuda") else "xla"
+
+
+def default_layer_impl(backend: str) -> str:
+  """The layer kernels of `layer_gpu` on NVIDIA GPUs; the plain forms elsewhere."""
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
@@ -95,6 +107,8 @@ class Runtime(FrozenFields):
   # backend, slow; for tests), or 'auto' (`default_impl` of the backend the
   # runtime is resolved for: pallas on TPU, triton on GPU, xla on CPU).
   ssd_impl: str = "auto"
+  # Who computes the conv + SiLU and the gated RMSNorm (LAYER_IMPLS).
+  layer_impl: str = "auto"
   # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
   # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled
   # compile is how `scripts/aot_compile.py` counts every layer.
@@ -119,6 +133,8 @@ class Runtime(FrozenFields):
                       "attention takes no float32); use 'dot_product' or 'xla' in float32")
     if self.ssd_impl not in SSD_IMPLS:
       problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
+    if self.layer_impl not in LAYER_IMPLS:
+      problems.append(f"layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
     if self.decode_layers not in DECODE_LAYERS:
       problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     if not isinstance(self.unroll_layers, bool):
@@ -132,7 +148,7 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers)
+    return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl)
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -145,6 +161,7 @@ class Runtime(FrozenFields):
     return self.replace(
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
+        layer_impl=default_layer_impl(backend) if self.layer_impl == "auto" else self.layer_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))

@@ -58,9 +58,37 @@ class HeadSplit:
     def local(x, dt, A, B, C, D, h0, seq=None):
       return kernel(x, dt, A, B, C, chunk_size, D=D, initial_state=h0, seq_idx=seq)
 
+    return self._map(local, specs, (specs[0], specs[6]), *args)
+
+  def _map(self, local, in_specs, out_specs, *args):
     # Inside another map (a split sequence's, manual over its axis) the kernel's map
     # takes the context's mesh, which says which axes are manual already.
     context = jax.sharding.get_abstract_mesh()
     mesh = context if not context.empty and context.manual_axes else self.mesh
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[6]),
-                         check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+  def conv(self, kernel: Callable, x, w, bias, front, seq_idx=None, front_idx=None):
+    """`kernel(x, w, bias, front, seq_idx, front_idx)` (the model's conv + SiLU, a
+    Pallas kernel) on each device's part of the batch, and of the channels when x's
+    last axis is the heads' (d_inner: x; B|C stay whole over the heads' devices,
+    as the SSD keeps them with one group). x: (b, l, *c); w: (k, *c)."""
+    inner = self.heads if x.ndim == 3 and x.shape[-1] % self.head_devices == 0 else None
+    lead = (None,) * (x.ndim - 3)
+    xs = P(self.batch, None, *lead, inner)
+    specs = [xs, P(None, *lead, inner), P(*lead, inner), xs]
+    args = [x, w, bias, front]
+    if seq_idx is not None:
+      specs.append(P(self.batch, None))
+      args.append(seq_idx)
+      if front_idx is not None:
+        specs.append(P(self.batch, None))
+        args.append(front_idx)
+    return self._map(lambda *a: kernel(*a), tuple(specs), (xs, xs), *args)
+
+  def norm(self, kernel: Callable, y, z, weight, groups: int, eps: float):
+    """`kernel(y, z, weight, groups, eps)` (the gated RMSNorm, a Pallas kernel) on
+    each device's part of the batch and of the groups (whole groups: the caller
+    checks that they divide over the heads' devices). y, z: (b, l, i)."""
+    s = P(self.batch, None, self.heads)
+    local = lambda y, z, w: kernel(y, z, w, groups // self.head_devices, eps)
+    return self._map(local, (s, s, P(self.heads)), s, y, z, weight)

@@ -1,0 +1,63 @@
+"""The Mamba-2 layer's elementwise math around its matmuls, in plain JAX: the
+causal depthwise convolution (with the SiLU after it) between in_proj and the SSD,
+and the gated RMSNorm between the SSD and out_proj. These are the reference forms,
+what CPUs run, and what the GPU kernels of `layer_gpu` (same arguments, same
+results) are tested against, as `ssd.ssd_chunked` is for the SSD kernels.
+
+Float32 inside: the conv's taps and the norm's mean of squares are float32 whatever
+the compute dtype of their inputs. Shapes: b batch, l length, k conv kernel, c
+channels (any trailing shape), i d_inner, g groups. Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def gated_rms_norm(y, z, weight, groups, eps):
+  """y * silu(z), then RMS over groups of i / g channels, times weight (norm after gate)."""
+  x = y.astype(F32) * jax.nn.silu(z.astype(F32))
+  xs = x.reshape(*x.shape[:-1], groups, -1)
+  xs = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps)
+  return xs.reshape(x.shape) * weight
+
+
+def causal_conv(x, w, bias, front, seq_idx=None, front_idx=None):
+  """Depthwise causal convolution along l.
+
+  x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c), the inputs before
+  position 0 (zeros, a decoding cache's conv state, or the previous device's last
+  inputs when the sequence is split). With seq_idx, an input from another
+  document than the output position's contributes nothing; front_idx (b, k-1)
+  are the front's document ids (default: position 0's).
+  Written as k shifted multiply-adds: k is 4, and XLA fuses them into one loop.
+  """
+  k = w.shape[0]
+  l = x.shape[1]
+  # Joined in x's dtype and widened per tap, inside the conv's fusion: a float32
+  # join is a whole (b, l, *c) float32 copy that XLA writes to HBM. The front is
+  # a conv state of earlier inputs of the same projection, so x's dtype holds it.
+  xp = jnp.concatenate([front.astype(x.dtype), x], axis=1)  # (b, k-1+l, *c)
+  extra = x.ndim - 2
+  if seq_idx is not None:
+    if front_idx is None:
+      front_idx = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)
+    ids = jnp.concatenate([front_idx, seq_idx], axis=1)
+  out = jnp.broadcast_to(bias.astype(F32), x.shape)
+  for j in range(k):  # tap j reads position t - (k-1-j)
+    tap = xp[:, j:j + l].astype(F32) * w[j]
+    if seq_idx is not None and j < k - 1:
+      ok = (ids[:, j:j + l] == seq_idx).reshape(ids.shape[0], l, *([1] * extra))
+      tap = jnp.where(ok, tap, 0.0)
+    out = out + tap
+  return out, xp[:, l:].astype(F32)  # new front: the last k-1 inputs
+
+
+def causal_conv_silu(x, w, bias, front, seq_idx=None, front_idx=None):
+  """silu(`causal_conv`(...)) and the new front: the conv of the mixer's x and B|C
+  channels as the SSD takes them (float32)."""
+  out, front = causal_conv(x, w, bias, front, seq_idx, front_idx)
+  return jax.nn.silu(out), front
