@@ -11,7 +11,8 @@ mixture-of-experts layers: `moe.py`).
 
 Precision policy: parameters float32; the projections and the LM head run in the
 runtime's compute dtype (`runtime.Runtime`) with float32 accumulation and float32
-results, or in its matmul_precision (fp8, int8; every matmul goes through
+results (in_proj's z|x|B|C in the compute dtype, the one rounding they take anyway),
+or in its matmul_precision (fp8, int8; every matmul goes through
 `matmul.linear`, which says what stays float32); the residual stream, dt / A /
 decay, convolution, SSD, norms and logits are float32.
 
@@ -176,10 +177,13 @@ def _dt_and_A(p, dt_raw, cfg):
 
 
 def _project_in(p, u, rt):
-  """z, x, B|C and dt from the block input u: one matmul on the three weights
-  joined inside their cast to the compute dtype (one weight read, and libtpu
-  compiles one dot instead of four), sliced in its output fusion; z, x and B|C
-  stored in the compute dtype (float32 accumulation, one rounding), dt float32."""
+  """z, x, B|C and dt from the block input u. z|x|B|C is one matmul on the weights
+  joined inside their cast to the compute dtype (one weight read, one dot), written
+  by the GEMM in the compute dtype (float32 accumulation, one rounding); dt is a
+  second, small (h columns) matmul with a float32 result, so that the large output
+  never crosses HBM in float32 (for 1.3b on H100s its float32 write, reads and
+  float32 cotangent were about 1e9 bytes a layer: docs/bench/gpu.md). With an
+  adapter on in_proj (its B spans all five pieces) the five stay one float32 dot."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
   if u.ndim == 2:  # one position (decoding): joining the weights would copy them every token
@@ -187,11 +191,17 @@ def _project_in(p, u, rt):
     zxr = proj(zx).astype(cd)
     return zxr[..., 0, :], zxr[..., 1, :], proj(bcw).astype(cd), proj(dtw)
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
-  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn), dtw], 1).astype(cd)
-  r = mm.linear(u, w, cd, prec, 1, mm.adapter_of(p, "in_proj"))
-  z, x = r[..., :i].astype(cd), r[..., i:2 * i].astype(cd)
-  bc = r[..., 2 * i:2 * i + 2 * gn].astype(cd).reshape(*r.shape[:-1], 2, gn)
-  return z, x, bc, r[..., 2 * i + 2 * gn:]
+  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
+  adapter = mm.adapter_of(p, "in_proj")
+  if adapter is None:
+    r = mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd)
+    dt_raw = mm.linear(u, dtw.astype(cd), cd, prec)
+  else:
+    r = mm.linear(u, jnp.concatenate([w, dtw], 1).astype(cd), cd, prec, 1, adapter)
+    r, dt_raw = r[..., :2 * i + 2 * gn].astype(cd), r[..., 2 * i + 2 * gn:]
+  z, x = r[..., :i], r[..., i:2 * i]
+  bc = r[..., 2 * i:].reshape(*r.shape[:-1], 2, gn)
+  return z, x, bc, dt_raw
 
 
 def _project_out(p, y, z, cfg, rt, norm=gated_rms_norm):

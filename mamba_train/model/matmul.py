@@ -1,5 +1,5 @@
 """Every matmul of the model, in one place that knows its precision and its adapter:
-the Mamba-2 in_proj (the joined z|x|B|C|dt dot) and out_proj, attention q/k/v/o,
+the Mamba-2 in_proj (the joined z|x|B|C dot, and dt's) and out_proj, attention q/k/v/o,
 the MLP's up/gate/down, and the LM head (`head_operands`, which the blockwise loss
 and `Mamba2LM.logits` both take).
 
@@ -154,9 +154,15 @@ def adapter_of(p: dict[str, Any], target: str) -> Adapter | None:
 
 
 def linear(x, w, compute_dtype, precision: str = "default", n_in: int = 1,
-           adapter: Adapter | None = None):
+           adapter: Adapter | None = None, out_dtype=F32):
   """x (..., *in) times w (*in, *out), contracting w's first n_in axes -> (..., *out)
   float32, in `precision` (PRECISIONS), plus the adapter's scale * dropout(x) A B.
+
+  out_dtype: the result's dtype (float32 accumulation either way). A caller that
+  rounds the result to the compute dtype at once asks for it here: the GEMM then
+  writes it so (half the bytes of a float32 result, read back and rounded), and its
+  backward takes the cotangent in that dtype too (the cotangent of a rounding to
+  the compute dtype is in that dtype already, so no value changes).
 
   w may be a qwix QArray, a weight quantized once for decoding (`quantize_weights`):
   then it is dequantized into the compute dtype in the dot's operand fusion, so
@@ -164,16 +170,17 @@ def linear(x, w, compute_dtype, precision: str = "default", n_in: int = 1,
   cd = jnp.dtype(compute_dtype)
   xn = x.ndim
   dn = ((tuple(range(xn - n_in, xn)), tuple(range(n_in))), ((), ()))
+  out = F32 if adapter is not None else jnp.dtype(out_dtype)  # the adapter adds in float32
   if isinstance(w, qwix.QArray):
-    y = jax.lax.dot_general(x.astype(cd), qwix.dequantize(w).astype(cd), dn, preferred_element_type=F32)
+    y = jax.lax.dot_general(x.astype(cd), qwix.dequantize(w).astype(cd), dn, preferred_element_type=out)
   elif precision == "default":
-    y = jax.lax.dot_general(x.astype(cd), w.astype(cd), dn, preferred_element_type=F32)
+    y = jax.lax.dot_general(x.astype(cd), w.astype(cd), dn, preferred_element_type=out)
   else:
-    y = dot_general_qt(x.astype(cd), w.astype(cd), dn, _qt_config(precision)).astype(F32)
+    y = dot_general_qt(x.astype(cd), w.astype(cd), dn, _qt_config(precision)).astype(out)
   if adapter is not None:
     lead = x.shape[:xn - n_in]
     d = adapter.delta(x.reshape(*lead, -1), cd)
-    y = y + d.reshape(y.shape)
+    y = (y + d.reshape(y.shape)).astype(out_dtype)
   return y
 
 
