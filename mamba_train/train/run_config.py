@@ -222,9 +222,15 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if model is not None and model.count("E"):
     moe_cfg = cfg.get("moe", {})
     bad = moe_problems(moe_cfg)
+    if not bad and model.moe_router_score_function != "sigmoid" and moe_cfg.get("bias_update_rate"):
+      bad.append(f"moe.bias_update_rate moves the sigmoid router's e_score_correction_bias; a "
+                 f"{model.moe_router_score_function} router (GraniteMoeHybrid) has none: set "
+                 f"moe.bias_update_rate=0 (moe.aux_loss_coef balances it)")
     problems += bad
     if not bad:
       moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), float(moe_cfg["bias_update_rate"]))
+      # The capacity is how the layers dispatch, so it travels in the runtime the model takes.
+      rt = rt and rt.replace(moe_capacity_factor=float(moe_cfg.get("capacity_factor") or 0.0))
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})
