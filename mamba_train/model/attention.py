@@ -197,7 +197,8 @@ def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False, scale: float
   seg = jnp.zeros((b, l), jnp.int32) if seq_idx is None else seq_idx.astype(jnp.int32)
   if key_mask is not None:
     seg = jnp.where(key_mask, seg, -1)
-  qs = (q * (1.0 / math.sqrt(e) if scale is None else scale)).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
+  scale = 1.0 / math.sqrt(e) if scale is None else scale
+  qs = (q * scale).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
   ks, vs = (a.astype(cd).transpose(0, 2, 1, 3) for a in (k, v))  # (b, kv, l, e)
 
   def run(qs, ks, vs, seg):

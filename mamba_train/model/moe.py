@@ -229,12 +229,13 @@ def experts_ragged(x, experts, weights, up, down, cd, keep=None):
   """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) by grouped matmuls.
 
   x (t, w); experts, weights (t, k); up (e, w, f), or (gate, up) both (e, w, f)
-  for swiglu experts; down (e, f, w); all already in the compute dtype `cd`; keep (t, k) bool or None: False drops the assignment
-  (past its expert's capacity). Returns (t, w) float32. The t k (token, expert)
-  pairs are sorted by expert (a stable sort: ties keep token order; dropped ones
-  last, past every group, where no expert meets them), each pair's token row
-  gathered, both matmuls run per expert group, and each row scattered back onto
-  its token with its weight."""
+  for swiglu experts; down (e, f, w); all already in the compute dtype `cd`;
+  keep (t, k) bool or None: False drops the assignment (past its expert's
+  capacity). Returns (t, w) float32. The t k (token, expert) pairs are sorted
+  by expert (a stable sort: ties keep token order; dropped ones last, past every
+  group, where no expert meets them), each pair's token row gathered, both
+  matmuls run per expert group, and each row scattered back onto its token with
+  its weight."""
   t, k = experts.shape
   e = down.shape[0]
   flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
