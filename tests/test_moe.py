@@ -126,6 +126,27 @@ def test_export_then_from_pretrained(tmp_path):
     convert.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
 
 
+def test_eval_harness_scores_as_transformers(tmp_path):
+  """The eval harness's log-likelihoods and greedy flags (lm-eval's loglikelihood) of
+  an MoE hybrid against transformers' NemotronH on its export, computed in float64
+  from the logits. Rows are padded after the continuation, where no padding token
+  can reach an earlier position (nor, counted in token order, take its capacity)."""
+  from mamba_train.data.tokenizer import load_tokenizer
+  from mamba_train.eval_harness import HarnessLM
+  ours = Mamba2LM(MOE_CFG.replace(vocab_size=257), rngs=nnx.Rngs(4))
+  save_hf(ours, tmp_path / "hf")
+  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  rng = np.random.default_rng(0)
+  pairs = [(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, m).tolist()) for n, m in ((9, 3), (14, 1), (5, 6))]
+  got = HarnessLM(ours, load_tokenizer("byte"), batch_size=4).score(pairs)
+  for (ctx, cont), (ll, greedy) in zip(pairs, got):
+    with torch.no_grad():
+      logits = ref(torch.tensor([ctx + cont])).logits[0, len(ctx) - 1:-1].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum().item()
+    assert abs(ll - want) <= 1e-5 * abs(want)
+    assert greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(moe_latent_size=0, n_group=4, topk_group=3,
                                               num_experts_per_tok=3, norm_topk_prob=False)])
 def test_grouped_matmuls_equal_dense_reference(kw):
