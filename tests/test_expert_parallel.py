@@ -21,9 +21,10 @@ MESHES = {
     "e2f2t2": {"expert": 2, "fsdp": 2, "tensor": 2},
     "e2s2d2": {"expert": 2, "sequence": 2, "data": 2},
 }
-# The same with a capacity (moe.capacity_factor 0.5: each expert takes 4 of a
-# 32-token row's 64 assignments, half an even share), so many are dropped.
-CAPPED = {"single_cap": {"data": 1}, "expert8_cap": {"expert": 8}, "e2s2d2_cap": MESHES["e2s2d2"]}
+# With a capacity (moe.capacity_factor 0.5: each expert takes 4 of a 32-token
+# row's 64 assignments, half an even share), so many are dropped: expert with
+# sequence (the devices count after those before them in the row) and data.
+CAPPED = {"single_cap": {"data": 1}, "e2s2d2_cap": MESHES["e2s2d2"]}
 CAPACITY = 0.5
 # Grouped routing, a shared expert, the latent projection; every kind of layer.
 MOE = dict(d_model=32, n_layer=4, d_state=16, headdim=16, chunk_size=16, vocab_size=64,
