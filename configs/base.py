@@ -138,10 +138,16 @@ def get_config() -> ml_collections.ConfigDict:
   # --- mixture-of-experts routers (models with 'E' layers; mamba_train/train/balance.py) ---
   # As Megatron-Core trains NemotronH: the aux-loss-free bias update (the correction
   # bias moves by rate * sign(mean load - load) after each step) and a small
-  # auxiliary load-balancing loss. 0 turns either off.
+  # auxiliary load-balancing loss. 0 turns either off. The bias update applies to sigmoid
+  # routers (NemotronH); a softmax router (GraniteMoeHybrid) has no bias, only the aux loss.
+  # capacity_factor: 0 is dropless dispatch; cf > 0 (MaxText's and Megatron's capacity
+  # factor, e.g. 1.25) lets each expert take at most ceil(cf * seq_len * k / E) of a
+  # sequence's assignments and drops the rest (counted in moe_dropped_tokens), which
+  # caps the expert-parallel all-to-all's buffers at about cf times the assignments.
   c.moe = ml_collections.ConfigDict(dict(
       aux_loss_coef=1e-4,
       bias_update_rate=1e-3,
+      capacity_factor=0.0,
   ))
 
   # --- LoRA adapters (mamba_train/model/lora.py); rank 0 = off, the whole model trains ---

@@ -82,12 +82,14 @@ def mlp_flops_per_token(cfg) -> float:
 def moe_flops_per_token(cfg) -> float:
   """One mixture-of-experts layer's matmul FLOPs per token, its active parameters
   only (what MFU counts): the router 2 d E, the k chosen experts' up and down
-  4 w f each, the latent projections 4 d w, the shared expert 4 d s. The
+  4 w f each (6 w f gated: swiglu), the latent projections 4 d w, the shared
+  expert 4 d s (6 d s gated). The
   experts a token does not reach cost nothing: the dispatch is a grouped matmul
   over the t k assignments (model/moe.py)."""
   d, w = cfg.d_model, cfg.moe_width
-  return (2 * d * cfg.n_routed_experts + cfg.num_experts_per_tok * 4 * w * cfg.moe_intermediate_size
-          + (4 * d * w if cfg.moe_latent_size else 0) + 4 * d * cfg.moe_shared_expert_intermediate_size)
+  mats = 3 if cfg.mlp_act == "swiglu" else 2  # matmuls an expert runs
+  return (2 * d * cfg.n_routed_experts + cfg.num_experts_per_tok * 2 * mats * w * cfg.moe_intermediate_size
+          + (4 * d * w if cfg.moe_latent_size else 0) + 2 * mats * d * cfg.moe_shared_expert_intermediate_size)
 
 
 def inactive_params(cfg) -> int:
@@ -96,7 +98,7 @@ def inactive_params(cfg) -> int:
   active count."""
   if not cfg.count("E"):
     return 0
-  per_expert = 2 * cfg.moe_width * cfg.moe_intermediate_size
+  per_expert = (3 if cfg.mlp_act == "swiglu" else 2) * cfg.moe_width * cfg.moe_intermediate_size
   return cfg.count("E") * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
 
 

@@ -79,7 +79,7 @@ def format_report(r: dict) -> str:
                    f"{c.get('bytes accessed', 0):.3e} bytes); model FLOPs {r['model_flops_per_device']:.3e}")
     else:
       lines.append(f"XLA counts per device: {c.get('flops', 0):.3e} FLOPs, {c.get('bytes accessed', 0):.3e} bytes "
-                   f"(the scanned layer bodies counted once: --every_layer=false, or a hybrid); model FLOPs "
+                   f"(the scanned layer bodies counted once: --every_layer=false); model FLOPs "
                    f"{r['model_flops_per_device']:.3e}")
   k = r.get("kernel_cost")
   if k:

@@ -142,6 +142,27 @@ def test_every_layer_cost_counts_each_layer():
     assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
 
 
+def test_hybrid_every_layer_cost_counts_each_kind():
+  """A hybrid's every-layer counts (one layer of each kind from small unrolled
+  patterns) against XLA's counts of the whole step with its layers unrolled."""
+  import jax
+
+  from configs import base
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.train import aot, run_config
+  c = base.get_config()
+  # (Mamba-2 and attention: an MoE layer's train step alone compiles for tens of seconds here.)
+  c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8,
+                 layer_pattern="M*M", attn_num_heads=2, attn_head_dim=8)
+  c.seq_len, c.batch_size = 8, 1
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  plan = run_config.validate(c, num_devices=1, platform=mesh.devices.flat[0].platform)
+  got = aot.hybrid_every_layer_cost(plan, mesh)
+  want = aot.cost_with_layers(plan, mesh, 3, unroll=True)
+  for k in ("flops", "bytes accessed"):
+    assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
+
+
 def test_long_length_asks_for_more_sequence_parallelism():
   # The advice alone (no compile): 300 GiB of activations per device against a
   # 95 GiB chip holding 10 GiB of state needs the sequence split 4 ways more.

@@ -21,6 +21,11 @@ MESHES = {
     "e2f2t2": {"expert": 2, "fsdp": 2, "tensor": 2},
     "e2s2d2": {"expert": 2, "sequence": 2, "data": 2},
 }
+# With a capacity (moe.capacity_factor 0.5: each expert takes 4 of a 32-token
+# row's 64 assignments, half an even share), so many are dropped: expert with
+# sequence (the devices count after those before them in the row) and data.
+CAPPED = {"single_cap": {"data": 1}, "e2s2d2_cap": MESHES["e2s2d2"]}
+CAPACITY = 0.5
 # Grouped routing, a shared expert, the latent projection; every kind of layer.
 MOE = dict(d_model=32, n_layer=4, d_state=16, headdim=16, chunk_size=16, vocab_size=64,
            layer_pattern="EM*E", attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=8,
@@ -42,25 +47,27 @@ def _worker(out_dir):
   tx, schedule = optim.make_optimizer(ocfg, 10)
   flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(t)}
   results, init = {}, None
-  for name, mesh_cfg in MESHES.items():
+  for name, mesh_cfg in {**MESHES, **CAPPED}.items():
     t0 = time.perf_counter()
-    mesh = make_mesh(mesh_cfg, jax.devices()[:1] if name == "single" else jax.devices())
+    mesh = make_mesh(mesh_cfg, jax.devices()[:1] if name.startswith("single") else jax.devices())
     state = train_state.init_train_state(cfg, tx, mesh, seed=0, params=init)
     if init is None:
       init = jax.device_get(state.params)
     spec = {k: str(v.sharding.spec) for k, v in
             {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state.params)}.items()}
-    step = trainer.make_train_step(cfg, Runtime().resolve("cpu"), tx, schedule, mesh,
+    rt = Runtime(moe_capacity_factor=CAPACITY if name in CAPPED else 0.0).resolve("cpu")
+    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh,
                                    moe=balance.MoeSpec(1e-2, 1e-3))
     loader = SyntheticLoader(vocab_size=64, seq_len=32, global_batch_size=8, seed=0)
-    losses, loads = [], []
+    losses, loads, dropped = [], [], []
     for _ in range(STEPS):
       state, m = step(state, trainer.to_global(next(loader), mesh))
       losses.append(float(m["loss"]))
       loads.append(np.asarray(m["moe_tokens_per_expert"]).tolist())
+      dropped.append(float(m["moe_dropped_tokens"]))
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.device_get(state.params)))
     shard = list(state.params["moe"]["experts_up"].addressable_shards[0].data.shape)
-    results[name] = {"losses": losses, "loads": loads, "specs": spec, "shard": shard,
+    results[name] = {"losses": losses, "loads": loads, "dropped": dropped, "specs": spec, "shard": shard,
                      "seconds": time.perf_counter() - t0}
   np.savez(os.path.join(out_dir, "init.npz"), **flat(init))
   with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -74,13 +81,17 @@ def runs(tmp_path_factory, on_simulated_devices):
   return results, {name: dict(np.load(out / f"{name}.npz")) for name in [*results, "init"]}
 
 
-@pytest.mark.parametrize("name", [n for n in MESHES if n != "single"])
+@pytest.mark.parametrize("name", [n for n in [*MESHES, *CAPPED] if not n.startswith("single")])
 def test_expert_parallel_steps_equal_single_device(runs, name):
   results, arrays = runs
-  ref, got, init = arrays["single"], arrays[name], arrays["init"]
-  np.testing.assert_allclose(results[name]["losses"], results["single"]["losses"], rtol=1e-6)
-  # The same tokens reach the same experts, so the biases move alike, exactly.
-  assert results[name]["loads"] == results["single"]["loads"]
+  single = "single_cap" if name in CAPPED else "single"
+  ref, got, init = arrays[single], arrays[name], arrays["init"]
+  np.testing.assert_allclose(results[name]["losses"], results[single]["losses"], rtol=1e-6)
+  # The same tokens reach the same experts, so the biases move alike, exactly;
+  # with a capacity, the same assignments are dropped (counted per sequence).
+  assert results[name]["loads"] == results[single]["loads"]
+  assert results[name]["dropped"] == results[single]["dropped"]
+  assert (min(results[name]["dropped"]) > 0) == (name in CAPPED)
   bias = "['moe']['e_score_correction_bias']"
   np.testing.assert_allclose(got[bias], ref[bias], rtol=0, atol=1e-9)
   for key in ref:

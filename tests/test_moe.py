@@ -126,6 +126,27 @@ def test_export_then_from_pretrained(tmp_path):
     convert.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
 
 
+def test_eval_harness_scores_as_transformers(tmp_path):
+  """The eval harness's log-likelihoods and greedy flags (lm-eval's loglikelihood) of
+  an MoE hybrid against transformers' NemotronH on its export, computed in float64
+  from the logits. Rows are padded after the continuation, where no padding token
+  can reach an earlier position (nor, counted in token order, take its capacity)."""
+  from mamba_train.data.tokenizer import load_tokenizer
+  from mamba_train.eval_harness import HarnessLM
+  ours = Mamba2LM(MOE_CFG.replace(vocab_size=257), rngs=nnx.Rngs(4))
+  save_hf(ours, tmp_path / "hf")
+  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  rng = np.random.default_rng(0)
+  pairs = [(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, m).tolist()) for n, m in ((9, 3), (14, 1), (5, 6))]
+  got = HarnessLM(ours, load_tokenizer("byte"), batch_size=4).score(pairs)
+  for (ctx, cont), (ll, greedy) in zip(pairs, got):
+    with torch.no_grad():
+      logits = ref(torch.tensor([ctx + cont])).logits[0, len(ctx) - 1:-1].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)].sum().item()
+    assert abs(ll - want) <= 1e-5 * abs(want)
+    assert greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(moe_latent_size=0, n_group=4, topk_group=3,
                                               num_experts_per_tok=3, norm_topk_prob=False)])
 def test_grouped_matmuls_equal_dense_reference(kw):
@@ -150,6 +171,34 @@ def test_grouped_matmuls_equal_dense_reference(kw):
   assert rel(got[1][1], want[1][1]) < 1e-5
   # Every token reaches its k experts (dropless).
   assert float(jnp.sum(stats["moe_load"])) == 3 * 37 * cfg.num_experts_per_tok
+
+
+def test_capacity_drops_as_the_dense_reference():
+  """A capacity factor (Runtime.moe_capacity_factor): large enough, the dropless
+  output bit for bit; small, the grouped matmuls with assignments past capacity
+  dropped against every expert on every token with the same assignments masked
+  (kept by one-hot running counts, not the sort), forward and gradients."""
+  cfg = MOE_CFG.replace(moe_latent_size=0, n_group=1, topk_group=1)
+  p = jax.tree.map(lambda a: a[0], Mamba2LM(cfg, rngs=nnx.Rngs(1)).layer_params("E"))
+  u = jax.random.normal(jax.random.key(2), (3, 37, 32))
+  run = lambda cf, dense=False: jax.jit(lambda p, u: moe_lib.moe(
+      p, u, cfg, Runtime(moe_capacity_factor=cf).resolve(), dense=dense))(p, u)
+  (y0, s0), (y_big, s_big) = run(0.0), run(4.0)  # capacity 37: all a row's tokens
+  np.testing.assert_array_equal(y_big, y0)
+  assert float(s_big["moe_dropped"]) == 0.0 == float(s0["moe_dropped"])
+  experts = moe_lib.route(p, u.reshape(-1, 32), cfg)[0].reshape(3, 37, 2)
+  cap = moe_lib.capacity(37, cfg, 0.5)  # ceil(0.5 * 37 * 2 / 8) = 5
+  keep = moe_lib.within_capacity(experts, cap)
+  np.testing.assert_array_equal(keep, moe_lib.within_capacity_reference(experts, cap, 8))
+  (y, s), (yd, sd) = run(0.5), run(0.5, dense=True)
+  assert float(s["moe_dropped"]) == float(sd["moe_dropped"]) == float(np.sum(~np.asarray(keep))) > 0
+  assert rel(y, yd) < 1e-6 and rel(y, y0) > 1e-2
+  rt = Runtime(moe_capacity_factor=0.5).resolve()
+  loss = lambda dense: lambda p, u: jnp.sum(jnp.sin(moe_lib.moe(p, u, cfg, rt, dense=dense)[0]))
+  got, want = (jax.jit(jax.grad(loss(d), argnums=(0, 1)))(p, u) for d in (False, True))
+  for name in set(p) - {"norm", moe_lib.BIAS}:
+    assert rel(got[0][name], want[0][name]) < 1e-5, name
+  assert rel(got[1], want[1]) < 1e-5
 
 
 def test_router_is_nemotron_h():

@@ -1,7 +1,9 @@
 """Weight and config conversion between mamba_train and the outside layouts:
 transformers' Mamba2ForCausalLM (`hf`), transformers' NemotronHForCausalLM
-(`nemotron_h`, the hybrids) and the released state-spaces/mamba2-* checkpoints
-(`mamba_ssm`). This is the only module that knows outside names.
+(`nemotron_h`, the hybrids), transformers' GraniteMoeHybridForCausalLM
+(`granite`, IBM's Granite 4.0 hybrids; import only) and the released
+state-spaces/mamba2-* checkpoints (`mamba_ssm`). This is the only module that
+knows outside names.
 
 One table per layer kind (`KIND_TABLES`) maps each outside per-layer tensor to
 our parameters with a codec; both directions are derived from them.
@@ -96,6 +98,8 @@ TOP_TABLE = {
                   "lm_head.weight": "lm_head"},
 }
 TOP_TABLE["nemotron_h"] = TOP_TABLE["hf"]
+TOP_TABLE["granite"] = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "norm_f",
+                        "lm_head.weight": "lm_head"}
 LAYER_PREFIX = "backbone.layers."
 # Tensors transformers itself ignores when loading a NemotronH (multi-token prediction).
 NEMOTRON_H_IGNORED = ("mtp.",)
@@ -183,6 +187,60 @@ def _split_experts(sd: dict) -> dict:
   return out
 
 
+def _renamed(table: dict, renames: dict[str, str]) -> dict:
+  """A kind's table with its outside suffixes renamed (prefix by prefix)."""
+  def name(suffix):
+    for old, new in renames.items():
+      if suffix.startswith(old):
+        return new + suffix[len(old):]
+    return suffix
+  return {name(k): v for k, v in table.items()}
+
+
+def _split_halves(axis):  # [gate; up] joined on `axis` of (..., 2f, d) -> gate, up as (..., d, f)
+  def to_ours(w, cfg):
+    gate, up = np.split(w, 2, axis=axis)
+    return np.swapaxes(gate, -1, -2), np.swapaxes(up, -1, -2)
+  return Codec(to_ours, lambda ws, cfg: np.concatenate([np.swapaxes(a, -1, -2) for a in ws], axis=axis))
+
+
+# GraniteMoeHybrid: each of its decoder layers is two of ours, a mixer (Mamba-2,
+# `mamba.*`, or attention, `self_attn.*`, after `input_layernorm`) and then,
+# after `post_attention_layernorm`, the MoE (`block_sparse_moe.*`: a softmax
+# router, gated experts with gate and up joined as gate_up_proj (e, 2f, d)) plus
+# its shared gated MLP (`shared_mlp.input_linear`, gate then up), or that MLP
+# alone when the model has no experts. Names as transformers 5.24 holds them in
+# memory; the released files' older names are renamed first (GRANITE_FILE_NAMES).
+GRANITE_TABLES: dict[str, dict[str, tuple[tuple[str, ...], Codec]]] = {
+    MAMBA: _renamed(LAYER_TABLE, {"norm.weight": "input_layernorm.weight", "mixer.": "mamba."}),
+    ATTENTION: _renamed(ATTN_TABLE, {"norm.weight": "input_layernorm.weight", "mixer.": "self_attn."}),
+    MOE: {
+        "post_attention_layernorm.weight": (("norm",), IDENTITY),
+        "block_sparse_moe.router.weight": (("router",), TRANSPOSE),
+        "block_sparse_moe.experts.gate_up_proj": (("experts_gate", "experts_up"), _split_halves(1)),
+        "block_sparse_moe.experts.down_proj": (("experts_down",), SWAP_LAST),
+        "shared_mlp.input_linear.weight": (("shared_gate", "shared_up"), _split_halves(0)),
+        "shared_mlp.output_linear.weight": (("shared_down",), TRANSPOSE),
+    },
+    MLP: {
+        "post_attention_layernorm.weight": (("norm",), IDENTITY),
+        "shared_mlp.input_linear.weight": (("gate_proj", "up_proj"), _split_halves(0)),
+        "shared_mlp.output_linear.weight": (("down_proj",), TRANSPOSE),
+    },
+}
+# The released Granite 4.0 files' names -> transformers' (its conversion_mapping, 'granitemoe').
+GRANITE_FILE_NAMES = {"block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+                      "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+                      "block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight"}
+
+
+def _granite_name(name: str) -> str:
+  for old, new in GRANITE_FILE_NAMES.items():
+    if name.endswith("." + old):
+      return name[: -len(old)] + new
+  return name
+
+
 def _split_qkv(w, cfg):  # mamba_ssm MHA in_proj ((h + 2kv) e, d) -> q (d, h, e), k, v (d, kv, e)
   e, h, kv = cfg.attn_head_dim, cfg.attn_num_heads, cfg.n_kv_heads
   q, k, v = np.split(w, np.cumsum([h * e, kv * e])[:], axis=0)
@@ -221,6 +279,12 @@ MAMBA_SSM_TABLES = {MAMBA: LAYER_TABLE, ATTENTION: MAMBA_SSM_ATTN_TABLE, MLP: MA
 
 def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
   """For each of our layers in pattern order: (kind, outside name prefix, table)."""
+  if layout == "granite":  # a mixer starts each of its layers; the MoE or MLP after it shares it
+    slots, layer = [], -1
+    for k in cfg.pattern:
+      layer += k in (MAMBA, ATTENTION)
+      slots.append((k, f"model.layers.{layer}.", GRANITE_TABLES[k]))
+    return slots
   if layout != "mamba_ssm":
     if layout == "hf" and cfg.pattern != MAMBA * cfg.n_layer:
       raise ValueError(f"transformers' Mamba2 layout holds pure Mamba-2 models; a hybrid "
@@ -240,6 +304,8 @@ def _layer_slots(cfg: Mamba2Config, layout: str) -> list[tuple[str, str, dict]]:
 def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
   """Why mamba_ssm's MambaLMHeadModel cannot hold `cfg`'s layers, or None."""
   p = cfg.pattern
+  if granite_only_problems(cfg, "mamba_ssm"):
+    return "; ".join(granite_only_problems(cfg, "mamba_ssm"))
   if MOE in p:
     return "mamba_ssm has no mixture-of-experts layers ('E'); export as NemotronH (save_hf)"
   if p.startswith(MLP) or MLP + MLP in p:
@@ -255,6 +321,18 @@ def mamba_ssm_pattern_problem(cfg: Mamba2Config) -> str | None:
 def _outside_layer_shapes(cfg: Mamba2Config, kind: str = MAMBA,
                           layout: str = "hf") -> dict[str, tuple[int, ...]]:
   d = cfg.d_model
+  if layout == "granite" and kind in (MOE, MLP):
+    e, f = cfg.n_routed_experts, cfg.moe_intermediate_size
+    s = cfg.moe_shared_expert_intermediate_size if kind == MOE else cfg.d_intermediate
+    out = {"post_attention_layernorm.weight": (d,), "shared_mlp.input_linear.weight": (2 * s, d),
+           "shared_mlp.output_linear.weight": (d, s)}
+    if kind == MOE:
+      out.update({"block_sparse_moe.router.weight": (e, d), "block_sparse_moe.experts.gate_up_proj": (e, 2 * f, d),
+                  "block_sparse_moe.experts.down_proj": (e, d, f)})
+    return out
+  if layout == "granite":  # the NemotronH shapes under Granite's names
+    renames = {s: g for (s, _), g in zip(KIND_TABLES[kind].items(), GRANITE_TABLES[kind])}
+    return {renames[s]: shp for s, shp in _outside_layer_shapes(cfg, kind, "nemotron_h").items()}
   if layout == "mamba_ssm" and kind == ATTENTION:
     he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
     return {"norm.weight": (d,), "mixer.in_proj.weight": (he + 2 * kve, d),
@@ -297,12 +375,15 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
           for k, v in sd.items() if not k.startswith(NEMOTRON_H_IGNORED)}
     if MOE in cfg.pattern:
       sd = _join_experts(sd, cfg)
+  if layout == "granite":
+    sd = {_granite_name(k): v for k, v in sd.items()}
   slots = _layer_slots(cfg, layout)
   shapes = {kind: _outside_layer_shapes(cfg, kind, layout) for kind in set(cfg.pattern)}
   expected = {f"{prefix}{s}": shp for kind, prefix, _ in slots for s, shp in shapes[kind].items()}
   emb_name = next(k for k, v in top.items() if v == "embedding")
+  norm_name = next(k for k, v in top.items() if v == "norm_f")
   expected[emb_name] = None  # rows checked below (may be padded)
-  expected["backbone.norm_f.weight"] = (cfg.d_model,)
+  expected[norm_name] = (cfg.d_model,)
   tied_head = cfg.tie_embeddings
   if not tied_head:
     expected["lm_head.weight"] = None
@@ -332,7 +413,7 @@ def state_dict_to_params(sd: dict[str, np.ndarray], cfg: Mamba2Config, layout: s
     for suffix, (ours, codec) in table.items():
       for name, arr in zip(ours, codec.to_ours(f32(sd[f"{prefix}{suffix}"]), cfg)):
         mine.setdefault(name, []).append(arr)
-  params = {"embedding": pad_rows(sd[emb_name]), "norm_f": f32(sd["backbone.norm_f.weight"])}
+  params = {"embedding": pad_rows(sd[emb_name]), "norm_f": f32(sd[norm_name])}
   params.update({attr: {k: np.stack(v) for k, v in stacks.items()}
                  for attr, stacks in per_layer.items()})
   if not tied_head:
@@ -426,6 +507,8 @@ def ours_to_hf_config(cfg: Mamba2Config, *, vocab_rows: int | None = None,
   if cfg.mamba_num_heads:
     raise ValueError("Cannot export as Mamba2ForCausalLM: mamba_num_heads is set (d_inner is not "
                      "expand * d_model); export a hybrid as NemotronH")
+  if granite_only_problems(cfg, "Mamba2ForCausalLM"):
+    raise ValueError("Cannot export as Mamba2ForCausalLM: " + "; ".join(granite_only_problems(cfg, "Mamba2")))
   lo, hi = cfg.dt_limit
   return {
       "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -526,6 +609,7 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
   if MOE in cfg.pattern and not cfg.moe_shared_expert_intermediate_size:
     problems.append("moe_shared_expert_intermediate_size = 0: NemotronH's MoE layers always "
                     "have a shared expert")
+  problems += granite_only_problems(cfg, "NemotronH")
   if problems:
     raise ValueError("Cannot export as NemotronHForCausalLM: " + "; ".join(problems))
   names = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe"}
@@ -553,6 +637,81 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
       "eos_token_id": eos_token_id, "bos_token_id": bos_token_id, "pad_token_id": pad_token_id,
       "torch_dtype": dtype, **moe,
   }
+
+
+# GraniteMoeHybrid's names of its mixers (transformers 5 and the released files).
+GRANITE_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+
+
+def granite_config_to_ours(hf: dict) -> Mamba2Config:
+  """transformers' GraniteMoeHybridConfig (as config.json holds it) -> ours. Each of
+  its layers becomes a mixer ('M' or '*') and an 'E' (a 'softmax' router, swiglu
+  experts and shared expert; '-', its shared MLP alone, when num_local_experts is 0),
+  with its multipliers; refuses, naming the field, what it cannot represent."""
+  problems = []
+  kinds = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
+  unknown = sorted({k for k in kinds if k not in GRANITE_KINDS})
+  if unknown:
+    problems.append(f"layer_types has {unknown}; known: {sorted(GRANITE_KINDS)}")
+  experts = hf.get("num_local_experts", 8) or 0
+  ffn = MOE if experts else MLP
+  shared = hf.get("shared_intermediate_size", 1024)
+  for key, ok in (("hidden_act", "silu"), ("mamba_proj_bias", False), ("mamba_conv_bias", True),
+                  ("attention_bias", False)):
+    if hf.get(key, ok) != ok:
+      problems.append(f"{key}={hf[key]!r} is not supported (only {ok!r})")
+  rope = hf.get("position_embedding_type")
+  rp = dict(hf.get("rope_parameters") or {})
+  if rope not in (None, "rope"):
+    problems.append(f"position_embedding_type={rope!r}: only None or 'rope'")
+  elif rope == "rope" and rp.get("rope_type", rp.get("type", "default")) != "default":
+    problems.append(f"rope_parameters rope_type {rp.get('rope_type', rp.get('type'))!r}: only 'default' rotary")
+  if rope == "rope" and hf.get("rope_scaling"):
+    problems.append(f"rope_scaling={hf['rope_scaling']!r} is not supported")
+  if not shared:
+    problems.append("shared_intermediate_size = 0 is not supported (every Granite layer has a shared MLP)")
+  if problems:
+    raise ValueError("Cannot represent this transformers GraniteMoeHybrid config: " + "; ".join(problems))
+  pattern = "".join(GRANITE_KINDS[k] + ffn for k in kinds)
+  d = hf["hidden_size"]
+  expand = hf.get("mamba_expand", 2)
+  head = hf.get("mamba_d_head", "auto")
+  heads = hf.get("mamba_n_heads", 128)
+  head = expand * d // heads if head == "auto" else head
+  limit = hf.get("time_step_limit") or [0.0, math.inf]
+  attn = {}
+  if ATTENTION in pattern:
+    n_heads = hf.get("num_attention_heads", 32)
+    e = hf.get("head_dim") or d // n_heads
+    attn = dict(attn_num_heads=n_heads, attn_num_heads_kv=hf.get("num_key_value_heads") or n_heads,
+                attn_head_dim=e, attn_rotary_emb_dim=e if rope == "rope" else 0,
+                attn_rotary_base=float(rp.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                attention_multiplier=float(hf.get("attention_multiplier", 1.0)))
+  ffn_fields = (dict(n_routed_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+                     moe_intermediate_size=hf.get("intermediate_size", 11008),
+                     moe_shared_expert_intermediate_size=shared, moe_router_score_function="softmax")
+                if experts else dict(d_intermediate=shared))
+  return Mamba2Config(
+      d_model=d, n_layer=len(pattern), vocab_size=hf["vocab_size"],
+      d_state=hf.get("mamba_d_state", 256), d_conv=hf.get("mamba_d_conv", 4), expand=expand,
+      headdim=head, ngroups=hf.get("mamba_n_groups", 1), chunk_size=hf.get("mamba_chunk_size", 256),
+      dt_limit=tuple(_json_float(v) for v in limit), norm_eps=hf.get("rms_norm_eps", 1e-6),
+      tie_embeddings=hf.get("tie_word_embeddings", False), layer_pattern=pattern, mlp_act="swiglu",
+      embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+      residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+      logits_scaling=float(hf.get("logits_scaling", 1.0)), **attn, **ffn_fields)
+
+
+def granite_only_problems(cfg: Mamba2Config, target: str) -> list[str]:
+  """What `target` (an export layout) cannot hold of a Granite model's functions."""
+  out = [f"{name}={getattr(cfg, name)} (Granite's)" for name, plain in
+         (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0), ("attention_multiplier", 0.0),
+          ("logits_scaling", 1.0)) if getattr(cfg, name) != plain]
+  if MOE in cfg.pattern and cfg.moe_router_score_function != "sigmoid":
+    out.append(f"moe_router_score_function={cfg.moe_router_score_function!r}")
+  if MOE in cfg.pattern and cfg.mlp_act != "relu2":
+    out.append(f"mlp_act={cfg.mlp_act!r} in mixture-of-experts layers")
+  return [f"{p}: {target} has no such layer (GraniteMoeHybrid export is not built)" for p in out]
 
 
 def mamba_ssm_config_to_ours(mc: dict) -> Mamba2Config:
@@ -642,10 +801,12 @@ def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
 
 
 def config_layout(outside: dict) -> str | None:
-  """'mamba_ssm', 'hf' or 'nemotron_h' for an outside config.json's contents, None
+  """'mamba_ssm', 'hf', 'nemotron_h' or 'granite' for an outside config.json's contents, None
   for none of them."""
   if outside.get("model_type") == "nemotron_h":
     return "nemotron_h"
+  if outside.get("model_type") == "granitemoehybrid":
+    return "granite"
   if "ssm_cfg" in outside or "d_model" in outside:
     return "mamba_ssm"
   if outside.get("model_type") == "mamba2" or "hidden_size" in outside:

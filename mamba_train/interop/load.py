@@ -6,7 +6,9 @@ Recognised layouts:
   * a transformers directory (`config.json` with model_type mamba2 and
     `model.safetensors`, possibly sharded with `model.safetensors.index.json`);
   * a transformers NemotronH directory (model_type nemotron_h: a hybrid of
-    Mamba-2, attention and MLP layers; MoE layers are refused);
+    Mamba-2, attention, MLP and mixture-of-experts layers);
+  * a transformers GraniteMoeHybrid directory (model_type granitemoehybrid: IBM's
+    Granite 4.0 hybrids of Mamba-2, attention and mixture-of-experts layers);
   * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
     reading it needs torch, the `test` or `bench` extra).
 Each may be local or on a gs:// bucket (`mamba_train.workdir.storage`).
@@ -43,7 +45,7 @@ def detect_layout(path: epath.Path) -> str:
       return layout
   raise ValueError(
       f"{path} is not a model directory this library knows: expected a training workdir or "
-      f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2 or NemotronH "
+      f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2, NemotronH or GraniteMoeHybrid "
       f"directory (config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
 
 
@@ -103,6 +105,13 @@ def load_nemotron_h(path: epath.Path, runtime: Runtime | None = None, **override
   return Mamba2LM.from_params(cfg, params, rt)
 
 
+def load_granite(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
+  cfg, rt = _configs(convert.granite_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
+                     runtime, overrides)
+  params = convert.state_dict_to_params(read_safetensors(path), cfg, "granite")
+  return Mamba2LM.from_params(cfg, params, rt)
+
+
 def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   cfg, rt = _configs(convert.mamba_ssm_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
                      runtime, overrides)
@@ -143,8 +152,8 @@ def _lora_base(saved: dict, cfg: Mamba2Config):
 
 
 def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  """Load a Mamba2LM from a workdir / checkpoint step, a transformers (Mamba2 or
-  NemotronH) or a mamba_ssm directory.
+  """Load a Mamba2LM from a workdir / checkpoint step, a transformers (Mamba2,
+  NemotronH or GraniteMoeHybrid) or a mamba_ssm directory.
 
   `runtime` says how it runs (default: a workdir's own, else `Runtime()`); `overrides`
   replace Runtime fields or config fields no weight depends on, for example
@@ -152,5 +161,5 @@ def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overri
   """
   path = storage.path(path)
   layout = detect_layout(path)
-  return {"hf": load_hf, "nemotron_h": load_nemotron_h, "mamba_ssm": load_mamba_ssm,
+  return {"hf": load_hf, "nemotron_h": load_nemotron_h, "granite": load_granite, "mamba_ssm": load_mamba_ssm,
           "checkpoint": load_checkpoint}[layout](path, runtime, **overrides)

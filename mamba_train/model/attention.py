@@ -135,8 +135,9 @@ def allowed(l: int, s: int, *, seq_idx=None, key_mask=None, q_offset=0):
   return ok
 
 
-def attend(q, k, v, ok, form: str, cd):
-  """softmax(q k^T / sqrt(e), keys where `ok`) v.
+def attend(q, k, v, ok, form: str, cd, scale: float | None = None):
+  """softmax(scale q k^T, keys where `ok`) v; scale 1/sqrt(e) unless given
+  (`Mamba2Config.attn_scale`).
 
   q (b, l, h, e), k and v (b, s, k, e), ok (b|1, l, s) bool, or None for plain
   causal attention (l = s) -> (b, l, h, e) float32.
@@ -147,7 +148,7 @@ def attend(q, k, v, ok, form: str, cd):
   """
   b, l, h, e = q.shape
   kv = k.shape[2]
-  scale = 1.0 / math.sqrt(e)
+  scale = 1.0 / math.sqrt(e) if scale is None else scale
   if form in ("dot_product", "cudnn"):
     out = jax.nn.dot_product_attention(
         q.astype(cd), k.astype(cd), v.astype(cd), mask=None if ok is None else ok[:, None],
@@ -172,7 +173,7 @@ def splash_fits(l: int) -> bool:
   return any(l % blk == 0 for blk in SPLASH_BLOCKS)
 
 
-def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
+def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False, scale: float | None = None):
   """Causal attention through JAX's Pallas splash kernel (TPU), in the layout and
   with the result of `attend`. Documents and padding become its segment ids: a
   query sees keys of its own segment only, and padding (key_mask False) is a
@@ -196,7 +197,8 @@ def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False):
   seg = jnp.zeros((b, l), jnp.int32) if seq_idx is None else seq_idx.astype(jnp.int32)
   if key_mask is not None:
     seg = jnp.where(key_mask, seg, -1)
-  qs = (q * (1.0 / math.sqrt(e))).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
+  scale = 1.0 / math.sqrt(e) if scale is None else scale
+  qs = (q * scale).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
   ks, vs = (a.astype(cd).transpose(0, 2, 1, 3) for a in (k, v))  # (b, kv, l, e)
 
   def run(qs, ks, vs, seg):
@@ -247,10 +249,10 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
   if split:
     k, v = (sharding.constrain(a, ("batch", None, "act_kv_heads", None)) for a in (k, v))
   if rt.attention == "splash" and splash_fits(l) and not split:
-    o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret)
+    o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret, cfg.attn_scale)
   else:  # (splash on a length it cannot block, or under a sequence split: the plain form)
     ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
-    o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd)
+    o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd, cfg.attn_scale)
   return _out(p, o, rt), {"k": k, "v": v}
 
 
@@ -286,7 +288,7 @@ def attention_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), pos, axis=1)
   kb, vb = write(state["k"], k), write(state["v"], v)
   valid = write(state["kv_valid"], jnp.ones((u.shape[0], 1), bool))
-  o = attend(q, kb, vb, valid[:, None, :], "xla", cd)  # one query: the plain form on every backend
+  o = attend(q, kb, vb, valid[:, None, :], "xla", cd, cfg.attn_scale)  # one query: the plain form on every backend
   return _out(p, o[:, 0], rt), {"k": kb, "v": vb, "kv_valid": valid, "kv_pos": pos + 1}
 
 

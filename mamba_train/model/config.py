@@ -33,7 +33,8 @@ MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts"}
 # Characters other tools use for kinds this library does not build.
 UNSUPPORTED_KINDS: dict[str, str] = {}
-MLP_ACTS = ("relu2", "swiglu")  # squared ReLU (Nemotron-H); gated SiLU (mamba_ssm's GatedMLP)
+MLP_ACTS = ("relu2", "swiglu")  # squared ReLU (Nemotron-H); gated SiLU (mamba_ssm's GatedMLP, Granite)
+ROUTER_SCORES = ("sigmoid", "softmax")  # NemotronH's; GraniteMoeHybrid's (`moe.route`)
 
 
 class FrozenFields:
@@ -116,6 +117,22 @@ class Mamba2Config(FrozenFields):
   topk_group: int = 1
   norm_topk_prob: bool = True
   routed_scaling_factor: float = 1.0
+  # How the router scores experts (Megatron-Core's moe_router_score_function):
+  # 'sigmoid', NemotronH's (above); 'softmax', GraniteMoeHybrid's and Mixtral's: the
+  # top num_experts_per_tok router logits chosen (within the topk_group best groups
+  # when n_group > 1), their weights the softmax over those k logits times
+  # routed_scaling_factor (Megatron's moe_router_pre_softmax=False); it has no
+  # correction bias, and norm_topk_prob does not apply (the weights sum to 1).
+  moe_router_score_function: str = "sigmoid"
+  # Granite's multipliers (transformers' GraniteMoeHybridConfig names): the embedding
+  # times embedding_multiplier; each layer adds residual_multiplier times its output
+  # to the residual stream; attention's softmax scale attention_multiplier (0: the
+  # usual 1/sqrt(attn_head_dim)); the logits divided by logits_scaling. MLP and
+  # expert activations (relu2 or swiglu) follow mlp_act, in 'E' layers too.
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  attention_multiplier: float = 0.0
+  logits_scaling: float = 1.0
   # The Mamba-2 layers' heads where d_inner is not a multiple of d_model
   # (NemotronH's mamba_num_heads: Nemotron-3-Nano has 64 heads of 64 on d_model
   # 2688); 0, the default, derives them as expand * d_model / headdim.
@@ -150,6 +167,13 @@ class Mamba2Config(FrozenFields):
       problems.append(f"dt_limit must be (low, high) with 0 <= low < high, got {self.dt_limit}")
     if not 0.0 < self.dt_min <= self.dt_max:
       problems.append(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        problems.append(f"{name} must be a number > 0 (1 is none), got {v!r}")
+    v = self.attention_multiplier
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+      problems.append(f"attention_multiplier must be 0 (1/sqrt(attn_head_dim)) or a scale > 0, got {v!r}")
     problems += self._pattern_problems()
     if problems:
       raise ValueError("Invalid Mamba2Config: " + "; ".join(problems))
@@ -187,11 +211,10 @@ class Mamba2Config(FrozenFields):
       if self.attn_rotary_emb_dim % 2 or self.attn_rotary_emb_dim > self.attn_head_dim:
         out.append(f"attn_rotary_emb_dim ({self.attn_rotary_emb_dim}) must be even and at "
                    f"most attn_head_dim ({self.attn_head_dim}); 0 turns rotary off")
-    if MLP in p:
-      if self.d_intermediate < 1:
-        out.append("layer_pattern has MLP layers ('-'): set d_intermediate (their hidden size)")
-      if self.mlp_act not in MLP_ACTS:
-        out.append(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+    if MLP in p and self.d_intermediate < 1:
+      out.append("layer_pattern has MLP layers ('-'): set d_intermediate (their hidden size)")
+    if (MLP in p or MOE in p) and self.mlp_act not in MLP_ACTS:
+      out.append(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
     if MOE in p:
       out += self._moe_problems()
     return out
@@ -218,6 +241,9 @@ class Mamba2Config(FrozenFields):
     elif k > tg * (e // g):
       out.append(f"num_experts_per_tok ({k}) exceeds the experts of the topk_group ({tg}) groups "
                  f"a token may use ({tg * (e // g)})")
+    if self.moe_router_score_function not in ROUTER_SCORES:
+      out.append(f"moe_router_score_function must be one of {ROUTER_SCORES}, got "
+                 f"{self.moe_router_score_function!r}")
     if not isinstance(self.routed_scaling_factor, (int, float)) or self.routed_scaling_factor <= 0:
       out.append(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
     return out
@@ -244,6 +270,11 @@ class Mamba2Config(FrozenFields):
   def moe_width(self) -> int:
     """The width the routed experts read and write: moe_latent_size, or d_model without one."""
     return self.moe_latent_size or self.d_model
+
+  @property
+  def attn_scale(self) -> float:
+    """Attention's softmax scale: attention_multiplier, or 1/sqrt(attn_head_dim) without one."""
+    return self.attention_multiplier or 1.0 / math.sqrt(self.attn_head_dim)
 
   @property
   def n_kv_heads(self) -> int:

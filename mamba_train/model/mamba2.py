@@ -356,16 +356,22 @@ def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, **new}
 
 
+def residual(h, out, cfg: Mamba2Config):
+  """The residual stream after a layer: h + out, or h + residual_multiplier * out
+  (Granite); float32."""
+  return h + out if cfg.residual_multiplier == 1.0 else h + cfg.residual_multiplier * out
+
+
 def block(p, h, cfg, rt, **kw):
   """Pre-norm residual block: h + mixer(rmsnorm(h)); the residual stays float32."""
   out, state = mixer(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, **kw)
-  return h + out, state
+  return residual(h, out, cfg), state
 
 
 def block_step(p, h, cfg, rt, state):
   """`block` for one position (h: (b, d)), from and to a layer state."""
   out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, state)
-  return h + out, state
+  return residual(h, out, cfg), state
 
 
 def unstack(tree, n: int) -> list:
@@ -495,10 +501,10 @@ class Mamba2LM(nnx.Module):
     if decode:
       def attn(p, h, st):
         out, st = attn_lib.attention_step(p, norm(p, h), cfg, rt, st)
-        return h + out, st
+        return residual(h, out, cfg), st
       return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st), ATTENTION: attn,
-              MLP: lambda p, h, st: (h + attn_lib.mlp(p, norm(p, h), cfg, rt), None),
-              MOE: lambda p, h, st: (h + moe_lib.moe(p, norm(p, h), cfg, rt)[0], None)}
+              MLP: lambda p, h, st: (residual(h, attn_lib.mlp(p, norm(p, h), cfg, rt), cfg), None),
+              MOE: lambda p, h, st: (residual(h, moe_lib.moe(p, norm(p, h), cfg, rt)[0], cfg), None)}
     act = lambda h: sharding.constrain(h, ("batch", "act_length", "act_embed"))
 
     def mamba(p, h, st):
@@ -507,14 +513,14 @@ class Mamba2LM(nnx.Module):
 
     def attn(p, h, _):
       out, kv = attn_lib.attention(p, norm(p, h), cfg, rt, seq_idx=seq_idx, mask=mask)
-      return act(h + out), kv
+      return act(residual(h, out, cfg)), kv
 
     def mlp(p, h, _):
-      return act(h + attn_lib.mlp(p, norm(p, h), cfg, rt)), None
+      return act(residual(h, attn_lib.mlp(p, norm(p, h), cfg, rt), cfg)), None
 
     def moe(p, h, _):  # its router statistics travel as its state (moe.STATS)
       out, stats = moe_lib.moe(p, norm(p, h), cfg, rt)
-      return act(h + out), stats
+      return act(residual(h, out, cfg)), stats
 
     fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe}
     if self.lora is not None:  # inside the remat: the backward pass merges again, nothing is kept
@@ -534,7 +540,10 @@ class Mamba2LM(nnx.Module):
     return {n: a for st in by_kind.values() if st is not None for n, a in st.items()}
 
   def embed(self, input_ids):
-    return jnp.take(self.embedding.get_value(), input_ids, axis=0)
+    """The embedding rows of input_ids (..., d) float32, times embedding_multiplier (Granite)."""
+    h = jnp.take(self.embedding.get_value(), input_ids, axis=0)
+    m = self.config.embedding_multiplier
+    return h if m == 1.0 else h * m
 
   def head_operands(self, h):
     """(x, w) whose product x w^T is the logits (padded vocabulary) of the residual
@@ -561,8 +570,12 @@ class Mamba2LM(nnx.Module):
     return w
 
   def final_norm(self, h):
-    """The norm before the LM head: (..., d) float32."""
-    return rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
+    """The norm before the LM head: (..., d) float32; divided by logits_scaling
+    (Granite) here, so every product with the head (logits, the blockwise loss,
+    decoding) gives logits / logits_scaling."""
+    x = rms_norm(h, self.norm_f.get_value(), self.config.norm_eps)
+    s = self.config.logits_scaling
+    return x if s == 1.0 else x / s
 
   def head_for_logits(self, decode: bool = False):
     """The LM head as `logits` multiplies by it: (vocab_size, d) in the compute dtype;

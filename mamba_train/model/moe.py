@@ -12,7 +12,18 @@ h + moe(rmsnorm(h)) whose moe is
            before them, their weighted sum times W_fc2 after);
   shared   a squared-ReLU MLP of moe_shared_expert_intermediate_size on u, added.
 
-Dispatch is dropless: every token reaches each of its k experts. The (token,
+and, with moe_router_score_function 'softmax' and mlp_act 'swiglu', the same
+function as transformers' GraniteMoeHybridMoE plus its shared_mlp: the top k
+router logits chosen, their weights the softmax over those k (no correction
+bias); experts and shared expert gated, down(silu(gate x) * up x).
+
+Dispatch is dropless by default: every token reaches each of its k experts.
+With a capacity (`Runtime.moe_capacity_factor` cf > 0, MaxText's and
+Megatron's capacity factor) each expert takes at most C = ceil(cf l k / E) of the
+assignments of each sequence of l tokens, counted in token order (a token's k
+choices in turn); the rest are dropped (they add nothing, the other weights are
+not renormalised) and counted (`moe_dropped`). The count is per sequence, so the
+function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
 experts' tokens), so the work is T k rows whatever E, never a dense
@@ -60,31 +71,38 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "router": ("embed", None),  # (d, e) float32
     "e_score_correction_bias": (None,),  # (e,) float32, moved by training, not by gradients
     "experts_up": ("experts", "expert_embed", "expert_mlp"),  # (e, w, f)
+    "experts_gate": ("experts", "expert_embed", "expert_mlp"),  # (e, w, f), swiglu only
     "experts_down": ("experts", "expert_mlp", "expert_embed"),  # (e, f, w)
     "latent_down": ("embed", None),  # (d, w): transformers' fc1_latent_proj
     "latent_up": (None, "embed"),  # (w, d): fc2_latent_proj
     "shared_up": ("embed", "mlp"),  # (d, s)
+    "shared_gate": ("embed", "mlp"),  # (d, s), swiglu only
     "shared_down": ("mlp", "embed"),  # (s, d)
 }
 # The matmul weights (the compute dtype); the router stays float32.
-MATMUL_WEIGHTS = frozenset({"experts_up", "experts_down", "latent_down", "latent_up",
-                            "shared_up", "shared_down"})
+MATMUL_WEIGHTS = frozenset({"experts_up", "experts_gate", "experts_down", "latent_down", "latent_up",
+                            "shared_up", "shared_gate", "shared_down"})
 # The parameter no gradient moves: training updates it from the load (train/step.py).
 BIAS = "e_score_correction_bias"
 # The keys of the statistics an 'E' layer returns beside its output.
-STATS = ("moe_load", "moe_aux")
+STATS = ("moe_load", "moe_aux", "moe_dropped")
 
 
 def shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
   d, e, w, f, s = (cfg.d_model, cfg.n_routed_experts, cfg.moe_width, cfg.moe_intermediate_size,
                    cfg.moe_shared_expert_intermediate_size)
-  out = {"norm": (d,), "router": (d, e), BIAS: (e,), "experts_up": (e, w, f),
+  out = {"norm": (d,), "router": (d, e), BIAS: (e,), "experts_up": (e, w, f), "experts_gate": (e, w, f),
          "experts_down": (e, f, w), "latent_down": (d, w), "latent_up": (w, d),
-         "shared_up": (d, s), "shared_down": (s, d)}
+         "shared_up": (d, s), "shared_gate": (d, s), "shared_down": (s, d)}
+  if cfg.moe_router_score_function != "sigmoid":  # only the sigmoid router has a correction bias
+    del out[BIAS]
+  if cfg.mlp_act != "swiglu":
+    del out["experts_gate"], out["shared_gate"]
   if not cfg.moe_latent_size:
     del out["latent_down"], out["latent_up"]
   if not s:
-    del out["shared_up"], out["shared_down"]
+    for name in ("shared_up", "shared_gate", "shared_down"):
+      out.pop(name, None)
   return out
 
 
@@ -122,11 +140,14 @@ def init_params(cfg: Mamba2Config, key) -> dict[str, Array]:
 
 def route(p, u, cfg: Mamba2Config):
   """u (t, d) float32 -> (experts (t, k) int32, weights (t, k) float32, scores (t, e)
-  float32): NemotronH's grouped top-k over sigmoid scores (see the module doc)."""
+  float32): NemotronH's grouped top-k over sigmoid scores, or (softmax) the top k
+  logits with the softmax over them as weights, and scores the softmax over every
+  expert (what the auxiliary loss reads, as transformers' load_balancing_loss_func)."""
   logits = jnp.einsum("td,de->te", u.astype(F32), p["router"].astype(F32),
                       precision=jax.lax.Precision.HIGHEST)
-  scores = jax.nn.sigmoid(logits)
-  choice = scores + p[BIAS].astype(F32)
+  softmax = cfg.moe_router_score_function == "softmax"
+  scores = jax.nn.softmax(logits, axis=-1) if softmax else jax.nn.sigmoid(logits)
+  choice = logits if softmax else scores + p[BIAS].astype(F32)
   e, g, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
   if g > 1:
     grouped = choice.reshape(-1, g, e // g)
@@ -134,7 +155,9 @@ def route(p, u, cfg: Mamba2Config):
     _, best = jax.lax.top_k(group_scores, cfg.topk_group)
     keep = jnp.any(best[:, :, None] == jnp.arange(g)[None, None, :], axis=1)  # (t, g)
     choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
-  _, experts = jax.lax.top_k(choice, k)
+  top, experts = jax.lax.top_k(choice, k)
+  if softmax:
+    return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1) * cfg.routed_scaling_factor, scores
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if cfg.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -164,19 +187,61 @@ def _relu2(x):
   return jnp.square(jax.nn.relu(x))
 
 
-def experts_ragged(x, experts, weights, up, down, cd):
+def _act(hid, gate_hid):
+  """The experts' activation: relu(h)^2, or with a gate (swiglu) silu(gate) * h; float32."""
+  return _relu2(hid) if gate_hid is None else jax.nn.silu(gate_hid) * hid
+
+
+def capacity(length: int, cfg: Mamba2Config, factor: float) -> int:
+  """The assignments one expert takes from a sequence of `length` tokens at
+  capacity factor `factor` > 0: ceil(factor * length * k / E), at least 1 (MaxText's
+  per-sequence rule; 1.0 is an even share)."""
+  return max(1, math.ceil(factor * length * cfg.num_experts_per_tok / cfg.n_routed_experts))
+
+
+def within_capacity(experts, cap: int, before=None):
+  """experts (b, l, k) -> (b, l, k) bool: whether each assignment is among the first
+  `cap` of its sequence to its expert, in token order (token-major, a token's k
+  choices in turn). before (b, E): assignments each expert already took from
+  earlier parts of the sequence (a sequence split over devices). By a stable sort
+  of each row's assignments by expert: an assignment's rank is its index minus its
+  expert group's first."""
+  b, l, k = experts.shape
+  flat = experts.reshape(b, l * k)
+  order = jnp.argsort(flat, axis=1, stable=True)
+  grouped = jnp.take_along_axis(flat, order, axis=1)
+  first = jax.vmap(lambda g: jnp.searchsorted(g, g, side="left"))(grouped)
+  rank = jnp.zeros_like(flat).at[jnp.arange(b)[:, None], order].set(jnp.arange(l * k) - first)
+  if before is not None:
+    rank = rank + jnp.take_along_axis(before.astype(rank.dtype), flat, axis=1)
+  return (rank < cap).reshape(b, l, k)
+
+
+def within_capacity_reference(experts, cap: int, n_experts: int):
+  """`within_capacity` by one-hot running counts ((b, l k, E), for tests)."""
+  b, l, k = experts.shape
+  hot = jax.nn.one_hot(experts.reshape(b, l * k), n_experts, dtype=jnp.int32)
+  seen = jnp.cumsum(hot, axis=1) - hot  # assignments to the same expert before this one
+  return (jnp.sum(seen * hot, axis=-1) < cap).reshape(b, l, k)
+
+
+def experts_ragged(x, experts, weights, up, down, cd, keep=None):
   """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) by grouped matmuls.
 
-  x (t, w); experts, weights (t, k); up (e, w, f), down (e, f, w), already in
-  the compute dtype `cd`. Returns (t, w) float32. The t k (token, expert) pairs
-  are sorted by expert (a stable sort: ties keep token order), each pair's token
-  row gathered, both matmuls run per expert group, and each row scattered back
-  onto its token with its weight."""
+  x (t, w); experts, weights (t, k); up (e, w, f), or (gate, up) both (e, w, f)
+  for swiglu experts; down (e, f, w); all already in the compute dtype `cd`;
+  keep (t, k) bool or None: False drops the assignment (past its expert's
+  capacity). Returns (t, w) float32. The t k (token, expert) pairs are sorted
+  by expert (a stable sort: ties keep token order; dropped ones last, past every
+  group, where no expert meets them), each pair's token row gathered, both
+  matmuls run per expert group, and each row scattered back onto its token with
+  its weight."""
   t, k = experts.shape
-  flat = experts.reshape(-1)
+  e = down.shape[0]
+  flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
   order = jnp.argsort(flat, stable=True)
   token = order // k
-  sizes = jnp.bincount(flat, length=up.shape[0]).astype(jnp.int32)
+  sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
   rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
   w = jnp.take(weights.reshape(-1), order)
   return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
@@ -184,17 +249,22 @@ def experts_ragged(x, experts, weights, up, down, cd):
 
 def expert_mlp(rows, up, down, sizes, cd):
   """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
-  rows past the sum meet no expert and come out zero) -> (m, w) float32."""
-  hid = jax.lax.ragged_dot(rows, up, sizes, preferred_element_type=F32)
-  return jax.lax.ragged_dot(_relu2(hid).astype(cd), down, sizes, preferred_element_type=F32)
+  rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
+  f), or (gate, up) for swiglu."""
+  gate, up = up if isinstance(up, tuple) else (None, up)
+  ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
+  hid = _act(ragged(rows, up), None if gate is None else ragged(rows, gate))
+  return ragged(hid.astype(cd), down)
 
 
 def experts_dense(x, experts, weights, up, down, cd):
   """The reference: every expert on every token, (t, e, w), then the weighted sum
   of each token's chosen ones (the others masked to zero). Same arguments and
   result as `experts_ragged`; e times the work, for tests."""
-  hid = jnp.einsum("tw,ewf->tef", x.astype(cd), up, preferred_element_type=F32)
-  out = jnp.einsum("tef,efw->tew", _relu2(hid).astype(cd), down, preferred_element_type=F32)
+  gate, up = up if isinstance(up, tuple) else (None, up)
+  hidden = lambda w: jnp.einsum("tw,ewf->tef", x.astype(cd), w, preferred_element_type=F32)
+  hid = _act(hidden(up), None if gate is None else hidden(gate))
+  out = jnp.einsum("tef,efw->tew", hid.astype(cd), down, preferred_element_type=F32)
   dense = jnp.zeros(out.shape[:2], F32).at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
   return jnp.einsum("tew,te->tw", out, dense)
 
@@ -207,20 +277,34 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
   lead = u.shape[:-1]
   x = u.reshape(-1, u.shape[-1])
   experts, weights, scores = route(p, x, cfg)
+  factor = rt.moe_capacity_factor
+  # Capacity is per sequence: one position per row (decoding) never exceeds it.
+  cap = capacity(lead[-1], cfg, factor) if factor and len(lead) == 2 else None
+  keep = None
+  if cap is not None and (dense or sharding.expert_split() is None):
+    rows3 = experts.reshape(*lead, -1)
+    keep = (within_capacity_reference(rows3, cap, cfg.n_routed_experts) if dense
+            else within_capacity(rows3, cap)).reshape(experts.shape)
   mm = lambda a, w: jnp.einsum("td,dw->tw", a.astype(cd), w.astype(cd), preferred_element_type=F32)
   xe = mm(x, p["latent_down"]) if cfg.moe_latent_size else x
   up, down = p["experts_up"].astype(cd), p["experts_down"].astype(cd)
+  if "experts_gate" in p:
+    up = (p["experts_gate"].astype(cd), up)
   split = None if dense else sharding.expert_split()
   if dense:
-    y = experts_dense(xe, experts, weights, up, down, cd)
+    y = experts_dense(xe, experts, weights if keep is None else jnp.where(keep, weights, 0.0), up, down, cd)
   elif split is None:
-    y = experts_ragged(xe, experts, weights, up, down, cd)
+    y = experts_ragged(xe, experts, weights, up, down, cd, keep)
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
-    y = split.experts(expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down, cd)
-    y = y.reshape(x.shape[0], -1)
+    y, keep = split.experts(expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
+                            cd, cap, within_capacity)
+    y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])
   if cfg.moe_shared_expert_intermediate_size:
-    y = y + mm(_relu2(mm(x, p["shared_up"])), p["shared_down"])
-  return y.reshape(*lead, -1), router_stats(experts, scores, cfg)
+    gate = mm(x, p["shared_gate"]) if "shared_gate" in p else None
+    y = y + mm(_act(mm(x, p["shared_up"]), gate), p["shared_down"])
+  stats = router_stats(experts, scores, cfg)
+  stats["moe_dropped"] = jnp.zeros((), F32) if keep is None else jnp.sum(~keep).astype(F32)
+  return y.reshape(*lead, -1), stats

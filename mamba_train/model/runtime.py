@@ -1,8 +1,10 @@
 """How the model runs on a machine, apart from what its weights are (`config.py`).
 
-None of these fields changes a parameter or the function the model computes, only
-speed, memory and rounding, so a checkpoint restores across any of them and a run
-may resume with others.
+None of these fields changes a parameter, so a checkpoint restores across any of
+them and a run may resume with others; all but one change only speed, memory and
+rounding. The exception is `moe_capacity_factor`, which drops mixture-of-experts
+assignments past an expert's capacity: a training-time choice, as MaxText's and
+Megatron's capacity factor, that caps the expert-parallel exchange's buffers.
 
 The caller resolves a runtime for the backend it compiles for
 (`Runtime(...).resolve("tpu")`): the model, the FLOP count and an ahead-of-time
@@ -115,6 +117,10 @@ class Runtime(FrozenFields):
   unroll_layers: bool = False
   # How the decode loop of `generate` runs the layers (DECODE_LAYERS).
   decode_layers: str = "auto"
+  # Mixture-of-experts layers: 0 is dropless dispatch; cf > 0 lets each expert take at
+  # most ceil(cf * l * k / E) of a sequence's assignments, and drops the rest
+  # (`moe.capacity`). Set by the run config's moe.capacity_factor.
+  moe_capacity_factor: float = 0.0
 
   def __post_init__(self):
     problems = []
@@ -137,6 +143,9 @@ class Runtime(FrozenFields):
       problems.append(f"layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
     if self.decode_layers not in DECODE_LAYERS:
       problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
+    cf = self.moe_capacity_factor
+    if not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf < 0:
+      problems.append(f"moe_capacity_factor must be 0 (dropless) or a number > 0, got {cf!r}")
     if not isinstance(self.unroll_layers, bool):
       problems.append(f"unroll_layers must be true or false, got {self.unroll_layers!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):

@@ -17,12 +17,18 @@ the batch like a data axis):
   4. a second all-to-all returns the rows, which are weighted and added onto
      their tokens.
 
-C, the rows a device may send to one device, is t k: every assignment of a
-device may go to one device, so no token is ever dropped (dropless, as the
-one-device dispatch), at the price of buffers n times the assignments. (A
-capacity below that, which drops assignments past it as GShard and Switch do, is
-not built: it changes the function, and ragged_all_to_all, which sends only the
-rows there are, is not lowered on CPU to test against.) With the tensor axis the
+C, the rows a device may send to one device, is t k without a capacity: every
+assignment of a device may go to one device, so no token is ever dropped
+(dropless, as the one-device dispatch), at the price of buffers n times the
+assignments. With a capacity (`cap`, per sequence and expert, and the rule that
+says which assignments it keeps, `moe.within_capacity`) a device keeps at most
+cap of each of its rows' assignments to an expert, so C = e_local * rows * min(cap,
+tokens a row): about the capacity factor times the assignments in all, not n
+times. Under a sequence split each device counts after what the devices before
+it in the sequence took (a (rows, E) all-gather over the length axes), so the
+assignments kept are those of one device. (`jax.lax.ragged_all_to_all`, which
+sends only the rows there are, is in jax 0.10.2 but has no CPU lowering to test
+it against the one-device result, so it is not used.) With the tensor axis the
 experts' hidden units are split too (each device's up-projection columns and
 down-projection rows) and the rows summed over it after the down projection,
 as Megatron's expert tensor parallelism; with fsdp the experts' weights are
@@ -60,46 +66,77 @@ class ExpertSplit:
   expert: str | None
   hidden: Axes
 
-  def experts(self, mlp: Callable, x, experts, weights, up, down, cd):
+  def experts(self, mlp: Callable, x, experts, weights, up, down, cd, cap=None, within=None):
     """sum_j weights[.., j] * expert_{experts[.., j]}(x) as `moe.experts_ragged`
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
-    experts, weights (..., k); up (e, w, f), down (e, f, w). mlp(rows, up, down,
-    sizes, cd) -> rows float32: the experts on rows sorted by expert.
-    Returns y (..., w) float32."""
+    experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
+    down (e, f, w). mlp(rows, up, down,
+    sizes, cd) -> rows float32: the experts on rows sorted by expert. cap: the
+    assignments an expert takes from one sequence (None: dropless), and
+    within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
+    Returns y (..., w) float32 and keep (..., k) bool (None when dropless)."""
     n = self.mesh.shape[self.expert] if self.expert else 1
-    e = up.shape[0]
+    e = down.shape[0]
     if e % n:
       raise ValueError(f"n_routed_experts ({e}) must divide over the 'expert' mesh axis ({n} devices)")
     lead = (self.batch, self.length)[:x.ndim - 1]
     tok = P(*lead, None)
     ex = self.expert
     hidden = self.hidden
-    if hidden and up.shape[-1] % math.prod(self.mesh.shape[a] for a in _names(hidden)):
+    if hidden and down.shape[1] % math.prod(self.mesh.shape[a] for a in _names(hidden)):
       hidden = None  # hidden units that do not divide over the tensor axis stay whole
-    specs = (tok, tok, tok, P(ex, None, hidden), P(ex, hidden, None))
+    # up: one (e, w, f) array, or a tuple of them (swiglu's gate and up), split alike.
+    specs = (tok, tok, tok, jax.tree.map(lambda _: P(ex, None, hidden), up), P(ex, hidden, None))
+    capped = cap is not None and x.ndim == 3
 
     def local(x, experts, weights, up, down):
       shape = x.shape
+      keep = self._keep(experts, cap, within, e) if capped else None
       x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
-      y = self._local(mlp, x, experts, weights, up, down, cd, n)
+      y = self._local(mlp, x, experts, weights, up, down, cd, n,
+                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap)
       if _names(hidden):
         y = jax.lax.psum(y, hidden)
-      return y.reshape(shape[:-1] + y.shape[-1:])
+      y = y.reshape(shape[:-1] + y.shape[-1:])
+      return (y, keep) if capped else y
 
-    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=tok)(x, experts, weights, up, down)
+    out_specs = (tok, tok) if capped else tok
+    out = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_specs)(x, experts, weights, up, down)
+    return out if capped else (out, None)
 
-  def _local(self, mlp, x, experts, weights, up, down, cd, n):
+  def _keep(self, experts, cap, within, e):
+    """This device's rows' assignments within capacity (b, l, k), counted after the
+    assignments the devices before it along the sequence took from the same rows."""
+    before = None
+    seq = _names(self.length)
+    if seq and math.prod(self.mesh.shape[a] for a in seq) > 1:
+      b = experts.shape[0]
+      mine = jnp.zeros((b, e), jnp.int32).at[jnp.arange(b)[:, None], experts.reshape(b, -1)].add(1)
+      every = jax.lax.all_gather(mine, seq)  # (devices along the sequence, b, E)
+      me = jax.lax.axis_index(seq)
+      before = jnp.sum(jnp.where((jnp.arange(every.shape[0]) < me)[:, None, None], every, 0), axis=0)
+    return within(experts, cap, before)
+
+  def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None):
     t, k = experts.shape
-    e_local = up.shape[0]
-    cap = m = t * k
+    e_local = down.shape[0]
+    m = t * k
+    cap = m
+    if keep is not None:  # kept: at most min(capacity, tokens a row) per row and expert
+      cap = min(m, e_local * lead[0] * min(seq_cap, lead[1]))
     flat = experts.reshape(-1)
+    if keep is not None:
+      flat = jnp.where(keep.reshape(-1), flat, n * e_local)  # dropped: past every device
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
-    dest = sorted_e // e_local  # the device holding each assignment's expert
+    dest = sorted_e // e_local  # the device holding each assignment's expert (n: dropped)
     start = jnp.searchsorted(dest, jnp.arange(n), side="left")  # first assignment to each device
-    slot = dest * cap + jnp.arange(m) - start[dest]  # its row in the buffer for its device
-    rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(jnp.take(x, order // k, axis=0).astype(cd))
-    ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set((sorted_e - dest * e_local).astype(jnp.int32))
+    slot = dest * cap + jnp.arange(m) - start[jnp.minimum(dest, n - 1)]  # its row in the buffer
+    slot = jnp.where(dest < n, slot, n * cap)  # dropped: out of range, never written or read
+    rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(
+        jnp.take(x, order // k, axis=0).astype(cd), mode="drop")
+    ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set(
+        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop")
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
@@ -110,5 +147,5 @@ class ExpertSplit:
     out = jnp.zeros_like(out).at[by_expert].set(out)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = jnp.take(out, slot, axis=0) * jnp.take(weights.reshape(-1), order)[:, None]
+    got = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros((t, out.shape[-1]), F32).at[order // k].add(got)

@@ -198,6 +198,32 @@ def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll:
   return cost
 
 
+def cost_with_pattern(plan: run_config.Plan, mesh: Mesh, pattern: str) -> dict:
+  """XLA's counts of the plan's train step with the layers of `pattern` unrolled."""
+  plan = plan.replace(model=plan.model.replace(n_layer=len(pattern), layer_pattern=pattern))
+  return cost_with_layers(plan, mesh, len(pattern), unroll=True)
+
+
+def hybrid_every_layer_cost(plan: run_config.Plan, mesh: Mesh) -> dict:
+  """`every_layer_cost` for a hybrid, whose pattern fixes its depth: small unrolled
+  compiles give one layer of each kind. With a the first layer's kind: the
+  program of one a layer, of two, and of a then each other kind x; a layer of x is
+  the difference from the one-layer program, and the whole step is that program
+  plus count(a) - 1 layers of a and count(x) layers of each x (1 + the number of
+  kinds compiles). (A grad_accum loop is still counted once.)"""
+  pattern = plan.model.pattern
+  a = pattern[0]
+  keys = lambda c: {k: c.get(k, 0.0) for k in c if k in ("flops", "bytes accessed")
+                    or k in ("kernel flops", "kernel bytes accessed")}
+  one = keys(cost_with_pattern(plan, mesh, a))
+  total = dict(one)
+  for kind in dict.fromkeys(pattern):
+    body = keys(cost_with_pattern(plan, mesh, a + kind))
+    n = pattern.count(kind) - (kind == a)
+    total = {k: total[k] + n * (body.get(k, 0.0) - one.get(k, 0.0)) for k in total}
+  return total
+
+
 def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   """XLA's FLOPs and bytes of the train step with every layer counted.
 
@@ -281,9 +307,10 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   # XLA's cost analysis counts a while-loop body once, and the layers run in a
   # scan: `every_layer_cost` counts every layer. The step time takes the larger of
   # those FLOPs and the model's count (metrics.train_flops_per_token).
-  # A hybrid's pattern fixes its depth (n_layer cannot shrink to one or two layers), so
-  # its count stays the compiled one: the loop bodies once, the bytes a lower bound.
-  full = every_layer_cost(plan, mesh, cost) if every_layer and not model_cfg.layer_pattern else None
+  # A hybrid's pattern fixes its depth: small unrolled patterns count one layer of each kind.
+  full = None
+  if every_layer:
+    full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full
   if full is None:  # the scanned body counted once: bytes a lower bound
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}

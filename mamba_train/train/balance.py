@@ -12,7 +12,8 @@ trains NemotronH (both switchable, config.moe):
 
 The router statistics of a step go to metrics.jsonl (`metrics`): the tokens each
 expert of each layer received, the most and least loaded expert against an even
-load, the auxiliary loss, and the dropped tokens (zero: dispatch is dropless).
+load, the auxiliary loss, and the dropped assignments: (token, expert) pairs past their
+expert's capacity (`moe.capacity_factor`; zero when dispatch is dropless, the default).
 """
 
 from __future__ import annotations
@@ -44,15 +45,19 @@ def spec_problems(moe_cfg) -> list[str]:
     v = moe_cfg.get(key)
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
       out.append(f"moe.{key} must be a number >= 0 (0 turns it off), got {v!r}")
+  cf = moe_cfg.get("capacity_factor")
+  if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf < 0):
+    out.append(f"moe.capacity_factor must be 0 or None (dropless) or a number > 0 such as 1.25, got {cf!r}")
   return out
 
 
 def sum_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
   """The router sums a step adds up over micro-batches (empty without 'E' layers):
-  tokens per expert per layer, and the auxiliary loss times the tokens."""
+  tokens per expert per layer, the auxiliary loss times the tokens, and the
+  dropped assignments of every layer."""
   if not cfg.count(MOE):
     return {}
-  return {"moe_load": (cfg.count(MOE), cfg.n_routed_experts), "moe_aux": ()}
+  return {"moe_load": (cfg.count(MOE), cfg.n_routed_experts), "moe_aux": (), "moe_dropped": ()}
 
 
 def sums(states: dict, count, cfg: Mamba2Config) -> dict[str, jax.Array]:
@@ -61,13 +66,14 @@ def sums(states: dict, count, cfg: Mamba2Config) -> dict[str, jax.Array]:
   if not cfg.count(MOE):
     return {}
   return {"moe_load": states["moe_load"].astype(F32),
-          "moe_aux": jnp.mean(states["moe_aux"]) * count}
+          "moe_aux": jnp.mean(states["moe_aux"]) * count,
+          "moe_dropped": jnp.sum(states["moe_dropped"])}
 
 
 def update_bias(params: dict, load, rate: float) -> dict:
   """params with each 'E' layer's correction bias moved by rate * sign(mean load -
   load) (load: (layers, experts) tokens of the step)."""
-  if not rate or KIND_PARAMS[MOE] not in params:
+  if not rate or moe_lib.BIAS not in params.get(KIND_PARAMS[MOE], {}):
     return params
   moe = dict(params[KIND_PARAMS[MOE]])
   step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
@@ -75,9 +81,10 @@ def update_bias(params: dict, load, rate: float) -> dict:
   return {**params, KIND_PARAMS[MOE]: moe}
 
 
-def metrics(load, aux_mean) -> dict[str, jax.Array]:
-  """A step's router metrics from its tokens per expert (layers, experts) and mean auxiliary loss."""
+def metrics(load, aux_mean, dropped=0.0) -> dict[str, jax.Array]:
+  """A step's router metrics from its tokens per expert (layers, experts), mean
+  auxiliary loss and dropped assignments (summed over layers)."""
   even = jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)
   return {"moe_aux_loss": aux_mean, "moe_load_max": jnp.max(load / even),
-          "moe_load_min": jnp.min(load / even), "moe_dropped_tokens": jnp.zeros((), F32),
+          "moe_load_min": jnp.min(load / even), "moe_dropped_tokens": jnp.asarray(dropped, F32),
           TOKENS_PER_EXPERT: load}

@@ -224,7 +224,13 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     bad = moe_problems(moe_cfg)
     problems += bad
     if not bad:
-      moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), float(moe_cfg["bias_update_rate"]))
+      # The bias update moves the sigmoid router's e_score_correction_bias; a softmax router
+      # (GraniteMoeHybrid) has none, so the rate means nothing there and the default 1e-3
+      # must not stop a Granite finetune: its balance comes from aux_loss_coef.
+      rate = float(moe_cfg["bias_update_rate"]) if model.moe_router_score_function == "sigmoid" else 0.0
+      moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), rate)
+      # The capacity is how the layers dispatch, so it travels in the runtime the model takes.
+      rt = rt and rt.replace(moe_capacity_factor=float(moe_cfg.get("capacity_factor") or 0.0))
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})

@@ -194,7 +194,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
           "tokens": count,
           **guard_metrics(opt_state),
           **{k: v / denom for k, v in sums.items()},
-          **(balance.metrics(router["moe_load"], router["moe_aux"] / denom) if router else {}),
+          **(balance.metrics(router["moe_load"], router["moe_aux"] / denom, router["moe_dropped"]) if router else {}),
       }
       return new_state, metrics
 
