@@ -4,6 +4,7 @@ train step keeps the recurrence float32 (read from its jaxpr); the tiny and
 tiny-hybrid models train 200 steps in fp8 and int8 to bfloat16's loss; int8
 decoding against bfloat16 decoding on the trained tiny model."""
 
+import concurrent.futures
 import dataclasses
 import importlib
 
@@ -126,30 +127,43 @@ def corpus_batches():
 RUN_OPTIONS = {"xla_backend_optimization_level": 2}
 
 
-def _train(plan, batches):
+def _lower(plan, batches):
   """The library's train step, `plan.config.steps` times over the stacked batches, inside
   one jitted scan: one dispatch and one transfer back for the whole run, not one a step
-  (the step is the same jitted function train.py calls, traced into the scan's body)."""
+  (the step is the same jitted function train.py calls, traced into the scan's body).
+  Returns (run: () -> (state, losses, nonfinite streaks), state shapes)."""
   mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
   built = steps.build(plan, mesh)
   shapes = jax.tree.map(lambda a: (a.shape, a.dtype), built.state)
 
-  def run(state, batches):
+  def scan(state, batches):
     def body(state, batch):
       state, m = built.train_step(state, batch)
       return state, (m["loss"], m["nonfinite_streak"])
     return jax.lax.scan(body, state, batches)
 
-  run = jax.jit(run, donate_argnums=(0,)).lower(built.state, batches).compile(compiler_options=RUN_OPTIONS)
-  state, (losses, streaks) = run(built.state, batches)
-  return state, shapes, np.asarray(losses), np.asarray(streaks)
+  lowered = jax.jit(scan, donate_argnums=(0,)).lower(built.state, batches)
+
+  def run():
+    state, (losses, streaks) = lowered.compile(compiler_options=RUN_OPTIONS)(built.state, batches)
+    return state, np.asarray(losses), np.asarray(streaks)
+  return run, shapes
 
 
 @pytest.fixture(scope="module")
 def trained(corpus_batches):
-  """{(model, precision): (state, state shapes, losses, nonfinite streaks)}."""
-  return {(n, p): _train(_plan(n, p), corpus_batches)
-          for n in ("tiny", "tiny-hybrid") for p in ("default", "int8", "fp8")}
+  """{(model, precision): (state, state shapes, losses, nonfinite streaks)}.
+
+  Traced one after another (tracing reads the sharding rules' process-wide context),
+  then compiled and run two at a time: XLA:CPU compiles a program, and runs one this
+  small, on about one core, and releases the GIL while it does, so the second core
+  takes the next run. Each run is its own program on its own state: the threads
+  change when a run happens, never what it computes."""
+  keys = [(n, p) for n in ("tiny", "tiny-hybrid") for p in ("default", "int8", "fp8")]
+  lowered = {k: _lower(_plan(*k), corpus_batches) for k in keys}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    runs = {k: pool.submit(lowered[k][0]) for k in keys}
+    return {k: (*runs[k].result()[:1], lowered[k][1], *runs[k].result()[1:]) for k in keys}
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
