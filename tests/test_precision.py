@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from mamba_train import Mamba2LM, generate
+from mamba_train import Mamba2LM, generate, metrics
 from mamba_train.data import corpus
 from mamba_train.model import matmul as mm
 from mamba_train.model.runtime import Runtime
@@ -242,6 +242,31 @@ def test_a_quantized_train_step_keeps_the_recurrence_float32():
   assert any(str(e.primitive) == "dot_general" for e, _ in quantized)
   assert all(any(f.endswith("model/matmul.py") for f, _ in frames) or "qwix" in "".join(f for f, _ in frames)
              for _, frames in quantized)
+
+
+# ----------------------------------------------------------------------------
+# The roofline's quantized share: the FLOPs metrics counts at the int8 / fp8 peak.
+
+
+def test_quantized_flops_are_six_per_weight_of_the_quantized_matmuls():
+  # Independent of the formula: the weights that go through matmul.linear are the
+  # parameters named *_proj (in_proj's parts, out_proj, q/k/v/o, up/down), 2 FLOPs a
+  # weight a token forward and 4 backward; the LM head (tied embedding) stays bf16.
+  for name in ("tiny", "tiny-hybrid"):
+    plan = _plan(name, "int8", steps=2)
+    mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
+    params = steps.build(plan, mesh, init=False).state.params
+    weights = sum(a.size for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if "_proj" in jax.tree_util.keystr(path))
+    assert metrics.quantized_flops_per_token(plan.model, plan.runtime, LEN) == 6 * weights
+    assert metrics.quantized_flops_per_token(plan.model, plan.runtime.replace(matmul_precision="default"),
+                                             LEN) == 0
+  v6e = metrics.CHIPS["v6e"]
+  assert v6e.matmul_peak("int8") == 2 * v6e.matmul_peak("default") == v6e.matmul_peak("fp8") * 2
+  # A compute-bound step whose FLOPs are all int8 matmuls takes half the bf16 time.
+  full = metrics.roofline_seconds(1e15, 1.0, v6e.peak_flops, v6e.hbm_bandwidth)
+  half = metrics.roofline_seconds(1e15, 1.0, v6e.peak_flops, v6e.hbm_bandwidth, 1e15, v6e.matmul_peak("int8"))
+  assert half["compute_s"] == pytest.approx(full["compute_s"] / 2)
 
 
 # ----------------------------------------------------------------------------
