@@ -107,30 +107,62 @@ def train_flops_per_token(cfg, runtime, seq_len: int) -> float:
   return 3.0 * forward_flops_per_token(cfg, runtime, seq_len)
 
 
+def quantized_flops_per_token(cfg, runtime, seq_len: int) -> float:
+  """Of `train_flops_per_token`, the matmuls that run in `runtime.matmul_precision`
+  (model/matmul.py `linear`): the Mamba-2 in_proj and out_proj, attention's q/k/v/o
+  projections and the MLP, forward and both backward dots. 0 for 'default'. Not the
+  LM head (the training loss keeps it in the compute dtype), the SSD, the convolution,
+  attention's scores or the MoE experts (a grouped matmul in the compute dtype)."""
+  if runtime.matmul_precision == "default":
+    return 0.0
+  d, i, h = cfg.d_model, cfg.d_inner, cfg.nheads
+  g, n = cfg.ngroups, cfg.d_state
+  proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
+  attn = 0.0
+  if cfg.count("*"):  # attention's projections: its FLOPs less the l x l scores
+    attn = attention_flops_per_token(cfg, seq_len) - 4 * cfg.attn_num_heads * cfg.attn_head_dim * seq_len
+  return 3.0 * (cfg.count("M") * proj + cfg.count("*") * attn + cfg.count("-") * mlp_flops_per_token(cfg))
+
+
 GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """Per-chip datasheet figures: dense bfloat16 FLOP/s, HBM bytes and bytes/s.
-  `kinds` are the `device_kind` prefixes JAX reports for it."""
+  """Per-chip datasheet figures: dense bfloat16 FLOP/s, HBM bytes and bytes/s, and the
+  dense int8 and fp8 matmul peaks (0: the chip has no faster path for that format, so
+  its matmuls run at the bfloat16 peak). `kinds` are the `device_kind` prefixes JAX
+  reports for it."""
   name: str
   kinds: tuple[str, ...]
   peak_flops: float
   hbm_bytes: int
   hbm_bandwidth: float
+  peak_int8: float = 0.0
+  peak_fp8: float = 0.0
+
+  def matmul_peak(self, precision: str) -> float:
+    """The dense peak of matmuls in `precision` (`Runtime.matmul_precision`)."""
+    low = {"int8": self.peak_int8, "fp8": self.peak_fp8}.get(precision, 0.0)
+    return low or self.peak_flops
 
 
-# Vendor datasheets, per chip (TPU) or per GPU.
+# Vendor datasheets, per chip (TPU) or per GPU; every peak dense (no 2:4 sparsity).
+# int8 / fp8: TPU v5e 394 TOP/s, v5p 918, v6e 1836 (int8; no fp8 unit before v7); A100
+# 624 TOP/s int8 (no fp8); H100 / H200 SXM 1979 TFLOP/s fp8 and TOP/s int8; B200 4500.
+# TPU v4's int8 runs at its bfloat16 rate.
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", ("TPU v4",), 275e12, 32 * GIB, 1.2e12),
-    "v5e": Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 819e9),
-    "v5p": Chip("TPU v5p", ("TPU v5p", "TPU v5"), 459e12, 95 * GIB, 2.76e12),
-    "v6e": Chip("TPU v6e", ("TPU v6 lite", "TPU v6e"), 918e12, 32 * GIB, 1.6e12),
-    "a100": Chip("NVIDIA A100", ("NVIDIA A100",), 312e12, 80 * GIB, 2.04e12),
-    "h100": Chip("NVIDIA H100", ("NVIDIA H100",), 989e12, 80 * GIB, 3.35e12),
-    "h200": Chip("NVIDIA H200", ("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12),
-    "b200": Chip("NVIDIA B200", ("NVIDIA B200",), 2250e12, 180 * 10**9, 8e12),
+    "v5e": Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 819e9, peak_int8=394e12),
+    "v5p": Chip("TPU v5p", ("TPU v5p", "TPU v5"), 459e12, 95 * GIB, 2.76e12, peak_int8=918e12),
+    "v6e": Chip("TPU v6e", ("TPU v6 lite", "TPU v6e"), 918e12, 32 * GIB, 1.6e12, peak_int8=1836e12),
+    "a100": Chip("NVIDIA A100", ("NVIDIA A100",), 312e12, 80 * GIB, 2.04e12, peak_int8=624e12),
+    "h100": Chip("NVIDIA H100", ("NVIDIA H100",), 989e12, 80 * GIB, 3.35e12, peak_int8=1979e12,
+                 peak_fp8=1979e12),
+    "h200": Chip("NVIDIA H200", ("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12, peak_int8=1979e12,
+                 peak_fp8=1979e12),
+    "b200": Chip("NVIDIA B200", ("NVIDIA B200",), 2250e12, 180 * 10**9, 8e12, peak_int8=4500e12,
+                 peak_fp8=4500e12),
 }
 
 # CPUs vary too much for a table; a nominal float32 matmul rate of a 2-core
@@ -166,9 +198,14 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_per_device: float | 
   return tokens_per_sec * flops_per_token / (peak_per_device * num_devices)
 
 
-def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float, bandwidth: float) -> dict:
-  """The time a program needs at the peaks: the larger of its compute and memory times."""
-  t_compute, t_memory = flops / peak_flops, bytes_accessed / bandwidth
+def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float, bandwidth: float,
+                     low_flops: float = 0.0, low_peak: float = 0.0) -> dict:
+  """The time a program needs at the peaks: the larger of its compute and memory times.
+  `low_flops` of the `flops` run at `low_peak` (the int8 / fp8 matmuls, `Chip.matmul_peak`),
+  the rest at `peak_flops`."""
+  low_flops = min(low_flops, flops) if low_peak else 0.0
+  t_compute = (flops - low_flops) / peak_flops + (low_flops / low_peak if low_flops else 0.0)
+  t_memory = bytes_accessed / bandwidth
   return {"compute_s": t_compute, "memory_s": t_memory, "time_s": max(t_compute, t_memory),
           "bound": "compute" if t_compute >= t_memory else "memory",
           "intensity": flops / max(bytes_accessed, 1.0)}

@@ -95,6 +95,10 @@ def format_report(r: dict) -> str:
                  f"step {rl['time_s'] * 1e3:.1f} ms ({rl['bound']}-bound; compute "
                  f"{rl['compute_s'] * 1e3:.1f} ms, memory {rl['memory_s'] * 1e3:.1f} ms), "
                  f"{r['tokens_per_s']:.3g} tokens/s, MFU {100 * r['mfu_at_roofline']:.0f}%")
+    if r.get("quantized_flops_per_device"):
+      lines.append(f"  of which {r['quantized_flops_per_device']:.3e} FLOPs of {r['runtime']['matmul_precision']} "
+                   f"matmuls at {r['quantized_peak_per_device'] / 1e12:.0f} TFLOP/s a device, the rest at the "
+                   f"bfloat16 peak; MFU is of the bfloat16 peak")
   return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ train step keeps the recurrence float32 (read from its jaxpr); the tiny and
 tiny-hybrid models train 200 steps in fp8 and int8 to bfloat16's loss; int8
 decoding against bfloat16 decoding on the trained tiny model."""
 
+import concurrent.futures
 import dataclasses
 import importlib
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from mamba_train import Mamba2LM, generate
+from mamba_train import Mamba2LM, generate, metrics
 from mamba_train.data import corpus
 from mamba_train.model import matmul as mm
 from mamba_train.model.runtime import Runtime
@@ -126,30 +127,46 @@ def corpus_batches():
 RUN_OPTIONS = {"xla_backend_optimization_level": 2}
 
 
-def _train(plan, batches):
+def _lower(plan, batches):
   """The library's train step, `plan.config.steps` times over the stacked batches, inside
   one jitted scan: one dispatch and one transfer back for the whole run, not one a step
-  (the step is the same jitted function train.py calls, traced into the scan's body)."""
+  (the step is the same jitted function train.py calls, traced into the scan's body).
+  Returns (run: () -> (state, losses, nonfinite streaks), state shapes)."""
   mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
   built = steps.build(plan, mesh)
   shapes = jax.tree.map(lambda a: (a.shape, a.dtype), built.state)
 
-  def run(state, batches):
+  def scan(state, batches):
     def body(state, batch):
       state, m = built.train_step(state, batch)
       return state, (m["loss"], m["nonfinite_streak"])
     return jax.lax.scan(body, state, batches)
 
-  run = jax.jit(run, donate_argnums=(0,)).lower(built.state, batches).compile(compiler_options=RUN_OPTIONS)
-  state, (losses, streaks) = run(built.state, batches)
-  return state, shapes, np.asarray(losses), np.asarray(streaks)
+  lowered = jax.jit(scan, donate_argnums=(0,)).lower(built.state, batches)
+
+  def run():
+    state, (losses, streaks) = lowered.compile(compiler_options=RUN_OPTIONS)(built.state, batches)
+    return state, np.asarray(losses), np.asarray(streaks)
+  return run, shapes
 
 
 @pytest.fixture(scope="module")
 def trained(corpus_batches):
-  """{(model, precision): (state, state shapes, losses, nonfinite streaks)}."""
-  return {(n, p): _train(_plan(n, p), corpus_batches)
-          for n in ("tiny", "tiny-hybrid") for p in ("default", "int8", "fp8")}
+  """{(model, precision): (state, state shapes, losses, nonfinite streaks)}.
+
+  Traced one after another (tracing reads the sharding rules' process-wide context),
+  then compiled and run two at a time: XLA:CPU compiles a program, and runs one this
+  small, on about one core, and releases the GIL while it does, so the second core
+  takes the next run. Each run is its own program on its own state: the threads
+  change when a run happens, never what it computes."""
+  # fp8 too: the last stop's "fp8 step slows 14x after 30 steps" was the shared machine's
+  # load; its CPU time a step stays flat over 200 steps, and XLA:CPU flushes denormals, so
+  # none is slow (docs/bench/precision.md).
+  keys = [(n, p) for n in ("tiny", "tiny-hybrid") for p in ("default", "int8", "fp8")]
+  lowered = {k: _lower(_plan(*k), corpus_batches) for k in keys}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    runs = {k: pool.submit(lowered[k][0]) for k in keys}
+    return {k: (*runs[k].result()[:1], lowered[k][1], *runs[k].result()[1:]) for k in keys}
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
@@ -228,6 +245,31 @@ def test_a_quantized_train_step_keeps_the_recurrence_float32():
   assert any(str(e.primitive) == "dot_general" for e, _ in quantized)
   assert all(any(f.endswith("model/matmul.py") for f, _ in frames) or "qwix" in "".join(f for f, _ in frames)
              for _, frames in quantized)
+
+
+# ----------------------------------------------------------------------------
+# The roofline's quantized share: the FLOPs metrics counts at the int8 / fp8 peak.
+
+
+def test_quantized_flops_are_six_per_weight_of_the_quantized_matmuls():
+  # Independent of the formula: the weights that go through matmul.linear are the
+  # parameters named *_proj (in_proj's parts, out_proj, q/k/v/o, up/down), 2 FLOPs a
+  # weight a token forward and 4 backward; the LM head (tied embedding) stays bf16.
+  for name in ("tiny", "tiny-hybrid"):
+    plan = _plan(name, "int8", steps=2)
+    mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
+    params = steps.build(plan, mesh, init=False).state.params
+    weights = sum(a.size for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if "_proj" in jax.tree_util.keystr(path))
+    assert metrics.quantized_flops_per_token(plan.model, plan.runtime, LEN) == 6 * weights
+    assert metrics.quantized_flops_per_token(plan.model, plan.runtime.replace(matmul_precision="default"),
+                                             LEN) == 0
+  v6e = metrics.CHIPS["v6e"]
+  assert v6e.matmul_peak("int8") == 2 * v6e.matmul_peak("default") == v6e.matmul_peak("fp8") * 2
+  # A compute-bound step whose FLOPs are all int8 matmuls takes half the bf16 time.
+  full = metrics.roofline_seconds(1e15, 1.0, v6e.peak_flops, v6e.hbm_bandwidth)
+  half = metrics.roofline_seconds(1e15, 1.0, v6e.peak_flops, v6e.hbm_bandwidth, 1e15, v6e.matmul_peak("int8"))
+  assert half["compute_s"] == pytest.approx(full["compute_s"] / 2)
 
 
 # ----------------------------------------------------------------------------

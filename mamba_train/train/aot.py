@@ -321,9 +321,14 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
     full = {k: full[k] + kernels[k] for k in ("flops", "bytes accessed")}
     report["cost_with_kernels"] = full
   flops = max(full["flops"], model_flops)
-  rl = metrics.roofline_seconds(flops, full["bytes accessed"], peak, bandwidth)
+  # The int8 / fp8 matmuls (the model's count of them) at the chip's peak for that format.
+  low = metrics.quantized_flops_per_token(model_cfg, plan.runtime, config.seq_len) * tokens / len(devices)
+  low_peak = chip.matmul_peak(plan.runtime.matmul_precision) * per_device
+  report["quantized_flops_per_device"] = low
+  report["quantized_peak_per_device"] = low_peak if low else 0.0
+  rl = metrics.roofline_seconds(flops, full["bytes accessed"], peak, bandwidth, low, low_peak if low else 0.0)
   report["roofline"] = rl
   report["step_time_s"] = rl["time_s"]
   report["tokens_per_s"] = tokens / rl["time_s"]
-  report["mfu_at_roofline"] = model_flops / peak / rl["time_s"]
+  report["mfu_at_roofline"] = model_flops / peak / rl["time_s"]  # of the bfloat16 peak, as is usual
   return report
