@@ -325,6 +325,11 @@ def test_run_config_refusals():
   c = base.get_config()
   c.model.update(MOE_CFG.to_dict())
   assert validate(c, num_devices=8).moe.bias_update_rate == 1e-3
+  # A softmax router (GraniteMoeHybrid) has no correction bias: the default rate does not
+  # stop its finetune, it just moves nothing there.
+  c.model.moe_router_score_function = "softmax"
+  assert validate(c, num_devices=8).moe.bias_update_rate == 0.0
+  c.model.moe_router_score_function = "sigmoid"
   c.mesh.update(data=1, expert=8)
   assert validate(c, num_devices=8).mesh_shape["expert"] == 8
   c.model.n_routed_experts, c.model.n_group = 12, 1
