@@ -20,8 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # XLA:CPU flags that compile the suite's tiny programs about 3x faster (less optimisation
 # of the generated code); numerics stay within float32 rounding. Only those the installed
 # XLA defines: XLA aborts on an unknown one, and jaxlib 0.12 dropped the fusion-emitter flag.
+#
+# XLA:CPU also ends a process (SIGABRT) when a collective's rendezvous has not completed in
+# 40 s (its default terminate timeout), and the test's heartbeat timeouts are as short as
+# a test can afford: on a loaded CI machine a process of a multi-process job can lag that
+# long without being dead. One CI run lost a job to a SIGABRT inside an all-gather; the
+# suite's subprocess runs therefore let a collective wait 15 minutes (a dead peer is still
+# found at once, its sockets closing, or by train.py's heartbeat).
+PATIENT_COLLECTIVES = xla_flags.only_known("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                                           "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                                "--xla_cpu_use_fusion_emitters=false")
+                                "--xla_cpu_use_fusion_emitters=false") + " " + PATIENT_COLLECTIVES
 
 
 def rel(a, b) -> float:
@@ -90,6 +99,15 @@ def run_train(workdir, *extra, timeout=300) -> subprocess.CompletedProcess:
   """train.py (`train_command`) to its end, output captured; the caller checks the exit code."""
   cmd, env = train_command(workdir, extra)
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def log_tail(text: str, chars: int = 3000) -> str:
+  """The end of a subprocess's log for an assertion message, without the stack dumps that
+  faulthandler prints for every thread of an aborted process: what the process said
+  before it died stays in view."""
+  dump = ('File "', "Thread 0x", "Current thread 0x", "Extension modules:")
+  kept = [line for line in text.splitlines() if not line.lstrip().startswith(dump)]
+  return "\n".join(kept)[-chars:]
 
 
 def patched(cmd: list[str], patch: str) -> list[str]:

@@ -21,7 +21,7 @@ import pytest
 
 from mamba_train import xla_flags
 
-from helpers import ROOT, free_port, model_flags, patched
+from helpers import PATIENT_COLLECTIVES, ROOT, free_port, log_tail, model_flags, patched
 
 STEPS = 4
 SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.source=synthetic",
@@ -34,7 +34,8 @@ TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.m
 SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.dcn_sequence=2", "--config.mesh.data=1",
                  "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
 ONE_HOST_SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.data=1", "--config.mesh.sequence=4"]
-FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+FAST_XLA = xla_flags.only_known(
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true") + " " + PATIENT_COLLECTIVES
 
 
 def _env(devices: int) -> dict:
@@ -88,7 +89,7 @@ def runs(tmp_path_factory):
   codes = _wait([*two, one, *seq, one_seq], timeout=500)
   logs = {name: (tmp / f"{name}.log").read_text()
           for name in ("two0", "two1", "one", "seq0", "seq1", "one_seq")}
-  assert codes == [0] * 6, "\n\n".join(f"== {k} ==\n{v[-3000:]}" for k, v in logs.items())
+  assert codes == [0] * 6, "\n\n".join(f"== {k} ==\n{log_tail(v)}" for k, v in logs.items())
   return tmp, logs
 
 

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import FAST_XLA, ROOT, free_port, model_flags, patched
+from helpers import FAST_XLA, ROOT, free_port, log_tail, model_flags, patched
 
 STEPS = 10
 ARGS = [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "tiny.py"),
@@ -30,7 +30,7 @@ ARGS = [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs"
         "--config.seq_len=32", "--config.batch_size=4", f"--config.steps={STEPS}",
         "--config.log_every=1", "--config.eval_every=0", "--config.wandb.mode=disabled",
         "--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=2",
-        "--heartbeat_timeout=15"]
+        "--heartbeat_timeout=60"]
 TIERS = ["--config.checkpoint_every=3", "--config.checkpoint.local_every=2"]
 # Process 0 dies (SIGKILL) with local step 8 written but not yet committed (renamed):
 # once persistent step 6 is committed, and before its main thread can pass step 8.
@@ -102,8 +102,8 @@ def jobs(tmp_path_factory):
   ref = _job(tmp, "ref", tmp / "ref", None)
   killed = _job(tmp, "killed", tmp / "killed", tmp / "killed_local", patch=KILL_IN_SAVE)
   codes = _wait(killed) + _wait(ref)
-  assert codes[2:] == [0, 0], "\n".join(x[-3000:] for x in _logs(tmp, "ref"))
-  assert codes[0] == -9 and codes[1] != 0, "\n".join(x[-3000:] for x in _logs(tmp, "killed"))
+  assert codes[2:] == [0, 0], "\n".join(log_tail(x) for x in _logs(tmp, "ref"))
+  assert codes[0] == -9 and codes[1] != 0, "\n".join(log_tail(x) for x in _logs(tmp, "killed"))
   local = tmp / "killed_local"
   assert _steps(tmp / "killed" / "checkpoints") == [3, 6]
   assert _steps(local / "process_0") == [4, 6] and (local / "process_0" / ".8.partial").is_dir()
@@ -129,7 +129,7 @@ def jobs(tmp_path_factory):
   codes = {name: _wait(p) for name, p in procs.items()}
   logs = {name: _logs(tmp, name) for name in scenarios}
   for name, c in codes.items():
-    assert c == [0, 0], f"{name}\n" + "\n".join(x[-3000:] for x in logs[name])
+    assert c == [0, 0], f"{name}\n" + "\n".join(log_tail(x) for x in logs[name])
   return tmp, scenarios, logs
 
 
