@@ -13,17 +13,24 @@ from helpers import ROOT, train_command
 PHASES = ("step", "compile", "checkpoint_save", "checkpoint_restore", "data", "eval", "setup")
 
 
-def test_nested_phases_count_once():
+def test_nested_phases_count_once(monkeypatch):
+  """On a fake clock (no test depends on the machine's speed): a save nested in a step
+  counts as the save's time only."""
+  from mamba_train import metrics
   from mamba_train.train.goodput import Goodput, summary
+  now = [100.0]
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
   gp = Goodput()
   with gp.phase("step"):
-    time.sleep(0.02)
+    now[0] += 2.0
     with gp.phase("checkpoint_save"):
-      time.sleep(0.03)
+      now[0] += 3.0
+    now[0] += 0.5
+  now[0] += 1.0  # in no phase: other
   row = gp.row()
-  assert row["goodput/checkpoint_save_s"] >= 0.03
-  assert 0.02 <= row["goodput/step_s"] < 0.03 + 0.02  # the save's time is not the step's
-  assert sum(row[f"goodput/{k}_s"] for k in (*PHASES, "other")) == pytest.approx(row["goodput/wall_s"], abs=1e-3)
+  assert row["goodput/step_s"] == 2.5 and row["goodput/checkpoint_save_s"] == 3.0
+  assert row["goodput/other_s"] == 1.0 and row["goodput/wall_s"] == 6.5
+  assert sum(row[f"goodput/{k}_s"] for k in (*PHASES, "other")) == pytest.approx(row["goodput/wall_s"], abs=1e-9)
   assert summary(row).startswith("goodput: ") and "checkpoint save" in summary(row)
   with pytest.raises(ValueError, match="unknown goodput phase"):
     with gp.phase("coffee"):

@@ -222,7 +222,7 @@ def test_killed_process_stops_the_job_with_one_line(tmp_path, killed, first):
   with train.py's one line, whichever notices first: a collective (the survivor was in one,
   training) or the heartbeat (the survivor was outside any, in its hooks). It was the
   runtime's C++ abort when the coordination service noticed first."""
-  heartbeat = 3
+  heartbeat = 8  # short, and still long past a loaded machine's pauses (a false alarm fails the test)
   args = [os.path.join(ROOT, "train.py"), *SMALL, *TWO_HOST_MESH, "--config.steps=100000",
           "--workdir", str(tmp_path / "run"), f"--heartbeat_timeout={heartbeat}", "--init_timeout=60"]
   mark = tmp_path / "sleeping"
