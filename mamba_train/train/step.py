@@ -188,8 +188,8 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
                              frozen=state.frozen)
       metrics = {
           "loss": loss,
-          "grad_norm": optax.global_norm(grads),
-          "param_norm": optax.global_norm(new_params),
+          "grad_norm": optax.tree.norm(grads),
+          "param_norm": optax.tree.norm(new_params),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           **guard_metrics(opt_state),
