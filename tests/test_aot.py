@@ -134,7 +134,6 @@ def test_every_layer_cost_counts_each_layer():
   c = base.get_config()
   c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8)
   c.seq_len, c.batch_size = 8, 1
-  c.lora.rank = lora_rank
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   plan = run_config.validate(c, num_devices=1, platform=mesh.devices.flat[0].platform)
   got = aot.every_layer_cost(plan, mesh, {})
