@@ -13,7 +13,10 @@ value): each expert takes at most 1.25 x an even share of a sequence's
 assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatch
 (capacity_factor=0) sizes the expert all-to-all's buffers for the worst case and
 did not fit either slice; at 1.25 both fit (v5p-128: 58.9 GiB a chip of 95; v6e-256:
-28.4 of 32; docs/bench/moe.md). The router keeps NemotronH's
+28.4 of 32; docs/bench/moe.md). On H100s (add --config.runtime.attention=xla to
+compile without a GPU): one 8-GPU host takes LoRA (--config.lora.rank=16, 64 GiB a
+GPU at 8 x 2048), not a full finetune; two hosts (h100-16) do (70 GiB a GPU at
+16 x 2048). The router keeps NemotronH's
 balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4
 auxiliary loss (config.moe; 0 turns either off).
 """

@@ -116,6 +116,15 @@ def main(argv):
   if config is None:
     raise app.UsageError("--config configs/<name>.py is required")
   if is_gpu_topology(_TOPOLOGY.value):
+    # cuDNN's flash attention (what 'auto' picks for bfloat16 on GPUs) checks the cuDNN
+    # library and the device's compute capability while tracing: with no GPU it fails
+    # deep in jax.nn.dot_product_attention, so say so before any work.
+    rt = config.runtime
+    if ("*" in (config.model.get("layer_pattern") or "") and rt.attention in ("auto", "cudnn")
+        and (rt.attention != "auto" or rt.compute_dtype == "bfloat16")):
+      raise app.UsageError(f"runtime.attention={rt.attention!r} runs cuDNN's attention on GPUs, which cannot be "
+                           "compiled without a GPU: pass --config.runtime.attention=xla (the plain form; its "
+                           "l x l scores make the memory an upper bound)")
     # Compiling for GPUs needs only the CPU client (and the CUDA plugin's topology):
     # no TPU or GPU backend start-up. Before JAX initialises a backend.
     import jax

@@ -29,6 +29,8 @@ from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
 from mamba_train import metrics
+from mamba_train.model import lora as lora_lib
+from mamba_train.model.mamba2 import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
 from mamba_train.train import run_config
@@ -200,8 +202,13 @@ def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll:
 
 def cost_with_pattern(plan: run_config.Plan, mesh: Mesh, pattern: str) -> dict:
   """XLA's counts of the plan's train step with the layers of `pattern` unrolled."""
-  plan = plan.replace(model=plan.model.replace(n_layer=len(pattern), layer_pattern=pattern))
-  return cost_with_layers(plan, mesh, len(pattern), unroll=True)
+  model = plan.model.replace(n_layer=len(pattern), layer_pattern=pattern)
+  lora = plan.lora
+  if lora is not None:  # the adapters of the weights the smaller pattern has (no attention's in 'M')
+    present = weight_names(model)
+    lora = lora.replace(targets=tuple(t for t in lora.targets
+                                      if t == lora_lib.HEAD or lora_lib.TARGETS[t][1][0] in present))
+  return cost_with_layers(plan.replace(model=model, lora=lora), mesh, len(pattern), unroll=True)
 
 
 def hybrid_every_layer_cost(plan: run_config.Plan, mesh: Mesh) -> dict:
