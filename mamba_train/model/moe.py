@@ -27,9 +27,13 @@ function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
 experts' tokens), so the work is T k rows whatever E, never a dense
-all-experts product. ragged_dot is XLA's own op: it differentiates, runs on
-every backend, and lowers to a grouped matmul on TPU and GPU; tokamax's and
-megablox's kernels are faster on TPU but pin versions this library does not. `experts_dense`
+all-experts product. ragged_dot is XLA's own op: it differentiates and runs on
+every backend, but how it lowers is the backend's: a grouped-matmul kernel on CPU
+and v5p, while libtpu 0.0.52 turns it into a product over every local expert on
+v6e and XLA's GPU compiler into an ordinary dot over every local expert (read
+from the compiled programs, docs/bench/moe.md): there the work is E / k times the
+routed rows'. megablox's TPU kernel and tokamax's would keep it grouped (not
+wired in yet). `experts_dense`
 (every expert on every token, masked) is the reference it is tested against.
 With the 'expert' mesh axis the experts are split over devices and tokens
 travel to them by all-to-all (parallel/experts.py).
