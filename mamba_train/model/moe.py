@@ -26,15 +26,13 @@ not renormalised) and counted (`moe_dropped`). The count is per sequence, so the
 function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
-experts' tokens), so the work is T k rows whatever E, never a dense
-all-experts product. ragged_dot is XLA's own op: it differentiates and runs on
-every backend, but how it lowers is the backend's: a grouped-matmul kernel on CPU
-and v5p, while libtpu 0.0.52 turns it into a product over every local expert on
-v6e and XLA's GPU compiler into an ordinary dot over every local expert (read
-from the compiled programs, docs/bench/moe.md): there the work is E / k times the
-routed rows'. megablox's TPU kernel and tokamax's would keep it grouped (not
-wired in yet). `experts_dense`
-(every expert on every token, masked) is the reference it is tested against.
+experts' tokens), so the program asks for T k rows of work whatever E. ragged_dot
+is XLA's own op: it differentiates and runs on every backend, but each backend
+lowers it its own way (read from compiled programs, docs/bench/moe.md): v5p keeps
+a grouped-matmul kernel; libtpu 0.0.52 on v6e and XLA's GPU compiler turn it into
+a product over every local expert, the number of local experts times the grouped
+work. megablox's TPU kernel or tokamax's would keep it grouped there (not wired in
+yet). `experts_dense` (every expert on every token, masked) is the reference it is tested against.
 With the 'expert' mesh axis the experts are split over devices and tokens
 travel to them by all-to-all (parallel/experts.py).
 
