@@ -34,6 +34,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from mamba_train.errors import RunFailure, UserError
 from mamba_train.model.config import Mamba2Config
@@ -194,6 +195,11 @@ class Checkpointer:
     nothing is deleted. The manager is reopened to forget them."""
     self.manager.wait_until_finished()
     _move_aside(self.directory, steps)
+    if jax.process_count() > 1:
+      # Process 0 renames; every process's reload lists the step directories and then
+      # reads each one's timestamp, so a reload that listed a step before the rename
+      # failed on it (FileNotFoundError in Orbax's threads, the job then lost).
+      multihost_utils.sync_global_devices(f"mamba_train: checkpoints {steps} set aside")
     self.manager.reload()
 
   def steps(self) -> list[int]:
