@@ -367,7 +367,7 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
     mlp = functools.partial(expert_mlp, impl=rt.moe_impl)
     y, keep = split.experts(mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity)
+                            cd, cap, within_capacity, check_vma=rt.moe_impl == "ragged")
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])
