@@ -201,6 +201,49 @@ def test_capacity_drops_as_the_dense_reference():
   assert rel(got[1], want[1]) < 1e-5
 
 
+def test_megablox_equals_ragged_dot():
+  """`expert_mlp` by megablox's grouped matmul (in Pallas' interpreter) against
+  jax.lax.ragged_dot on the same rows, float32: squared-ReLU experts forward and the
+  gradients to the rows and the weights, with experts given no rows, rows past
+  sum(sizes) (dropped: zero out, zero gradient) and 150 rows padded to two row tiles
+  of 128; swiglu experts forward on 24 rows padded to a tile of 32. (The gate's
+  gradient is the same kernels as up's: each interpreted kernel costs seconds of
+  compile, so swiglu runs forward only.)"""
+  f32 = jnp.dtype("float32")
+  ks = jax.random.split(jax.random.key(5), 5)
+  e, w, f = 6, 32, 24
+  rows = jax.random.normal(ks[0], (150, w))
+  up, gate = (0.3 * jax.random.normal(k, (e, w, f)) for k in ks[1:3])
+  down = 0.3 * jax.random.normal(ks[3], (e, f, w))
+  sizes = jnp.array((40, 0, 30, 50, 0, 20), jnp.int32)  # 140 of 150 rows: 10 dropped
+
+  def loss(impl):
+    def fn(rows, up, down):
+      out = moe_lib.expert_mlp(rows, up, down, sizes, f32, impl)
+      return jnp.sum(jnp.sin(out)), out
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True))
+
+  (_, got), g_got = loss("megablox_interpret")(rows, up, down)
+  (_, want), g_want = loss("ragged")(rows, up, down)
+  assert rel(got, want) < 1e-5
+  assert not np.any(np.asarray(got[140:])) and not np.any(np.asarray(g_got[0][140:]))
+  for name, a, b in zip(("rows", "up", "down"), g_got, g_want):
+    assert rel(a, b) < 1e-5, name
+  few = jnp.array((5, 0, 7, 12, 0, 0), jnp.int32)
+  swiglu = lambda impl: jax.jit(lambda r: moe_lib.expert_mlp(r, (gate, up), down, few, f32, impl))(rows[:24])
+  assert rel(swiglu("megablox_interpret"), swiglu("ragged")) < 1e-5
+  assert moe_lib.gmm_tiling(2688 * 4, 2688, 1856) == (128, 896, 1856)  # Nano's widths
+
+
+def test_moe_impl_choice():
+  """Runtime.moe_impl: megablox on TPU, ragged_dot elsewhere; a bad name refused."""
+  assert Runtime().resolve("tpu").moe_impl == "megablox"
+  assert Runtime().resolve("cpu").moe_impl == Runtime().resolve("gpu").moe_impl == "ragged"
+  assert Runtime(moe_impl="megablox_interpret").resolve("tpu").moe_impl == "megablox_interpret"
+  with pytest.raises(ValueError, match="moe_impl must be one of"):
+    Runtime(moe_impl="bogus")
+
+
 def test_router_is_nemotron_h():
   """The router against a numpy transcription of NemotronH's (grouped top-k over
   sigmoid scores plus the bias; the weights without it)."""

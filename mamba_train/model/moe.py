@@ -26,13 +26,15 @@ not renormalised) and counted (`moe_dropped`). The count is per sequence, so the
 function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
-experts' tokens), so the program asks for T k rows of work whatever E. ragged_dot
-is XLA's own op: it differentiates and runs on every backend, but each backend
-lowers it its own way (read from compiled programs, docs/bench/moe.md): v5p keeps
-a grouped-matmul kernel; libtpu 0.0.52 on v6e and XLA's GPU compiler turn it into
-a product over every local expert, the number of local experts times the grouped
-work. megablox's TPU kernel or tokamax's would keep it grouped there (not wired in
-yet). `experts_dense` (every expert on every token, masked) is the reference it is tested against.
+experts' tokens), so the program asks for T k rows of work whatever E. Who runs
+them is `Runtime.moe_impl`. ragged_dot is XLA's own op: it differentiates and runs
+on every backend, but each backend lowers it its own way (read from compiled
+programs, docs/bench/moe.md): v5p keeps a grouped-matmul kernel; libtpu 0.0.52 on
+v6e and XLA's GPU compiler turn it into a product over every local expert, the
+number of local experts times the grouped work. On TPU ('auto') the experts run
+instead through megablox, JAX's Pallas grouped matmul (forward and backward stay
+grouped: gmm and tgmm); GPU still has ragged_dot's dense lowering. `experts_dense`
+(every expert on every token, masked) is the reference it is tested against.
 With the 'expert' mesh axis the experts are split over devices and tokens
 travel to them by all-to-all (parallel/experts.py).
 
@@ -53,10 +55,16 @@ expert hidden units, s shared-expert hidden units, e experts, k experts per toke
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+try:  # JAX's Pallas TPU grouped matmul; an experimental path that may move
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+except ImportError:  # pragma: no cover
+  megablox = None
 
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
@@ -227,13 +235,14 @@ def within_capacity_reference(experts, cap: int, n_experts: int):
   return (jnp.sum(seen * hot, axis=-1) < cap).reshape(b, l, k)
 
 
-def experts_ragged(x, experts, weights, up, down, cd, keep=None):
+def experts_ragged(x, experts, weights, up, down, cd, keep=None, impl: str = "ragged"):
   """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) by grouped matmuls.
 
   x (t, w); experts, weights (t, k); up (e, w, f), or (gate, up) both (e, w, f)
   for swiglu experts; down (e, f, w); all already in the compute dtype `cd`;
   keep (t, k) bool or None: False drops the assignment (past its expert's
-  capacity). Returns (t, w) float32. The t k (token, expert) pairs are sorted
+  capacity); impl: who runs the grouped matmuls (`expert_mlp`). Returns (t, w)
+  float32. The t k (token, expert) pairs are sorted
   by expert (a stable sort: ties keep token order; dropped ones last, past every
   group, where no expert meets them), each pair's token row gathered, both
   matmuls run per expert group, and each row scattered back onto its token with
@@ -244,16 +253,73 @@ def experts_ragged(x, experts, weights, up, down, cd, keep=None):
   order = jnp.argsort(flat, stable=True)
   token = order // k
   sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
-  rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
+  rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd, impl)
   w = jnp.take(weights.reshape(-1), order)
   return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
 
 
-def expert_mlp(rows, up, down, sizes, cd):
+def _gmm_tm(m: int) -> int:
+  """megablox's row tile for m rows: 128, or m rounded up to 16 (a bfloat16 sublane
+  tile) below that. Each expert's first and last tiles run whole, so up to E tiles of
+  waste; a small tile keeps that small beside T k rows."""
+  return 128 if m >= 128 else -(-m // 16) * 16
+
+
+def _gmm_tile(d: int) -> int:
+  """A contraction / output tile for a dimension d: d itself up to 1024; else the
+  largest multiple of 128 up to 1024 that divides d (2688 = 21 x 128 -> 896); else d
+  itself up to 4096 (a block the full dimension wide needs no 128 multiple: 1856);
+  else 512, whose ragged last tile megablox masks."""
+  if d <= 1024:
+    return d
+  for t in range(1024, 127, -128):
+    if d % t == 0:
+      return t
+  return d if d <= 4096 else 512
+
+
+def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+  """megablox's (tm, tk, tn) for an (m, k) x (e, k, n) problem. A function, not a
+  tuple: its backward calls gmm and tgmm on the transposed problems, each of which
+  asks it again for its own shape."""
+  return _gmm_tm(m), _gmm_tile(k), _gmm_tile(n)
+
+
+def _megablox(rows, up, gate, down, sizes, cd, interpret: bool):
+  """`expert_mlp` by megablox's grouped matmul. Its rows must be a multiple of the
+  row tile, so they are padded; rows past sum(sizes) (padding and dropped
+  assignments) belong to no group, and gmm leaves them unwritten (whatever memory
+  held, forward, and for the lhs gradient backward): each product's output is zeroed
+  there, and its input too, which zeroes the unwritten gradient rows on the way back."""
+  if megablox is None:
+    raise ImportError("moe_impl='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this "
+                      "jax lacks; use moe_impl='ragged'")
+  m = rows.shape[0]
+  mp = -(-m // _gmm_tm(m)) * _gmm_tm(m)
+  valid = (jnp.arange(mp) < jnp.sum(sizes))[:, None]
+
+  def gmm(a, w):
+    a = jnp.where(valid, a, jnp.zeros((), a.dtype))
+    out = megablox.gmm(a, w, sizes, preferred_element_type=F32, tiling=gmm_tiling, interpret=interpret)
+    return jnp.where(valid, out, 0.0)
+
+  rows = jnp.pad(rows, ((0, mp - m), (0, 0)))
+  hid = _act(gmm(rows, up), None if gate is None else gmm(rows, gate))
+  return gmm(hid.astype(cd), down)[:m]
+
+
+def expert_mlp(rows, up, down, sizes, cd, impl: str = "ragged"):
   """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
   rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
-  f), or (gate, up) for swiglu."""
+  f), or (gate, up) for swiglu. impl: `Runtime.moe_impl`, resolved ('ragged',
+  'megablox' or 'megablox_interpret')."""
   gate, up = up if isinstance(up, tuple) else (None, up)
+  sizes = sizes.astype(jnp.int32)
+  if impl in ("megablox", "megablox_interpret"):
+    return _megablox(rows, up, gate, down, sizes, cd, interpret=impl == "megablox_interpret")
+  if impl != "ragged":
+    raise ValueError(f"moe_impl {impl!r} is not resolved to 'ragged' / 'megablox' / 'megablox_interpret': "
+                     "call Runtime.resolve(backend) first")
   ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
   hid = _act(ragged(rows, up), None if gate is None else ragged(rows, gate))
   return ragged(hid.astype(cd), down)
@@ -296,11 +362,12 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
   if dense:
     y = experts_dense(xe, experts, weights if keep is None else jnp.where(keep, weights, 0.0), up, down, cd)
   elif split is None:
-    y = experts_ragged(xe, experts, weights, up, down, cd, keep)
+    y = experts_ragged(xe, experts, weights, up, down, cd, keep, rt.moe_impl)
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
-    y, keep = split.experts(expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity)
+    mlp = functools.partial(expert_mlp, impl=rt.moe_impl)
+    y, keep = split.experts(mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
+                            cd, cap, within_capacity, check_vma=rt.moe_impl == "ragged")
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])

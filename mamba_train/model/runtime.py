@@ -47,6 +47,11 @@ SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
 # do not depend on the SSD's, a run (and benchmarks/gpu.sh) can time either with the
 # same SSD, and a TPU lowering can join as its own value.
 LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
+# Who runs the routed experts' grouped matmuls (`moe.expert_mlp`): 'ragged'
+# (`jax.lax.ragged_dot`, every backend), 'megablox' (JAX's Pallas TPU grouped
+# matmul), 'megablox_interpret' (that kernel in Pallas' interpreter, for tests), or
+# 'auto' (`default_moe_impl`).
+MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -77,6 +82,13 @@ def default_impl(backend: str) -> str:
 def default_layer_impl(backend: str) -> str:
   """The layer kernels of `layer_gpu` on NVIDIA GPUs; the plain forms elsewhere."""
   return "triton" if backend in ("gpu", "cuda") else "xla"
+
+
+def default_moe_impl(backend: str) -> str:
+  """megablox on TPUs, where libtpu 0.0.52 lowers ragged_dot on v6e to a product over
+  every local expert (docs/bench/moe.md) and megablox's kernel stays grouped;
+  ragged_dot elsewhere (megablox is a TPU kernel)."""
+  return "megablox" if backend == "tpu" else "ragged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +133,8 @@ class Runtime(FrozenFields):
   # most ceil(cf * l * k / E) of a sequence's assignments, and drops the rest
   # (`moe.capacity`). Set by the run config's moe.capacity_factor.
   moe_capacity_factor: float = 0.0
+  # Who runs the experts' grouped matmuls (MOE_IMPLS).
+  moe_impl: str = "auto"
 
   def __post_init__(self):
     problems = []
@@ -141,6 +155,8 @@ class Runtime(FrozenFields):
       problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
     if self.layer_impl not in LAYER_IMPLS:
       problems.append(f"layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
+    if self.moe_impl not in MOE_IMPLS:
+      problems.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     if self.decode_layers not in DECODE_LAYERS:
       problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     cf = self.moe_capacity_factor
@@ -157,7 +173,8 @@ class Runtime(FrozenFields):
 
   @property
   def resolved(self) -> bool:
-    return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl)
+    return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl,
+                          self.moe_impl)
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -171,6 +188,7 @@ class Runtime(FrozenFields):
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
         layer_impl=default_layer_impl(backend) if self.layer_impl == "auto" else self.layer_impl,
+        moe_impl=default_moe_impl(backend) if self.moe_impl == "auto" else self.moe_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))

@@ -66,7 +66,8 @@ class ExpertSplit:
   expert: str | None
   hidden: Axes
 
-  def experts(self, mlp: Callable, x, experts, weights, up, down, cd, cap=None, within=None):
+  def experts(self, mlp: Callable, x, experts, weights, up, down, cd, cap=None, within=None,
+              check_vma: bool = True):
     """sum_j weights[.., j] * expert_{experts[.., j]}(x) as `moe.experts_ragged`
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
@@ -74,6 +75,9 @@ class ExpertSplit:
     sizes, cd) -> rows float32: the experts on rows sorted by expert. cap: the
     assignments an expert takes from one sequence (None: dropless), and
     within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
+    check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
+    no varying-axes type; shard_map then psums the replicated weights' gradients
+    over the axes they are not split on, as check_vma's types would.
     Returns y (..., w) float32 and keep (..., k) bool (None when dropless)."""
     n = self.mesh.shape[self.expert] if self.expert else 1
     e = down.shape[0]
@@ -101,7 +105,8 @@ class ExpertSplit:
       return (y, keep) if capped else y
 
     out_specs = (tok, tok) if capped else tok
-    out = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_specs)(x, experts, weights, up, down)
+    out = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_specs,
+                        check_vma=check_vma)(x, experts, weights, up, down)
     return out if capped else (out, None)
 
   def _keep(self, experts, cap, within, e):
