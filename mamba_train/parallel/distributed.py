@@ -193,6 +193,11 @@ service = _jax.get_distributed_runtime_service(address, n, heartbeat_timeout=hea
 print("ready", flush=True)
 if sys.stdin.readline().strip() != "stop":
   time.sleep(linger)
+else:
+  # The job ended (every process passed JAX's shutdown barrier). The service's own
+  # shutdown ends the clients' error polls in order; a bare exit closed their sockets
+  # while a slower process still polled, and its client aborted (a CI run lost a job so).
+  service.shutdown()
 os._exit(0)
 """
 _GRACE_S = 10  # beyond heartbeat_timeout: the survivors' watch reports within it
@@ -222,7 +227,11 @@ class _ServiceProcess:
         self.proc.stdin.flush()
       except OSError:
         pass
-      self.proc.wait(timeout=30)
+      try:
+        self.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:  # a shutdown that hangs must not hold the job's exit
+        self.proc.kill()
+        self.proc.wait()
 
 
 class _service_in_own_process:
