@@ -10,6 +10,7 @@ states it saves (`guarded_save`) are its policy, below it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -215,8 +216,15 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
       with gp.phase("checkpoint_save"):
         ckpt.close()  # waits for saves in flight
     finally:
-      writer.write(done, {"event": "goodput", **gp.row()})  # the whole run's, at its end
-      writer.close()
+      # The whole run's goodput, at its end. On a full disk the record cannot take it
+      # either: a warning, so that the error that stopped the run stays the one reported.
+      try:
+        writer.write(done, {"event": "goodput", **gp.row()})
+      except OSError as e:
+        logging.warning("the run's closing goodput row was not written: %s", e)
+      finally:
+        with contextlib.suppress(OSError):  # the file is closed even when its flush fails
+          writer.close()
       logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
       logging.info("%s", gp.summary())
 
