@@ -33,8 +33,10 @@ programs, docs/bench/moe.md): v5p keeps a grouped-matmul kernel; libtpu 0.0.52 o
 v6e and XLA's GPU compiler turn it into a product over every local expert, the
 number of local experts times the grouped work. On TPU ('auto') the experts run
 instead through megablox, JAX's Pallas grouped matmul (forward and backward stay
-grouped: gmm and tgmm); GPU still has ragged_dot's dense lowering. `experts_dense`
-(every expert on every token, masked) is the reference it is tested against.
+grouped: gmm and tgmm); on NVIDIA GPUs through tokamax's ragged dot (Pallas Triton
+kernels, grouped forward and backward) where tokamax is installed, else ragged_dot.
+`experts_dense` (every expert on every token, masked) is the reference it is tested
+against.
 With the 'expert' mesh axis the experts are split over devices and tokens
 travel to them by all-to-all (parallel/experts.py).
 
@@ -285,40 +287,110 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
   return _gmm_tm(m), _gmm_tile(k), _gmm_tile(n)
 
 
-def _megablox(rows, up, gate, down, sizes, cd, interpret: bool):
-  """`expert_mlp` by megablox's grouped matmul. Its rows must be a multiple of the
-  row tile, so they are padded; rows past sum(sizes) (padding and dropped
-  assignments) belong to no group, and gmm leaves them unwritten (whatever memory
+def _grouped(rows, up, gate, down, sizes, cd, gmm, pad: int):
+  """`expert_mlp` by a grouped-matmul kernel gmm(a, w) -> float32 that, like
+  megablox's and tokamax's, leaves rows past sum(sizes) unwritten (whatever memory
   held, forward, and for the lhs gradient backward): each product's output is zeroed
-  there, and its input too, which zeroes the unwritten gradient rows on the way back."""
+  there, and its input too, which zeroes the unwritten gradient rows on the way
+  back. The rows are padded to `pad` more (megablox: to its row tile; tokamax: a row
+  block past the end, which its kernel reads unmasked), padding being such rows."""
+  m = rows.shape[0]
+  valid = (jnp.arange(m + pad) < jnp.sum(sizes))[:, None]
+
+  def masked(a, w):
+    out = gmm(jnp.where(valid, a, jnp.zeros((), a.dtype)), w)
+    return jnp.where(valid, out, 0.0)
+
+  rows = jnp.pad(rows, ((0, pad), (0, 0)))
+  hid = _act(masked(rows, up), None if gate is None else masked(rows, gate))
+  return masked(hid.astype(cd), down)[:m]
+
+
+def _megablox(rows, up, gate, down, sizes, cd, interpret: bool):
+  """`expert_mlp` by megablox's grouped matmul, whose rows must be a multiple of its
+  row tile."""
   if megablox is None:
     raise ImportError("moe_impl='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this "
                       "jax lacks; use moe_impl='ragged'")
   m = rows.shape[0]
-  mp = -(-m // _gmm_tm(m)) * _gmm_tm(m)
-  valid = (jnp.arange(mp) < jnp.sum(sizes))[:, None]
+  gmm = lambda a, w: megablox.gmm(a, w, sizes, preferred_element_type=F32, tiling=gmm_tiling,
+                                  interpret=interpret)
+  return _grouped(rows, up, gate, down, sizes, cd, gmm, -(-m // _gmm_tm(m)) * _gmm_tm(m) - m)
 
-  def gmm(a, w):
-    a = jnp.where(valid, a, jnp.zeros((), a.dtype))
-    out = megablox.gmm(a, w, sizes, preferred_element_type=F32, tiling=gmm_tiling, interpret=interpret)
-    return jnp.where(valid, out, 0.0)
 
-  rows = jnp.pad(rows, ((0, mp - m), (0, 0)))
-  hid = _act(gmm(rows, up), None if gate is None else gmm(rows, gate))
-  return gmm(hid.astype(cd), down)[:m]
+def import_tokamax():
+  """tokamax, imported on first use (it is the optional `gpu` extra; CPU and TPU
+  runs never import it), or an ImportError that says how to get it or do without."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except Exception as err:  # noqa: BLE001 - a missing or broken (another jax) install alike
+    raise ImportError(f"moe_impl='tokamax' needs tokamax (pip install 'mamba_train[gpu]'), which does not "
+                      f"import here ({type(err).__name__}: {err}); use moe_impl='ragged'") from err
+  return tokamax
+
+
+# tokamax's Triton ragged dot reads a block of up to 128 rows from each group's start
+# without a bounds check on rows (its store is masked): this many rows past the last
+# keep the reads of a group ending near the last row inside the array.
+TOKAMAX_ROW_PAD = 128
+
+
+@jax.custom_vjp
+def _no_grad_for_empty(w, sizes):
+  """w, whose gradient is zeroed for the groups with no rows. tokamax 0.0.12's Triton
+  weight gradient (`_ragged_contracting_dim_dot_kernel`) runs its masked last step
+  even for an empty group, at rows lo - block .. lo, so an empty expert would get a
+  gradient from the rows before it (read from its source; no GPU here to show it).
+  The identity forward costs nothing; backward a select over the gradient."""
+  del sizes
+  return w
+
+
+def _no_grad_fwd(w, sizes):
+  return w, sizes
+
+
+def _no_grad_bwd(sizes, g):
+  return jnp.where((sizes > 0)[:, None, None], g, jnp.zeros((), g.dtype)), None
+
+
+_no_grad_for_empty.defvjp(_no_grad_fwd, _no_grad_bwd)
+
+
+def _tokamax(rows, up, gate, down, sizes, cd):
+  """`expert_mlp` by tokamax's ragged dot, its Pallas Triton kernels (any NVIDIA GPU
+  from sm_80; forward a grouped matmul, backward the same kernel on the transposed
+  weights for the rows and a ragged contraction per group for the weights), asked
+  for by name: tokamax's default order would take its Mosaic GPU kernel, whose
+  configuration is chosen from the live device's compute capability (an
+  ahead-of-time compile on a host without the GPU is refused), and would fall back
+  silently to XLA's ragged_dot, the dense lowering this replaces. tokamax refuses
+  to lower for a default device that is no GPU, forward and backward: an
+  ahead-of-time compile lowers under `tokamax.config.cross_compile(True)`
+  (train/aot.py)."""
+  tokamax = import_tokamax()
+  # Results in the compute dtype (float32 accumulation inside): the gradients flowing
+  # back into the backward kernels are then in it too, and a bfloat16 run's backward
+  # products run at the bfloat16 rate, not at float32's with bfloat16 weights.
+  gmm = lambda a, w: tokamax.ragged_dot(a, _no_grad_for_empty(w, sizes), sizes, preferred_element_type=cd,
+                                        implementation="triton").astype(F32)
+
+  return _grouped(rows, up, gate, down, sizes, cd, gmm, TOKAMAX_ROW_PAD)
 
 
 def expert_mlp(rows, up, down, sizes, cd, impl: str = "ragged"):
   """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
   rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
   f), or (gate, up) for swiglu. impl: `Runtime.moe_impl`, resolved ('ragged',
-  'megablox' or 'megablox_interpret')."""
+  'megablox', 'megablox_interpret' or 'tokamax')."""
   gate, up = up if isinstance(up, tuple) else (None, up)
   sizes = sizes.astype(jnp.int32)
   if impl in ("megablox", "megablox_interpret"):
     return _megablox(rows, up, gate, down, sizes, cd, interpret=impl == "megablox_interpret")
+  if impl == "tokamax":
+    return _tokamax(rows, up, gate, down, sizes, cd)
   if impl != "ragged":
-    raise ValueError(f"moe_impl {impl!r} is not resolved to 'ragged' / 'megablox' / 'megablox_interpret': "
+    raise ValueError(f"moe_impl {impl!r} is not resolved to 'ragged' / 'megablox' / 'tokamax': "
                      "call Runtime.resolve(backend) first")
   ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
   hid = _act(ragged(rows, up), None if gate is None else ragged(rows, gate))

@@ -49,9 +49,10 @@ SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
 LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
 # Who runs the routed experts' grouped matmuls (`moe.expert_mlp`): 'ragged'
 # (`jax.lax.ragged_dot`, every backend), 'megablox' (JAX's Pallas TPU grouped
-# matmul), 'megablox_interpret' (that kernel in Pallas' interpreter, for tests), or
-# 'auto' (`default_moe_impl`).
-MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret")
+# matmul), 'megablox_interpret' (that kernel in Pallas' interpreter, for tests),
+# 'tokamax' (tokamax's ragged dot, its Pallas Triton kernels: NVIDIA GPUs, the
+# optional `gpu` extra), or 'auto' (`default_moe_impl`).
+MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret", "tokamax")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -84,11 +85,26 @@ def default_layer_impl(backend: str) -> str:
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
+def tokamax_imports() -> bool:
+  """Whether tokamax (the `gpu` extra) imports here: installed, and for this jax."""
+  try:
+    import tokamax  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  except Exception:  # noqa: BLE001 - missing, or built against another jax: ragged_dot instead
+    return False
+  return True
+
+
 def default_moe_impl(backend: str) -> str:
   """megablox on TPUs, where libtpu 0.0.52 lowers ragged_dot on v6e to a product over
   every local expert (docs/bench/moe.md) and megablox's kernel stays grouped;
-  ragged_dot elsewhere (megablox is a TPU kernel)."""
-  return "megablox" if backend == "tpu" else "ragged"
+  tokamax's grouped matmul on NVIDIA GPUs when it imports, as XLA:GPU rewrites
+  ragged_dot into a dense product over every local expert too (docs/bench/moe.md),
+  else ragged_dot; ragged_dot on CPU."""
+  if backend == "tpu":
+    return "megablox"
+  if backend in ("gpu", "cuda") and tokamax_imports():
+    return "tokamax"
+  return "ragged"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ added apart, every layer counted the same way (`kernel_costs`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -30,6 +31,7 @@ from jax.sharding import Mesh
 
 from mamba_train import metrics
 from mamba_train.model import lora as lora_lib
+from mamba_train.model import moe as moe_lib
 from mamba_train.model.mamba2 import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
@@ -154,23 +156,61 @@ _HLO_SHAPE = re.compile(r"\b(?:pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
 _TOKEN = re.compile(r"[A-Za-z_]\w*")
 
 
+_HLO_TYPED = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
+_BITS = re.compile(r"(\d+)")
+
+
+def _hlo_shapes(text: str) -> list[tuple[int, tuple[int, ...]]]:
+  """(bytes per element, dims) of each typed shape in a piece of HLO text."""
+  out = []
+  for dtype, dims in _HLO_TYPED.findall(text):
+    bits = 8 if dtype == "pred" else (16 if dtype == "bf16" else int(_BITS.search(dtype).group(1)))
+    out.append((max(1, bits // 8), tuple(int(d) for d in dims.split(",") if d)))
+  return out
+
+
+def ragged_dot_cost(line: str) -> tuple[float, float] | None:
+  """(FLOPs, bytes) of one of tokamax's ragged-dot Triton kernels from its custom
+  call's HLO line, which carries no cost estimate: 2 m k n for m rows (the padded
+  rows, an upper bound on sum(group_sizes)) of width k into n, each expert's rows
+  against its own matrix; bytes its two operands and its result once each. The
+  forward and the rows' gradient are (m, k) x (g, k, n) -> (m, n); the weights'
+  gradient (m, k)^T x (m, n) -> (g, k, n). None if the line is not one of them."""
+  if "PallasTritonRaggedDot" not in line:
+    return None
+  head, tail = line.split("custom-call(", 1)
+  res = _hlo_shapes(head)
+  if "operand_layout_constraints={" not in tail or len(res) != 1:
+    return None
+  ops = _hlo_shapes(tail.split("operand_layout_constraints={", 1)[1])[:2]  # lhs, rhs
+  if len(ops) < 2 or len(ops[0][1]) != 2:
+    return None
+  (m, k), n = ops[0][1], res[0][1][-1]
+  return 2.0 * m * k * n, float(sum(e * math.prod(d) for e, d in (res[0], *ops)))
+
+
 def kernel_costs(compiled, jaxpr) -> dict[str, float]:
   """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
   as XLA counts its own ops (a loop body once: `every_layer_cost` scales it): each
   custom call of the optimised module matched by kernel name (and result shapes)
-  to its estimate in the traced program. From the compiled module, not the jaxpr:
-  XLA drops a recomputation a remat policy made dead (the forward kernel, when its
-  output and states are saved), which the jaxpr still holds."""
+  to its estimate in the traced program, and tokamax's ragged dots (the GPU
+  experts), which carry no estimate, by `ragged_dot_cost`. From the compiled
+  module, not the jaxpr: XLA drops a recomputation a remat policy made dead (the
+  forward kernel, when its output and states are saved), which the jaxpr still
+  holds."""
   total = dict.fromkeys(_COUNTS, 0.0)
   found = kernel_estimates(jaxpr)
-  if not found:
-    return total
   fused = False
   for line in compiled.as_text().splitlines():
     if line and not line[0].isspace():  # a computation's header: fusion bodies hold no calls of ours
       fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
       continue
     if fused or "custom-call(" not in line:
+      continue
+    ragged = ragged_dot_cost(line)
+    if ragged is not None:
+      total["flops"] += ragged[0]
+      total["bytes accessed"] += ragged[1]
       continue
     names = [t for t in set(_TOKEN.findall(line)) if t in found]
     if not names:
@@ -253,6 +293,14 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   return out
 
 
+def _cross_compile(runtime):
+  """tokamax (the GPU experts, `moe_impl='tokamax'`) refuses to lower unless the
+  default device is a GPU; a compile for GPUs the host lacks says it means to."""
+  if runtime.moe_impl == "tokamax":
+    return moe_lib.import_tokamax().config.cross_compile(True)
+  return contextlib.nullcontext()
+
+
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
@@ -260,14 +308,18 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   or the per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
+  plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
+                             reference=reference)
+  with _cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
+    return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer)
+
+
+def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, every_layer: bool) -> dict:
   chip = metrics.CHIPS[gen]
   chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
   per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
   hbm, peak = chip.hbm_bytes * per_device, chip.peak_flops * per_device
   bandwidth = chip.hbm_bandwidth * per_device
-
-  plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
-                             reference=reference)
   mesh = make_mesh(config.mesh, devices, shape=plan.mesh_shape)
   built = build(plan, mesh, init=False)
   state, model_cfg = built.state, plan.model
