@@ -235,10 +235,118 @@ def test_megablox_equals_ragged_dot():
   assert moe_lib.gmm_tiling(2688 * 4, 2688, 1856) == (128, 896, 1856)  # Nano's widths
 
 
+def _tokamax_or_skip():
+  try:
+    return moe_lib.import_tokamax()
+  except ImportError as err:
+    print(err)
+    pytest.skip(f"tokamax (the gpu extra) absent: pip install -e '.[gpu]' ({err})")
+
+
+def test_tokamax_path_equals_ragged_dot(monkeypatch):
+  """`expert_mlp` with moe_impl='tokamax' against jax.lax.ragged_dot, float32: swiglu
+  experts (gate, up, down: every product the squared-ReLU ones have, and the gate),
+  forward and the gradients to the rows and every weight, with
+  experts given no rows and rows past sum(sizes) (zero out, zero gradient). tokamax's
+  Triton kernels have no interpreter on CPU (jax 0.10.2's Pallas HLO interpreter
+  cannot lower the program_id they read inside a `pl.when`), so its ragged dot runs
+  here as tokamax's XLA op carrying tokamax's own backward (rows by a ragged dot
+  on the transposed weights, weights by a ragged contraction): what is checked is
+  our padding, masking, dtype and empty-expert handling around tokamax's op and
+  its VJP; the kernels' sm_90a compile is `test_tokamax_experts_compile_for_h100`."""
+  import functools
+
+  _tokamax_or_skip()
+  from tokamax._src.ops.ragged_dot import base
+  monkeypatch.setattr(moe_lib, "TOKAMAX_IMPLEMENTATION", base.RaggedDot(vjp=functools.partial(base.vjp)))
+  f32 = jnp.dtype("float32")
+  ks = jax.random.split(jax.random.key(6), 4)
+  e, w, f = 6, 16, 12
+  rows = jax.random.normal(ks[0], (50, w))
+  up, gate = (0.3 * jax.random.normal(k, (e, w, f)) for k in ks[1:3])
+  down = 0.3 * jax.random.normal(ks[3], (e, f, w))
+  sizes = jnp.array((12, 0, 10, 16, 0, 8), jnp.int32)  # 46 of 50 rows: 4 dropped
+
+  def grads(impl):
+    def fn(rows, up, gate, down):
+      out = moe_lib.expert_mlp(rows, (gate, up), down, sizes, f32, impl)
+      return jnp.sum(jnp.sin(out)), out
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True))(rows, up, gate, down)
+
+  (_, got), g_got = grads("tokamax")
+  (_, want), g_want = grads("ragged")
+  assert rel(got, want) < 1e-5
+  assert not np.any(np.asarray(got[46:])) and not np.any(np.asarray(g_got[0][46:]))
+  for name, a, b in zip(("rows", "up", "gate", "down"), g_got, g_want):
+    assert rel(a, b) < 1e-5, name
+    if name != "rows":  # experts 1 and 4 met no row
+      assert not np.any(np.asarray(a[1])) and not np.any(np.asarray(a[4])), name
+
+
+_TOKAMAX_COMPILE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from mamba_train.parallel.topology import gpu_devices
+rep = NamedSharding(Mesh(np.array(gpu_devices("h100-1")[2][:1]), ("d",)), P())
+import tokamax
+from mamba_train.model import moe
+from mamba_train.train import aot
+bf = jnp.bfloat16
+m, e, w, f = 256, 8, 128, 64
+S = lambda s, d=bf: jax.ShapeDtypeStruct(s, d, sharding=rep)
+def loss(rows, gate, up, down, sizes):
+  return jnp.sum(jnp.sin(moe.expert_mlp(rows, (gate, up), down, sizes, bf, "tokamax")))
+args = (S((m, w)), S((e, w, f)), S((e, w, f)), S((e, f, w)), S((e,), jnp.int32))
+fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+with tokamax.config.cross_compile(True):
+  compiled = fn.lower(*args).compile()
+  jaxpr = fn.trace(*args).jaxpr
+hlo = compiled.as_text()
+calls = [l for l in hlo.splitlines() if "custom-call(" in l and "PallasTritonRaggedDot" in l]
+# Forward gate, up, down; backward each one's rows and weights gradient.
+assert len(calls) == 9, len(calls)
+assert all("xla.gpu.triton" in l for l in calls)
+# No other matmul: no cuBLAS GEMM, no dot, so nothing dense over the experts.
+assert "cublas" not in hlo and " dot(" not in hlo, [l for l in hlo.splitlines() if "cublas" in l or " dot(" in l][:3]
+mp = m + moe.TOKAMAX_ROW_PAD
+k = aot.kernel_costs(compiled, jaxpr)
+assert k["flops"] == 9 * 2 * mp * w * f, k
+print("compiled", len(calls))
+"""
+
+
+def test_tokamax_experts_compile_for_h100():
+  """The experts through tokamax (gate, up, down; forward and both gradients) for
+  sm_90a with the gpu extra's wheels (no GPU needed): nine tokamax Triton custom
+  calls and no other matmul in the optimised module (XLA:GPU's rewrite of
+  ragged_dot into a dense all-experts dot is gone), and `aot.kernel_costs` counting
+  each at 2 m k n."""
+  import os
+  import subprocess
+  import sys
+
+  from helpers import ROOT, missing_gpu_wheels
+  _tokamax_or_skip()
+  missing = missing_gpu_wheels()
+  if missing:
+    reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
+    print(reason)
+    pytest.skip(reason)
+  assert Runtime().resolve("gpu").moe_impl == "tokamax"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", _TOKAMAX_COMPILE], capture_output=True, text=True, env=env,
+                     timeout=600)
+  assert r.returncode == 0 and "compiled 9" in r.stdout, r.stderr[-3000:]
+
+
 def test_moe_impl_choice():
-  """Runtime.moe_impl: megablox on TPU, ragged_dot elsewhere; a bad name refused."""
+  """Runtime.moe_impl: megablox on TPU, tokamax on GPUs where it imports (else
+  ragged_dot), ragged_dot on CPU; a bad name refused."""
+  from mamba_train.model import runtime
   assert Runtime().resolve("tpu").moe_impl == "megablox"
-  assert Runtime().resolve("cpu").moe_impl == Runtime().resolve("gpu").moe_impl == "ragged"
+  assert Runtime().resolve("cpu").moe_impl == "ragged"
+  assert Runtime().resolve("gpu").moe_impl == ("tokamax" if runtime.tokamax_imports() else "ragged")
   assert Runtime(moe_impl="megablox_interpret").resolve("tpu").moe_impl == "megablox_interpret"
   with pytest.raises(ValueError, match="moe_impl must be one of"):
     Runtime(moe_impl="bogus")

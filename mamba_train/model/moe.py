@@ -329,6 +329,8 @@ def import_tokamax():
   return tokamax
 
 
+# Which of tokamax's implementations `moe_impl='tokamax'` runs (`_tokamax` says why this one).
+TOKAMAX_IMPLEMENTATION = "triton"
 # tokamax's Triton ragged dot reads a block of up to 128 rows from each group's start
 # without a bounds check on rows (its store is masked): this many rows past the last
 # keep the reads of a group ending near the last row inside the array.
@@ -369,11 +371,17 @@ def _tokamax(rows, up, gate, down, sizes, cd):
   ahead-of-time compile lowers under `tokamax.config.cross_compile(True)`
   (train/aot.py)."""
   tokamax = import_tokamax()
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads its options as absl flags, and with none parsed it parses
+    # sys.argv, which outside an absl program (pytest, a notebook) holds foreign
+    # flags and raises: its options then keep their defaults.
+    flags.FLAGS.mark_as_parsed()
   # Results in the compute dtype (float32 accumulation inside): the gradients flowing
   # back into the backward kernels are then in it too, and a bfloat16 run's backward
   # products run at the bfloat16 rate, not at float32's with bfloat16 weights.
   gmm = lambda a, w: tokamax.ragged_dot(a, _no_grad_for_empty(w, sizes), sizes, preferred_element_type=cd,
-                                        implementation="triton").astype(F32)
+                                        implementation=TOKAMAX_IMPLEMENTATION).astype(F32)
 
   return _grouped(rows, up, gate, down, sizes, cd, gmm, TOKAMAX_ROW_PAD)
 
