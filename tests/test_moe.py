@@ -302,10 +302,9 @@ with tokamax.config.cross_compile(True):
   compiled = fn.lower(*args).compile()
   jaxpr = fn.trace(*args).jaxpr
 hlo = compiled.as_text()
-calls = [l for l in hlo.splitlines() if "custom-call(" in l and "PallasTritonRaggedDot" in l]
+calls = [l for l in hlo.splitlines() if "custom-call(" in l and "TritonRaggedDot" in l]
 # Forward gate, up, down; backward each one's rows and weights gradient.
 assert len(calls) == 9, len(calls)
-assert all("xla.gpu.triton" in l for l in calls)
 # No other matmul: no cuBLAS GEMM, no dot, so nothing dense over the experts.
 assert "cublas" not in hlo and " dot(" not in hlo, [l for l in hlo.splitlines() if "cublas" in l or " dot(" in l][:3]
 mp = m + moe.TOKAMAX_ROW_PAD

@@ -329,8 +329,24 @@ def import_tokamax():
   return tokamax
 
 
-# Which of tokamax's implementations `moe_impl='tokamax'` runs (`_tokamax` says why this one).
-TOKAMAX_IMPLEMENTATION = "triton"
+# Which of tokamax's implementations `moe_impl='tokamax'` runs; None: `_tokamax_implementation`.
+TOKAMAX_IMPLEMENTATION = None
+
+
+def _tokamax_implementation():
+  """'triton' where tokamax registered it, else 'mosaic'. tokamax 0.0.12 (the last for
+  Python 3.11, jax 0.10) has it in Pallas Triton, always registered; from 0.0.17 (jax
+  0.11+) it is a jax_triton kernel, registered only with tokamax's `cuda` extra
+  (triton, jax-triton), and without it Mosaic GPU (sm_80+) is tokamax's GPU kernel.
+  Asked for by name either way: tokamax's own default order ends in XLA's
+  ragged_dot, which it would take silently, the dense lowering this replaces."""
+  try:
+    from tokamax._src.ops.ragged_dot import api  # pylint: disable=import-outside-toplevel
+    registered = api.IMPLEMENTATIONS
+  except (ImportError, AttributeError):  # another layout: ask for triton, which names itself if absent
+    return "triton"
+  return "triton" if "triton" in registered else "mosaic"
+
 # tokamax's Triton ragged dot reads a block of up to 128 rows from each group's start
 # without a bounds check on rows (its store is masked): this many rows past the last
 # keep the reads of a group ending near the last row inside the array.
@@ -360,17 +376,17 @@ _no_grad_for_empty.defvjp(_no_grad_fwd, _no_grad_bwd)
 
 
 def _tokamax(rows, up, gate, down, sizes, cd):
-  """`expert_mlp` by tokamax's ragged dot, its Pallas Triton kernels (any NVIDIA GPU
-  from sm_80; forward a grouped matmul, backward the same kernel on the transposed
-  weights for the rows and a ragged contraction per group for the weights), asked
-  for by name: tokamax's default order would take its Mosaic GPU kernel, whose
-  configuration is chosen from the live device's compute capability (an
-  ahead-of-time compile on a host without the GPU is refused), and would fall back
-  silently to XLA's ragged_dot, the dense lowering this replaces. tokamax refuses
-  to lower for a default device that is no GPU, forward and backward: an
-  ahead-of-time compile lowers under `tokamax.config.cross_compile(True)`
-  (train/aot.py)."""
+  """`expert_mlp` by tokamax's ragged dot, its Triton kernels (any NVIDIA GPU from
+  sm_80; forward a grouped matmul, backward the same kernel on the transposed
+  weights for the rows and a ragged contraction per group for the weights;
+  `_tokamax_implementation`). Triton before tokamax's Mosaic GPU kernel, its own
+  first choice: that one's configuration is chosen from the live device's compute
+  capability, so an ahead-of-time compile on a host without the GPU is refused
+  (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
+  forward and backward: an ahead-of-time compile lowers under
+  `tokamax.config.cross_compile(True)` (train/aot.py)."""
   tokamax = import_tokamax()
+  impl = TOKAMAX_IMPLEMENTATION or _tokamax_implementation()
   from absl import flags  # pylint: disable=import-outside-toplevel
   if not flags.FLAGS.is_parsed():
     # tokamax reads its options as absl flags, and with none parsed it parses
@@ -381,7 +397,7 @@ def _tokamax(rows, up, gate, down, sizes, cd):
   # back into the backward kernels are then in it too, and a bfloat16 run's backward
   # products run at the bfloat16 rate, not at float32's with bfloat16 weights.
   gmm = lambda a, w: tokamax.ragged_dot(a, _no_grad_for_empty(w, sizes), sizes, preferred_element_type=cd,
-                                        implementation=TOKAMAX_IMPLEMENTATION).astype(F32)
+                                        implementation=impl).astype(F32)
 
   return _grouped(rows, up, gate, down, sizes, cd, gmm, TOKAMAX_ROW_PAD)
 

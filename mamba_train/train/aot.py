@@ -175,7 +175,7 @@ def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   against its own matrix; bytes its two operands and its result once each. The
   forward and the rows' gradient are (m, k) x (g, k, n) -> (m, n); the weights'
   gradient (m, k)^T x (m, n) -> (g, k, n). None if the line is not one of them."""
-  if "PallasTritonRaggedDot" not in line:
+  if "TritonRaggedDot" not in line:  # tokamax 0.0.12's PallasTritonRaggedDot, 0.0.17's TritonRaggedDot
     return None
   head, tail = line.split("custom-call(", 1)
   res = _hlo_shapes(head)
