@@ -48,8 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
   # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)
-  # moe_impl: auto (megablox on TPU, ragged elsewhere) | ragged | megablox | megablox_interpret (who
-  #   runs the MoE experts' grouped matmuls: jax.lax.ragged_dot or JAX's Pallas megablox kernel)
+  # moe_impl: auto (megablox on TPU, tokamax on GPUs where it imports, else ragged) | ragged | megablox |
+  #   megablox_interpret | tokamax (who runs the MoE experts' grouped matmuls: jax.lax.ragged_dot,
+  #   JAX's Pallas megablox kernel, or tokamax's ragged dot, the `gpu` extra)
   # decode_layers: auto (unrolled) | unrolled | scan (how generate's decode loop runs the layers)
   c.runtime = ml_collections.ConfigDict(Runtime().to_dict())
 
