@@ -404,15 +404,16 @@ def executed_kernels(text: str) -> dict[str, int]:
 
 
 def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1",
-                        hlo: bool = False) -> dict:
+                        hlo: bool = False, decode_impl: str = "auto") -> dict:
   """One greedy decode step of batch 1 (token in, next token and states out), as the
   decode loop's body runs it, compiled for `topology`: XLA's bytes with every layer
   counted (xla_bytes; a scanned body scaled by the layer count, as the compile
   benchmark does; xla_bytes_raw as compiled) and FLOPs as compiled, the kernels
   it runs per token, and the compile time. precast: the weights as `decode_loop`
   hands them to the step (matmul weights and LM head already in the compute dtype)
-  rather than the float32 parameters cast inside the step. hlo: also return the
-  compiled module's text."""
+  rather than the float32 parameters cast inside the step. decode_impl: the
+  runtime's (`auto` on TPU: the fused step of `decode_pallas`; `xla`: the plain
+  step). hlo: also return the compiled module's text."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost, every_layer_counts
@@ -423,7 +424,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
 
   _, _, devices = tpu_devices(topology)
   rep = NamedSharding(make_mesh({"data": -1}, devices), P())
-  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan").resolve("tpu")
+  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan", decode_impl=decode_impl).resolve("tpu")
   gd, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
   on = lambda tree: with_shardings(tree, jax.tree.map(lambda _: rep, tree))
 

@@ -66,51 +66,82 @@ def _head_rows(h: int, p: int, n: int) -> int:
   return h
 
 
-def _conv_taps(state_ref, new, w_ref, bias, cd, k):
+def pack_small(w) -> jax.Array:
+  """A layer's small parameters as one float32 array (2k+6, W), made once before a
+  decode loop, so the kernel takes one operand (one DMA) for all of them: rows of
+  conv_x (k, i), conv_x_bias, gate_norm, conv_bc as (k, 2 g*n) (B's taps, then C's),
+  conv_bc_bias, dt_bias, A_log, D; lanes padded to W = max(i, 2 g*n, h).
+  Leading (stacked-layer) axes are kept."""
+  k, i = w["conv_x"].shape[-2:]
+  gn = w["conv_bc"].shape[-1]
+  lead = w["conv_x"].shape[:-2]
+  h = w["D"].shape[-1]
+  width = max(i, 2 * gn, h)
+
+  def row(a, rows):
+    a = a.astype(_F32).reshape(*lead, rows, -1)
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])])
+  parts = [row(w["conv_x"], k), row(w["conv_x_bias"], 1), row(w["gate_norm"], 1),
+           row(w["conv_bc"], k), row(w["conv_bc_bias"], 1),
+           row(w["dt_bias"], 1), row(w["A_log"], 1), row(w["D"], 1)]
+  return jnp.concatenate(parts, axis=-2)
+
+
+def _conv_taps(state, new, taps, bias):
   """The causal conv at the newest position: bias + sum_j w[j] * window[j] over the
-  window (the k-1 stored inputs, widened from the compute dtype, then `new`), in
-  `layer_math.causal_conv`'s order. Returns the conv (float32) and the window's
-  last k-1 entries (the new state)."""
-  # A 2-D ref (x's (k-1, i)) is read a row at a time as (1, i): rows of lanes throughout.
-  at = lambda ref, j: ref[j:j + 1] if len(ref.shape) == 2 else ref[j]
-  window = [at(state_ref, j).astype(cd).astype(_F32) for j in range(k - 1)] + [new]
+  window (the k-1 stored inputs, then `new`), in `layer_math.causal_conv`'s order.
+  Returns the conv (float32) and the window's last k-1 entries (the new state)."""
+  window = state + [new]
   out = bias
-  for j in range(k):
-    out = out + window[j] * at(w_ref, j)
+  for j, w in enumerate(taps):
+    out = out + window[j] * w
   return out, window[1:]
 
 
-def _kernel(zx_ref, bc_ref, dt_ref, cx_ref, cbc_ref, ssm_ref, wx_ref, bx_ref, wbc_ref, bbc_ref,
-            hvec_ref, gn_ref, y_ref, cx_out, cbc_out, ssm_out, *, g, p, hb, eps, dt_limit, cd, k):
-  bi = pl.program_id(0)
-  i = zx_ref.shape[-1]
-  h = hvec_ref.shape[-1]
+def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_out, ssm_out, *,
+            g, p, hb, eps, dt_limit, cd, k, static_row):
+  bi = 0 if static_row else pl.program_id(0)
+  i = cx_ref.shape[-1]
+  gn = cbc_ref.shape[-1]
   n = ssm_ref.shape[-1]
-  gn = bc_ref.shape[-1]
-  hp = h * p
+  hp = ssm_ref.shape[-2]
+  h = hp // p
   silu = lambda v: v * jax.nn.sigmoid(v)
+  small = lambda r, width: small_ref[r:r + 1, 0:width]  # (1, width)
+  widen = lambda v: v.astype(cd).astype(_F32)  # a value as the compute dtype holds it
 
-  # conv-state shift, depthwise conv and SiLU: x (1, i) and B|C (2, g*n).
-  zx = zx_ref[...].astype(_F32)  # (2, i): z, x as in_proj rounded them
-  z, xr = zx[0:1], zx[1:2]
-  conv, window = _conv_taps(cx_ref, xr, wx_ref, bx_ref[...], cd, k)
+  # in_proj's row z | x | B | C | dt (float32); z|x|B|C rounded as in_proj rounds them.
+  proj = proj_ref[pl.ds(bi, 1), :]
+  z, xr = widen(proj[:, 0:i]), widen(proj[:, i:2 * i])
+  Br, Cr = widen(proj[:, 2 * i:2 * i + gn]), widen(proj[:, 2 * i + gn:2 * i + 2 * gn])
+  dt_raw = proj[:, 2 * i + 2 * gn:2 * i + 2 * gn + h]
+
+  # conv-state shift, depthwise conv and SiLU: x (1, i), B and C (1, g*n). The state
+  # was written from in_proj's rounded values; widened from them again, as
+  # `layer_math.causal_conv` joins the state in the input's dtype.
+  conv, window = _conv_taps([widen(cx_ref[j:j + 1, :]) for j in range(k - 1)], xr,
+                            [small(j, i) for j in range(k)], small(k, i))
   for j in range(k - 1):
     cx_out[j:j + 1, :] = window[j]
   x = silu(conv)
-  conv, window = _conv_taps(cbc_ref, bc_ref[...].astype(_F32), wbc_ref, bbc_ref[...], cd, k)
+  bc_state = [widen(cbc_ref[j]) for j in range(k - 1)]  # (2, g*n) each: B, C
+  taps = [small(k + 2 + j, 2 * gn) for j in range(k)]
+  bias = small(2 * k + 2, 2 * gn)
+  convB, winB = _conv_taps([s[0:1] for s in bc_state], Br, [t[:, :gn] for t in taps], bias[:, :gn])
+  convC, winC = _conv_taps([s[1:2] for s in bc_state], Cr, [t[:, gn:] for t in taps], bias[:, gn:])
+  row2 = jax.lax.broadcasted_iota(jnp.int32, (2, gn), 0)
   for j in range(k - 1):
-    cbc_out[j] = window[j]
-  bcv = silu(conv)  # (2, g*n): B, C
+    cbc_out[j] = jnp.where(row2 == 0, winB[j], winC[j])
+  B, C = silu(convB), silu(convC)
 
   # dt, the decay and D per head (1, h), then per channel (1, h*p) by a one-hot matmul.
-  hv = hvec_ref[...]  # (3, h): dt_bias, A_log, D
-  dt = jax.nn.softplus(dt_ref[pl.ds(bi, 1), :] + hv[0:1])
+  dt = jax.nn.softplus(dt_raw + small(2 * k + 3, h))
   lo, hi = dt_limit
   if lo > 0.0 or hi < math.inf:
     dt = jnp.clip(dt, lo, hi)
-  decay = jnp.exp(dt * -jnp.exp(hv[1:2]))
+  decay = jnp.exp(dt * -jnp.exp(small(2 * k + 4, h)))
   row8 = jax.lax.broadcasted_iota(jnp.int32, (8, h), 0)
-  per_head = jnp.where(row8 == 0, dt, jnp.where(row8 == 1, decay, jnp.where(row8 == 2, hv[2:3], 0.0)))
+  per_head = jnp.where(row8 == 0, dt, jnp.where(row8 == 1, decay, jnp.where(row8 == 2, small(2 * k + 5, h), 0.0)))
   head_of = jax.lax.broadcasted_iota(jnp.int32, (h, hp), 0)
   lane = jax.lax.broadcasted_iota(jnp.int32, (h, hp), 1)
   expand = ((lane >= head_of * p) & (lane < head_of * p + p)).astype(_F32)
@@ -124,8 +155,8 @@ def _kernel(zx_ref, bc_ref, dt_ref, cx_ref, cbc_ref, ssm_ref, wx_ref, bx_ref, wb
   Bg = jnp.zeros((gp, n), _F32)
   Cg = jnp.zeros((gp, n), _F32)
   for gi in range(g):
-    Bg = jnp.where(grow == gi, bcv[0:1, gi * n:(gi + 1) * n], Bg)
-    Cg = jnp.where(grow == gi, bcv[1:2, gi * n:(gi + 1) * n], Cg)
+    Bg = jnp.where(grow == gi, B[:, gi * n:(gi + 1) * n], Bg)
+    Cg = jnp.where(grow == gi, C[:, gi * n:(gi + 1) * n], Cg)
   ones = (grow < g).astype(_F32)
 
   # The SSD step over blocks of hb heads (R rows of the state).
@@ -153,38 +184,36 @@ def _kernel(zx_ref, bc_ref, dt_ref, cx_ref, cbc_ref, ssm_ref, wx_ref, bx_ref, wb
     mine = (lane_i >= gi * per) & (lane_i < gi * per + per)
     ms = jnp.sum(jnp.where(mine, v * v, 0.0), axis=1, keepdims=True) / per
     scale = jnp.where(mine, jax.lax.rsqrt(ms + eps), scale)
-  y_ref[pl.ds(bi, 1), :] = (v * scale * gn_ref[...]).astype(y_ref.dtype)
+  y_ref[pl.ds(bi, 1), :] = (v * scale * small(k + 1, i)).astype(y_ref.dtype)
 
 
-def mixer_step_fused(zx, bc, dt_raw, conv_x, conv_bc, ssm, w, *, ngroups: int, eps: float,
-                     dt_limit=(0.0, math.inf), interpret: bool = False):
+def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: float,
+                     dt_limit=(0.0, math.inf), compute_dtype=jnp.float32, interpret: bool = False):
   """The mixer's step between in_proj and out_proj, as `mamba2.mixer_step` computes it.
 
-  zx: (b, 2, i) z then x, bc: (b, 2, g*n) B then C, in the compute dtype (in_proj's
-  outputs); dt_raw: (b, h) float32. conv_x: (b, k-1, i), conv_bc: (b, k-1, 2, g*n),
-  ssm: (b, h, p, n), the layer's states, float32. w: the layer's conv_x (k, i),
-  conv_x_bias (i,), conv_bc (k, 2, g*n), conv_bc_bias (2, g*n), dt_bias, A_log,
-  D (h,) and gate_norm (i,), float32.
-  Returns the gated, normed y (b, i) in zx's dtype (what out_proj reads) and the new
-  conv_x, conv_bc and ssm (written over the old ones' buffers when they are donated).
+  proj: (b, 2i + 2g*n + h) float32, in_proj's output z | x | B | C | dt (z|x|B|C
+  are rounded to `compute_dtype` here, as the plain step rounds them). conv_x:
+  (b, k-1, i), conv_bc: (b, k-1, 2, g*n), ssm: (b, h, p, n), the layer's states,
+  float32. small: the layer's small parameters, `pack_small`.
+  Returns the gated, normed y (b, i) (what out_proj reads: in the compute dtype at
+  batch 1, else float32, which out_proj rounds as it would anyway: a bfloat16 row
+  at a dynamic sublane is a store Mosaic cannot prove aligned, two rows sharing a
+  sublane) and the new conv_x, conv_bc and ssm (written over the old ones' buffers
+  when they are donated).
   """
-  b, _, i = zx.shape
+  b, i = proj.shape[0], conv_x.shape[-1]
   _, h, p, n = ssm.shape
   k = conv_x.shape[1] + 1
-  gn = bc.shape[-1]
-  cd = zx.dtype
+  gn = conv_bc.shape[-1]
+  cd = jnp.dtype(compute_dtype)
   hb = _head_rows(h, p, n)
-  hvec = jnp.stack([w["dt_bias"], w["A_log"], w["D"]]).astype(_F32)
-  args = (zx, bc, dt_raw.astype(_F32), conv_x, conv_bc, ssm.reshape(b, h * p, n),
-          w["conv_x"], w["conv_x_bias"].reshape(1, i), w["conv_bc"], w["conv_bc_bias"], hvec,
-          w["gate_norm"].reshape(1, i))
+  args = (proj.astype(_F32), conv_x, conv_bc, ssm.reshape(b, h * p, n), small)
   row = lambda *blk: pl.BlockSpec((None, *blk), lambda bi: (bi,) + (0,) * len(blk))
   whole = lambda a: pl.BlockSpec(a.shape, lambda bi: (0,) * a.ndim)
-  in_specs = [row(2, i), row(2, gn), whole(args[2]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n),
-              *(whole(a) for a in args[6:])]
-  out_shape = (jax.ShapeDtypeStruct((b, i), cd), jax.ShapeDtypeStruct(conv_x.shape, _F32),
+  in_specs = [whole(args[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n), whole(small)]
+  out_shape = (jax.ShapeDtypeStruct((b, i), cd if b == 1 else _F32), jax.ShapeDtypeStruct(conv_x.shape, _F32),
                jax.ShapeDtypeStruct(conv_bc.shape, _F32), jax.ShapeDtypeStruct((b, h * p, n), _F32))
-  out_specs = (pl.BlockSpec((b, i), lambda bi: (0, 0)), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n))
+  out_specs = (whole(out_shape[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n))
   gp = max(8, -(-ngroups // 8) * 8)
   cost = pl.CostEstimate(
       # per row: the one-hot expansion (8 x h x hp), per state row three matmuls
@@ -196,9 +225,9 @@ def mixer_step_fused(zx, bc, dt_raw, conv_x, conv_bc, ssm, w, *, ngroups: int, e
                          + sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)))
   y, cx, cbc, s = pl.pallas_call(
       functools.partial(_kernel, g=ngroups, p=p, hb=hb, eps=float(eps),
-                        dt_limit=(float(dt_limit[0]), float(dt_limit[1])), cd=cd, k=k),
+                        dt_limit=(float(dt_limit[0]), float(dt_limit[1])), cd=cd, k=k, static_row=b == 1),
       out_shape=out_shape, grid=(b,), in_specs=in_specs, out_specs=out_specs,
-      input_output_aliases={3: 1, 4: 2, 5: 3},
+      input_output_aliases={1: 1, 2: 2, 3: 3},
       # One row a step; the batch axis is sequential ("arbitrary") because every
       # step writes its row of the one resident y block.
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
