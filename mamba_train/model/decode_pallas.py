@@ -5,7 +5,7 @@ TPU kernel.
 through in_proj, the conv-state shift with the depthwise conv and SiLU (x and
 B|C), dt's softplus and clamp, the SSD recurrence step (`ssd.ssd_step`) with the D
 skip, the gate and grouped RMSNorm, and out_proj. Compiled for a TPU, the chain
-between the matmuls is some 35 launches a layer (fusions, unfused scalar ops,
+between the matmuls is about 40 launches a layer (fusions, unfused scalar ops,
 copies: docs/bench/decode_tpu.md); at batch 1 each moves a few kilobytes, so a
 small model's token is launch-bound. `mixer_step_fused` is that chain as one
 kernel: it reads in_proj's outputs, the layer's small parameters and its states,

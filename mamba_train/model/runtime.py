@@ -93,7 +93,7 @@ def default_layer_impl(backend: str) -> str:
 
 def default_decode_impl(backend: str) -> str:
   """The fused step on TPUs, where the plain step's chain between the matmuls is
-  some 35 launches a layer and batch-1 decoding is launch-bound
+  about 40 launches a layer and batch-1 decoding is launch-bound
   (docs/bench/decode_tpu.md); the plain step elsewhere (a Mosaic kernel)."""
   return "pallas" if backend == "tpu" else "xla"
 
