@@ -404,15 +404,16 @@ def executed_kernels(text: str) -> dict[str, int]:
 
 
 def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1",
-                        hlo: bool = False) -> dict:
+                        hlo: bool = False, decode_impl: str = "auto") -> dict:
   """One greedy decode step of batch 1 (token in, next token and states out), as the
   decode loop's body runs it, compiled for `topology`: XLA's bytes with every layer
   counted (xla_bytes; a scanned body scaled by the layer count, as the compile
   benchmark does; xla_bytes_raw as compiled) and FLOPs as compiled, the kernels
   it runs per token, and the compile time. precast: the weights as `decode_loop`
   hands them to the step (matmul weights and LM head already in the compute dtype)
-  rather than the float32 parameters cast inside the step. hlo: also return the
-  compiled module's text."""
+  rather than the float32 parameters cast inside the step. decode_impl: the
+  runtime's (`auto` on TPU: the fused step of `decode_pallas`; `xla`: the plain
+  step). hlo: also return the compiled module's text."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost, every_layer_counts
@@ -423,7 +424,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
 
   _, _, devices = tpu_devices(topology)
   rep = NamedSharding(make_mesh({"data": -1}, devices), P())
-  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan").resolve("tpu")
+  rt = rt.replace(decode_layers="unrolled" if unrolled else "scan", decode_impl=decode_impl).resolve("tpu")
   gd, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
   on = lambda tree: with_shardings(tree, jax.tree.map(lambda _: rep, tree))
 
@@ -469,7 +470,11 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
 
 def bench_decode_tpu(args, results, size):
   """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
-  unrolled against scanned layers, weights cast per token against once per loop."""
+  the plain step (decode_impl 'xla') unrolled against scanned layers, weights cast
+  per token against once per loop; and the fused step (`decode_pallas`, the TPU
+  default) over weights made once, unrolled and scanned. Ops a token are the
+  sum of fusions (kernels included), DMAs and other ops, also given per layer
+  (less the head's, measured as the step's embedding, final norm, head and argmax alone)."""
   from benchmarks.roofline import decode_bytes_per_step
   from mamba_train.model.config import config_for
   from mamba_train.model.runtime import Runtime
@@ -477,21 +482,48 @@ def bench_decode_tpu(args, results, size):
   rt = Runtime(compute_dtype=args.dtype)
   f32_bytes = decode_bytes_per_step(cfg, 1)
   rows = []
-  for unrolled in (True, False):
-    for precast in (False, True):
-      try:
-        r = compile_decode_step(cfg, rt, unrolled, precast)
-      except ImportError as e:
-        log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
-        return results
-      row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
-             "layers": "unrolled" if unrolled else "scan",
-             "weights": "cast once per loop" if precast else "cast every token",
-             "min_bytes_f32": f32_bytes, **r}
-      rows.append(row)
-      log(f"  decode step {size} {args.dtype} v6e, {row['layers']}, {row['weights']}: "
-          f"XLA {r['xla_bytes']:.3e} bytes, HBM est. {r['hbm_bytes_est']:.3e} (f32 params once: {f32_bytes:.3e}), "
-          f"{r['fusions']} fusions, "
-          f"{r['dmas']} DMAs, {r['other']} other ops a token, "
-          f"compile {r['compile_cpu_s']:.1f}s cpu")
+  ways = [("xla", unrolled, precast) for unrolled in (True, False) for precast in (False, True)]
+  ways += [("pallas", unrolled, True) for unrolled in (True, False)]
+  try:
+    head_ops = _head_ops(cfg, rt)
+  except ImportError as e:
+    log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
+    return results
+  for impl, unrolled, precast in ways:
+    r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl=impl)
+    ops = r["fusions"] + r["dmas"] + r["other"]
+    row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
+           "decode_impl": impl, "layers": "unrolled" if unrolled else "scan",
+           "weights": "cast once per loop" if precast else "cast every token",
+           "min_bytes_f32": f32_bytes, "ops": ops, "head_ops": head_ops,
+           "ops_per_layer": (ops - head_ops) / cfg.n_layer, **r}
+    rows.append(row)
+    log(f"  decode step {size} {args.dtype} v6e, {impl}, {row['layers']}, {row['weights']}: "
+        f"XLA {r['xla_bytes']:.3e} bytes, HBM est. {r['hbm_bytes_est']:.3e} (f32 params once: {f32_bytes:.3e}), "
+        f"{r['fusions']} fusions, {r['dmas']} DMAs, {r['other']} other ops a token "
+        f"({row['ops_per_layer']:.1f} a layer + {head_ops} head), compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)
+
+
+def _head_ops(cfg, rt, topology: str = "v6e:1x1") -> int:
+  """Ops a token outside the layers: the embedding row, final norm, LM head (cast
+  once, as the decode loop hands it) and argmax of one token, compiled alone."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.parallel.topology import tpu_devices
+  from mamba_train.train.state import with_shardings
+
+  _, _, devices = tpu_devices(topology)
+  rep = NamedSharding(make_mesh({"data": -1}, devices), P())
+  rt = rt.resolve("tpu")
+  gd, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
+  head = jax.eval_shape(lambda p: nnx.merge(gd, p).head_for_logits(decode=True), params)
+  on = lambda tree: with_shardings(tree, jax.tree.map(lambda _: rep, tree))
+
+  def outside(params, head, token):
+    m = nnx.merge(gd, params)
+    return jnp.argmax(m.logits(m.embed(token), head), -1).astype(jnp.int32)
+  text = jax.jit(outside).lower(on(params), on(head), jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep)
+                                ).compile().as_text()
+  return sum(executed_kernels(text).values())

@@ -165,7 +165,7 @@ def test_runtime_fields_change_no_weights():
            "scan_chunk_size": 16, "parallel_chunk_size": 32, "attention": "dot_product",
            "pallas_interpret": True, "ssd_impl": "pallas", "unroll_layers": True,
            "decode_layers": "scan", "matmul_precision": "int8", "layer_impl": "triton_interpret",
-           "moe_capacity_factor": 1.25, "moe_impl": "megablox_interpret"}
+           "moe_capacity_factor": 1.25, "moe_impl": "megablox_interpret", "decode_impl": "interpret"}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name

@@ -197,7 +197,8 @@ _PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", 
 
 # The math the kernels stand beside: the SSD's, and the layer's elementwise chain.
 _MATH = ("mamba_train.model.ssd", "mamba_train.model.layer_math")
-_KERNEL_MODULES = ("mamba_train.model.ssd_pallas", "mamba_train.model.ssd_gpu", "mamba_train.model.layer_gpu")
+_KERNEL_MODULES = ("mamba_train.model.ssd_pallas", "mamba_train.model.ssd_gpu", "mamba_train.model.layer_gpu",
+                   "mamba_train.model.decode_pallas")
 
 SSD_IS_PURE = Rule(
     "ssd-is-pure", "the SSD math (and the layer's, layer_math) imports nothing of the package",

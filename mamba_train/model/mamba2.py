@@ -40,6 +40,7 @@ from mamba_train.model import (
   pattern as pattern_lib,
 )
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
+from mamba_train.model.decode_pallas import mixer_step_fused, pack_small
 from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
 from mamba_train.model.runtime import Runtime
@@ -186,10 +187,9 @@ def _project_in(p, u, rt):
   adapter on in_proj (its B spans all five pieces) the five stay one float32 dot."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
-  if u.ndim == 2:  # one position (decoding): joining the weights would copy them every token
-    proj = lambda w: mm.linear(u, w, cd, prec)
-    zxr = proj(zx).astype(cd)
-    return zxr[..., 0, :], zxr[..., 1, :], proj(bcw).astype(cd), proj(dtw)
+  if u.ndim == 2:  # one position (decoding)
+    zxr, bc, dt_raw = _project_in_step(p, u, rt)
+    return zxr[..., 0, :], zxr[..., 1, :], bc, dt_raw
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
   w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
   adapter = mm.adapter_of(p, "in_proj")
@@ -202,6 +202,15 @@ def _project_in(p, u, rt):
   z, x = r[..., :i], r[..., i:2 * i]
   bc = r[..., 2 * i:].reshape(*r.shape[:-1], 2, gn)
   return z, x, bc, dt_raw
+
+
+def _project_in_step(p, u, rt):
+  """`_project_in` for one position u (b, d): z|x (b, 2, i) and B|C (b, 2, g*n) in
+  the compute dtype, dt (b, h) float32; three dots, as joining the weights would
+  copy them every token."""
+  cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
+  proj = lambda w: mm.linear(u, w, cd, prec)
+  return proj(p["in_proj_zx"]).astype(cd), proj(p["in_proj_bc"]).astype(cd), proj(p["in_proj_dt"])
 
 
 def _project_out(p, y, z, cfg, rt, norm=gated_rms_norm):
@@ -336,9 +345,42 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
+def fused_decode(cfg: Mamba2Config, rt: Runtime) -> bool:
+  """Whether `mixer_step` runs the fused kernel (`decode_pallas`) as
+  `rt.decode_impl` asks: not for a windowed layer (its state is a window of inputs,
+  not the kernel's (h, p, n) state), nor under a mesh (XLA cannot partition a
+  Pallas call, and the plain step's sharding is the rules table's); those take the
+  plain step."""
+  return rt.decode_impl in ("pallas", "interpret") and not cfg.ssd_window and sharding.active() is None
+
+
+def fused_decode_weights(p, rt: Runtime, lead: int = 0) -> dict[str, Array]:
+  """A Mamba-2 layer's weights as the fused step reads them (`fused_decode`), made
+  once before a decode loop (`Mamba2LM.decode_layers`; `lead` stacked axes): in_proj
+  joined into one (d, 2i + 2g*n + h) matmul weight, so a token is one dot, not
+  three, and the small parameters packed into one array (`decode_pallas.pack_small`);
+  both matmul weights in the compute dtype or quantized as `_decode_weights` does
+  (per output channel, so joining changes no value). The pre-norm's weight rides along."""
+  zx = p["in_proj_zx"]
+  pre, d = zx.shape[:lead], zx.shape[lead]
+  w = jnp.concatenate([zx.reshape(*pre, d, -1), p["in_proj_bc"].reshape(*pre, d, -1), p["in_proj_dt"]], -1)
+  q = lambda w: mm.quantize_weights(w, rt.matmul_precision, 1, rt.compute_dtype, lead)
+  return {"norm": p["norm"], "in_proj": q(w), "small": pack_small(p), "out_proj": q(p["out_proj"])}
+
+
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
-  """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state."""
+  """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state.
+  p: the layer's parameters, or (the fused step) `fused_decode_weights` of them."""
   b = u.shape[0]
+  if fused_decode(cfg, rt):
+    if "small" not in p:  # weights not made for it before the loop: joined here, every step
+      p = fused_decode_weights(p, rt)
+    cd, prec = rt.compute_dtype, rt.matmul_precision
+    y, conv_x, conv_bc, ssm = mixer_step_fused(
+        mm.linear(u, p["in_proj"], cd, prec), state["conv_x"], state["conv_bc"], state["ssm"], p["small"],
+        ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit, compute_dtype=cd,
+        interpret=rt.decode_impl == "interpret")
+    return mm.linear(y, p["out_proj"], cd, prec), {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
   z, xr, bc, dt_raw = _project_in(p, u, rt)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
@@ -651,6 +693,8 @@ class Mamba2LM(nnx.Module):
 
   def _decode_weights(self, params: dict[str, Array], lead: int) -> dict[str, Array]:
     rt = self.runtime
+    if "in_proj_zx" in params and fused_decode(self.config, rt):
+      return fused_decode_weights(params, rt, lead)
     return {n: (mm.quantize_weights(a, rt.matmul_precision, 2 if n == "o_proj" else 1, rt.compute_dtype, lead)
                 if n in MATMUL_WEIGHTS else a) for n, a in params.items()}
 

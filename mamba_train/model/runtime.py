@@ -53,6 +53,13 @@ LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
 # 'tokamax' (tokamax's ragged dot, its Pallas Triton kernels: NVIDIA GPUs, the
 # optional `gpu` extra), or 'auto' (`default_moe_impl`).
 MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret", "tokamax")
+# Who computes a Mamba-2 layer's decoding step between in_proj and out_proj (the
+# conv-state shift, conv + SiLU, dt, the SSD step, gate and norm): 'xla' (the plain
+# `mamba2.mixer_step`), 'pallas' (one TPU kernel a layer, `decode_pallas`),
+# 'interpret' (that kernel in Pallas' interpreter, for tests), or 'auto'
+# (`default_decode_impl`). Windowed layers and decoding under a mesh take the plain
+# step whatever it says (`mamba2.fused_decode`).
+DECODE_IMPLS = ("auto", "xla", "pallas", "interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -92,6 +99,13 @@ def tokamax_imports() -> bool:
   except Exception:  # noqa: BLE001 - missing, or built against another jax: ragged_dot instead
     return False
   return True
+
+
+def default_decode_impl(backend: str) -> str:
+  """The fused step on TPUs, where the plain step's chain between the matmuls is
+  about 40 launches a layer and batch-1 decoding is launch-bound
+  (docs/bench/decode_tpu.md); the plain step elsewhere (a Mosaic kernel)."""
+  return "pallas" if backend == "tpu" else "xla"
 
 
 def default_moe_impl(backend: str) -> str:
@@ -145,6 +159,8 @@ class Runtime(FrozenFields):
   unroll_layers: bool = False
   # How the decode loop of `generate` runs the layers (DECODE_LAYERS).
   decode_layers: str = "auto"
+  # Who computes a Mamba-2 layer's decoding step between its matmuls (DECODE_IMPLS).
+  decode_impl: str = "auto"
   # Mixture-of-experts layers: 0 is dropless dispatch; cf > 0 lets each expert take at
   # most ceil(cf * l * k / E) of a sequence's assignments, and drops the rest
   # (`moe.capacity`). Set by the run config's moe.capacity_factor.
@@ -173,6 +189,8 @@ class Runtime(FrozenFields):
       problems.append(f"layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
     if self.moe_impl not in MOE_IMPLS:
       problems.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+    if self.decode_impl not in DECODE_IMPLS:
+      problems.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
     if self.decode_layers not in DECODE_LAYERS:
       problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     cf = self.moe_capacity_factor
@@ -190,7 +208,7 @@ class Runtime(FrozenFields):
   @property
   def resolved(self) -> bool:
     return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl,
-                          self.moe_impl)
+                          self.moe_impl, self.decode_impl)
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -205,6 +223,7 @@ class Runtime(FrozenFields):
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
         layer_impl=default_layer_impl(backend) if self.layer_impl == "auto" else self.layer_impl,
         moe_impl=default_moe_impl(backend) if self.moe_impl == "auto" else self.moe_impl,
+        decode_impl=default_decode_impl(backend) if self.decode_impl == "auto" else self.decode_impl,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))

@@ -1,0 +1,235 @@
+"""One decoding step of a Mamba-2 mixer between its two matmuls, as one Pallas
+TPU kernel.
+
+`mamba2.mixer_step` (the reference, and what CPUs and GPUs run) takes one token
+through in_proj, the conv-state shift with the depthwise conv and SiLU (x and
+B|C), dt's softplus and clamp, the SSD recurrence step (`ssd.ssd_step`) with the D
+skip, the gate and grouped RMSNorm, and out_proj. Compiled for a TPU, the chain
+between the matmuls is about 40 launches a layer (fusions, unfused scalar ops,
+copies: docs/bench/decode_tpu.md); at batch 1 each moves a few kilobytes, so a
+small model's token is launch-bound. `mixer_step_fused` is that chain as one
+kernel: it reads in_proj's outputs, the layer's small parameters and its states,
+and writes the normed y (what out_proj reads) and the new conv and SSM states in
+place (`input_output_aliases`), so a layer is in_proj, this kernel and out_proj.
+
+Layout: everything a row of the batch holds is a row of lanes, (1, channels), as
+in_proj writes it; the SSM state is (h*p, n), heads and head dim on the sublanes.
+The step needs x, dt and the decay per state row (a column) and y per channel (a
+row): rather than transposing between the two, the kernel forms them on the matrix
+unit with one-hot matrices built from iotas (exact at HIGHEST precision: each
+product is a value times 1). Per group g and row j of a head block:
+    dt*x (x) B:  X[j, n] = sum_g onehot[g, j] dt_j x_j  B[g, n]   (a (gp, R)^T (gp, n) matmul)
+    decay:       E[j, n] = sum_g onehot[g, j] exp(dt_j A_j)       (the same with ones)
+    state:       H <- H * E + X
+    y:           y[j] = sum_g onehot[g, j] (C H^T)[g, j]         (a (gp, n) (R, n)^T matmul)
+and dt, the decay and D go from heads to channels (lanes) through a one-hot (h, h*p)
+matmul. The state is walked in blocks of R rows (whole heads, at most 1 MiB of
+float32 each), so the temporaries stay small at any width.
+
+Numerics are `mixer_step`'s: states, dt, A, the decay, the conv and the norms float32;
+in_proj's z|x|B|C arrive in the compute dtype and the conv state is widened from
+it, as `layer_math.causal_conv` does. The grid runs over the batch, one row a step.
+
+`interpret=True` runs the kernel in Pallas' interpreter (the CPU tests). This
+module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+_NT = (((1,), (1,)), ((), ()))  # dot_general: a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # dot_general: a.T @ b
+# The most float32 state rows one block of the step holds (1 MiB at n = 128).
+_BLOCK_BYTES = 1 << 20
+
+
+def _dot(a, b, dims):
+  return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=_F32)
+
+
+def _head_rows(h: int, p: int, n: int) -> int:
+  """Heads per block of the state: the most whose (rows, n) float32 block fits
+  _BLOCK_BYTES, dividing h, with a multiple of 128 rows (lane-aligned slices of
+  the per-channel rows) unless the block is all heads."""
+  for hb in range(h, 0, -1):
+    if h % hb == 0 and (hb == h or (hb * p) % 128 == 0) and hb * p * n * 4 <= _BLOCK_BYTES:
+      return hb
+  return h
+
+
+def pack_small(w) -> jax.Array:
+  """A layer's small parameters as one float32 array (2k+6, W), made once before a
+  decode loop, so the kernel takes one operand (one DMA) for all of them: rows of
+  conv_x (k, i), conv_x_bias, gate_norm, conv_bc as (k, 2 g*n) (B's taps, then C's),
+  conv_bc_bias, dt_bias, A_log, D; lanes padded to W = max(i, 2 g*n, h).
+  Leading (stacked-layer) axes are kept."""
+  k, i = w["conv_x"].shape[-2:]
+  gn = w["conv_bc"].shape[-1]
+  lead = w["conv_x"].shape[:-2]
+  h = w["D"].shape[-1]
+  width = max(i, 2 * gn, h)
+
+  def row(a, rows):
+    a = a.astype(_F32).reshape(*lead, rows, -1)
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])])
+  parts = [row(w["conv_x"], k), row(w["conv_x_bias"], 1), row(w["gate_norm"], 1),
+           row(w["conv_bc"], k), row(w["conv_bc_bias"], 1),
+           row(w["dt_bias"], 1), row(w["A_log"], 1), row(w["D"], 1)]
+  return jnp.concatenate(parts, axis=-2)
+
+
+def _conv_taps(state, new, taps, bias):
+  """The causal conv at the newest position: bias + sum_j w[j] * window[j] over the
+  window (the k-1 stored inputs, then `new`), in `layer_math.causal_conv`'s order.
+  Returns the conv (float32) and the window's last k-1 entries (the new state)."""
+  window = state + [new]
+  out = bias
+  for j, w in enumerate(taps):
+    out = out + window[j] * w
+  return out, window[1:]
+
+
+def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_out, ssm_out, *,
+            g, p, hb, eps, dt_limit, cd, k, static_row):
+  bi = 0 if static_row else pl.program_id(0)
+  i = cx_ref.shape[-1]
+  gn = cbc_ref.shape[-1]
+  n = ssm_ref.shape[-1]
+  hp = ssm_ref.shape[-2]
+  h = hp // p
+  silu = lambda v: v * jax.nn.sigmoid(v)
+  small = lambda r, width: small_ref[r:r + 1, 0:width]  # (1, width)
+  widen = lambda v: v.astype(cd).astype(_F32)  # a value as the compute dtype holds it
+
+  # in_proj's row z | x | B | C | dt (float32); z|x|B|C rounded as in_proj rounds them.
+  proj = proj_ref[pl.ds(bi, 1), :]
+  z, xr = widen(proj[:, 0:i]), widen(proj[:, i:2 * i])
+  Br, Cr = widen(proj[:, 2 * i:2 * i + gn]), widen(proj[:, 2 * i + gn:2 * i + 2 * gn])
+  dt_raw = proj[:, 2 * i + 2 * gn:2 * i + 2 * gn + h]
+
+  # conv-state shift, depthwise conv and SiLU: x (1, i), B and C (1, g*n). The state
+  # was written from in_proj's rounded values; widened from them again, as
+  # `layer_math.causal_conv` joins the state in the input's dtype.
+  conv, window = _conv_taps([widen(cx_ref[j:j + 1, :]) for j in range(k - 1)], xr,
+                            [small(j, i) for j in range(k)], small(k, i))
+  for j in range(k - 1):
+    cx_out[j:j + 1, :] = window[j]
+  x = silu(conv)
+  bc_state = [widen(cbc_ref[j]) for j in range(k - 1)]  # (2, g*n) each: B, C
+  taps = [small(k + 2 + j, 2 * gn) for j in range(k)]
+  bias = small(2 * k + 2, 2 * gn)
+  convB, winB = _conv_taps([s[0:1] for s in bc_state], Br, [t[:, :gn] for t in taps], bias[:, :gn])
+  convC, winC = _conv_taps([s[1:2] for s in bc_state], Cr, [t[:, gn:] for t in taps], bias[:, gn:])
+  row2 = jax.lax.broadcasted_iota(jnp.int32, (2, gn), 0)
+  for j in range(k - 1):
+    cbc_out[j] = jnp.where(row2 == 0, winB[j], winC[j])
+  B, C = silu(convB), silu(convC)
+
+  # dt, the decay and D per head (1, h), then per channel (1, h*p) by a one-hot matmul.
+  dt = jax.nn.softplus(dt_raw + small(2 * k + 3, h))
+  lo, hi = dt_limit
+  if lo > 0.0 or hi < math.inf:
+    dt = jnp.clip(dt, lo, hi)
+  decay = jnp.exp(dt * -jnp.exp(small(2 * k + 4, h)))
+  row8 = jax.lax.broadcasted_iota(jnp.int32, (8, h), 0)
+  per_head = jnp.where(row8 == 0, dt, jnp.where(row8 == 1, decay, jnp.where(row8 == 2, small(2 * k + 5, h), 0.0)))
+  head_of = jax.lax.broadcasted_iota(jnp.int32, (h, hp), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (h, hp), 1)
+  expand = ((lane >= head_of * p) & (lane < head_of * p + p)).astype(_F32)
+  per_chan = _dot(per_head, expand, (((1,), (0,)), ((), ())))  # (8, h*p)
+  dt_c, decay_c, d_c = per_chan[0:1], per_chan[1:2], per_chan[2:3]
+  xdt = dt_c * x
+
+  # B and C as (gp, n) rows per group (gp: g padded to 8 sublanes), zeros below.
+  gp = max(8, -(-g // 8) * 8)
+  grow = jax.lax.broadcasted_iota(jnp.int32, (gp, n), 0)
+  Bg = jnp.zeros((gp, n), _F32)
+  Cg = jnp.zeros((gp, n), _F32)
+  for gi in range(g):
+    Bg = jnp.where(grow == gi, B[:, gi * n:(gi + 1) * n], Bg)
+    Cg = jnp.where(grow == gi, C[:, gi * n:(gi + 1) * n], Cg)
+  ones = (grow < g).astype(_F32)
+
+  # The SSD step over blocks of hb heads (R rows of the state).
+  R = hb * p
+  rows_per_group = hp // g
+  ys = []
+  for r0 in range(0, hp, R):
+    sl = slice(r0, r0 + R)
+    gr = jax.lax.broadcasted_iota(jnp.int32, (gp, R), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (gp, R), 1) + r0
+    onehot = ((col >= gr * rows_per_group) & (col < gr * rows_per_group + rows_per_group)).astype(_F32)
+    X = _dot(onehot * xdt[:, sl], Bg, _TN)  # (R, n): dt x_j B[g(j)]
+    E = _dot(onehot * decay_c[:, sl], ones, _TN)  # (R, n): the decay of row j's head
+    H = ssm_ref[sl, :] * E + X
+    ssm_out[sl, :] = H
+    ys.append(jnp.sum(onehot * _dot(Cg, H, _NT), axis=0, keepdims=True))  # (1, R)
+  y = (ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)) + d_c * x
+
+  # Gate and grouped RMSNorm (`layer_math.gated_rms_norm`), times the weight.
+  v = y * silu(z)
+  per = i // g
+  lane_i = jax.lax.broadcasted_iota(jnp.int32, (1, i), 1)
+  scale = jnp.zeros((1, i), _F32)
+  for gi in range(g):
+    mine = (lane_i >= gi * per) & (lane_i < gi * per + per)
+    ms = jnp.sum(jnp.where(mine, v * v, 0.0), axis=1, keepdims=True) / per
+    scale = jnp.where(mine, jax.lax.rsqrt(ms + eps), scale)
+  y_ref[pl.ds(bi, 1), :] = (v * scale * small(k + 1, i)).astype(y_ref.dtype)
+
+
+def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: float,
+                     dt_limit=(0.0, math.inf), compute_dtype=jnp.float32, interpret: bool = False):
+  """The mixer's step between in_proj and out_proj, as `mamba2.mixer_step` computes it.
+
+  proj: (b, 2i + 2g*n + h) float32, in_proj's output z | x | B | C | dt (z|x|B|C
+  are rounded to `compute_dtype` here, as the plain step rounds them). conv_x:
+  (b, k-1, i), conv_bc: (b, k-1, 2, g*n), ssm: (b, h, p, n), the layer's states,
+  float32. small: the layer's small parameters, `pack_small`.
+  Returns the gated, normed y (b, i) (what out_proj reads: in the compute dtype at
+  batch 1, else float32, which out_proj rounds as it would anyway: a bfloat16 row
+  at a dynamic sublane is a store Mosaic cannot prove aligned, two rows sharing a
+  sublane) and the new conv_x, conv_bc and ssm (written over the old ones' buffers
+  when they are donated).
+  """
+  b, i = proj.shape[0], conv_x.shape[-1]
+  _, h, p, n = ssm.shape
+  k = conv_x.shape[1] + 1
+  gn = conv_bc.shape[-1]
+  cd = jnp.dtype(compute_dtype)
+  hb = _head_rows(h, p, n)
+  args = (proj.astype(_F32), conv_x, conv_bc, ssm.reshape(b, h * p, n), small)
+  row = lambda *blk: pl.BlockSpec((None, *blk), lambda bi: (bi,) + (0,) * len(blk))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda bi: (0,) * a.ndim)
+  in_specs = [whole(args[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n), whole(small)]
+  out_shape = (jax.ShapeDtypeStruct((b, i), cd if b == 1 else _F32), jax.ShapeDtypeStruct(conv_x.shape, _F32),
+               jax.ShapeDtypeStruct(conv_bc.shape, _F32), jax.ShapeDtypeStruct((b, h * p, n), _F32))
+  out_specs = (whole(out_shape[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n))
+  gp = max(8, -(-ngroups // 8) * 8)
+  cost = pl.CostEstimate(
+      # per row: the one-hot expansion (8 x h x hp), per state row three matmuls
+      # over gp groups and n, the update, the conv taps and the norm.
+      flops=int(b * (2 * 8 * h * h * p + 3 * 2 * gp * h * p * n + 3 * h * p * n
+                     + 2 * k * (i + 2 * gn) + 12 * i)),
+      transcendentals=int(b * (i + 2 * gn + 3 * h + i)),
+      bytes_accessed=int(sum(a.size * a.dtype.itemsize for a in args)
+                         + sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)))
+  y, cx, cbc, s = pl.pallas_call(
+      functools.partial(_kernel, g=ngroups, p=p, hb=hb, eps=float(eps),
+                        dt_limit=(float(dt_limit[0]), float(dt_limit[1])), cd=cd, k=k, static_row=b == 1),
+      out_shape=out_shape, grid=(b,), in_specs=in_specs, out_specs=out_specs,
+      input_output_aliases={1: 1, 2: 2, 3: 3},
+      # One row a step; the batch axis is sequential ("arbitrary") because every
+      # step writes its row of the one resident y block.
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+      cost_estimate=cost, interpret=interpret, name="mamba2_decode_step")(*args)
+  return y, cx, cbc, s.reshape(b, h, p, n)
