@@ -9,6 +9,6 @@ from configs import base
 def get_config():
   c = base.mamba2_pretrain("1.3b")
   # Recompute activations in the backward pass, as the counts chose per backend
-  # (runtime.default_remat: the in_proj results and SSD kernel states kept on TPUs).
+  # (runtime.default_remat: the in_proj results kept on TPUs).
   c.runtime.remat = "auto"
   return c

@@ -97,8 +97,10 @@ def default_remat(backend: str) -> str:
   return "save_matmuls" if backend in ("gpu", "cuda") else "full"
 
 
-# TPU v6e-256 and v5p-128, batch 512 x 2048 (docs/bench/tpu_ssd.md, 2026-12-02).
-REMAT_TPU = "save_in_proj_ssd"
+# 1.3b and 2.7b on TPU v6e-256, batch 512 x 2048 (docs/bench/tpu_ssd.md, 2026-12-02):
+# of the policies that fit, the fewest bytes a chip; 'save_in_proj_ssd' saves the SSD
+# kernel's rerun (FLOPs) but its stacked y and states cost more bytes than that rerun.
+REMAT_TPU = "save_in_proj"
 
 
 def default_moe_impl(backend: str) -> str:
