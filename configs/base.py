@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- how the model runs (mamba_train/model/runtime.py); changes no weight ---
   # compute_dtype: float32 | bfloat16 (the matmuls; the rest stays float32)
-  # remat: none | full | save_matmuls (what the backward pass recomputes)
+  # remat: none | full | save_matmuls | save_in_proj | save_in_proj_ssd | auto (what the backward pass recomputes)
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
   # ssd_impl: auto (pallas on TPU, triton on GPU, xla on CPU) | xla | pallas | interpret | triton
   #   | triton_interpret (pallas: the fused SSD kernels, model/ssd_pallas.py; triton: model/ssd_gpu.py;

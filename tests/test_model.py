@@ -49,25 +49,65 @@ def test_precision_policy_of_parameters(params):
     assert leaf.dtype == jnp.float32
 
 
-def _grads(cfg, params, runtime=None):
-  x = ids()
+def _loss_and_grads(params, runtime=None):
+  x = ids(l=48)  # whole chunks: the fused kernels then read x in their own layout
 
   def loss(p):
-    logits = Mamba2LM.from_params(cfg, p, runtime)(x)
+    logits = Mamba2LM.from_params(CFG, p, runtime)(x)
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, x[..., None], -1)[..., 0])
-  return jax.jit(jax.grad(loss))(params)
+  return jax.jit(jax.value_and_grad(loss))(params)
 
 
 @pytest.fixture(scope="module")
-def ref_grads(params):
-  return _grads(CFG, params)
+def reference(params):
+  """Loss and gradients with no remat, XLA's SSD in the parallel form."""
+  return _loss_and_grads(params, Runtime(ssd_form="parallel"))
 
 
-@pytest.mark.parametrize("remat", ["save_matmuls"])  # one policy: each costs a compile
-def test_remat_gives_the_same_gradients(params, ref_grads, remat):
-  g1 = _grads(CFG, params, Runtime(remat=remat))
-  for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(g1)):
-    assert rel(a, b) < 1e-5
+# One runtime each (each costs a compile): the policies on XLA's SSD, and the one that
+# also saves the SSD kernels' output and states on the Pallas kernels (interpreter).
+@pytest.mark.parametrize("remat,impl", [("save_matmuls", "xla"), ("save_in_proj", "xla"),
+                                        ("save_in_proj_ssd", "interpret")])
+def test_remat_gives_the_same_loss_and_gradients(params, reference, remat, impl):
+  l0, g0 = reference
+  l1, g1 = _loss_and_grads(params, Runtime(remat=remat, ssd_impl=impl, ssd_form="parallel"))
+  assert abs(float(l1) - float(l0)) < 1e-5 * abs(float(l0))
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g0)):
+    assert rel(a, b) < 1e-5, path
+
+
+def _saved_by_layers(remat, impl):
+  """[(dtype, element count)] of the residuals the layer scan keeps for the backward
+  pass (bfloat16 matmuls), from `jax.ad_checkpoint.print_saved_residuals`."""
+  import contextlib
+  import io
+  import re
+
+  from jax.ad_checkpoint import print_saved_residuals
+  rt = Runtime(compute_dtype="bfloat16", remat=remat, ssd_impl=impl, ssd_form="parallel")
+  x = ids(l=48)
+  params = jax.eval_shape(lambda: Mamba2LM(CFG, rngs=nnx.Rngs(0)).params())
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(lambda p: Mamba2LM.from_params(CFG, p, rt)(x).sum(), params)
+  found = re.findall(r"^(\w+)\[([\d,]*)\] output of scan", out.getvalue(), re.M)
+  return sorted((t, math.prod(int(d) for d in s.split(",") if d)) for t, s in found)
+
+
+def test_fused_layer_remat_saves_what_it_says():
+  """Beyond what full remat keeps (each layer's input, and the last layer's output):
+  save_in_proj keeps the in_proj result z|x|B|C in the compute dtype and dt float32;
+  save_in_proj_ssd also the SSD kernels' y (x's dtype) and entering states (float32)."""
+  n, (b, l) = CFG.n_layer, ids(l=48).shape
+  i, gn, h, p, s = CFG.d_inner, CFG.ngroups * CFG.d_state, CFG.nheads, CFG.headdim, CFG.d_state
+  full = _saved_by_layers("full", "interpret")
+  assert full == sorted([("f32", b * l * CFG.d_model), ("f32", n * b * l * CFG.d_model)])
+  in_proj = [("bf16", n * b * l * (2 * i + 2 * gn)), ("f32", n * b * l * h)]
+  assert _saved_by_layers("save_in_proj", "interpret") == sorted(full + in_proj)
+  ssd = [("bf16", n * b * l * h * p), ("f32", n * b * (l // CFG.chunk_size) * h * p * s)]
+  assert _saved_by_layers("save_in_proj_ssd", "interpret") == sorted(full + in_proj + ssd)
+  # Without the kernels (XLA's SSD) there is no kernel output to name: the in_proj alone.
+  assert _saved_by_layers("save_in_proj_ssd", "xla") == sorted(full + in_proj)
 
 
 def test_init_follows_mamba_ssm(params):
@@ -122,6 +162,17 @@ def test_config_errors(kw, match):
 def test_runtime_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     Runtime(**kw)
+
+
+def test_remat_auto_resolves_per_backend_and_names_the_choices():
+  """'auto' takes the policy the counts chose for the backend compiled for; a bad
+  name is refused with the choices listed."""
+  from mamba_train.model.runtime import REMAT_TPU
+  assert {b: Runtime(remat="auto").resolve(b).remat for b in ("cpu", "gpu", "tpu")} == {
+      "cpu": "full", "gpu": "save_matmuls", "tpu": REMAT_TPU}
+  assert Runtime(remat="save_in_proj").resolve("tpu").remat == "save_in_proj"
+  with pytest.raises(ValueError, match=r"remat must be one of \(.*'save_in_proj_ssd'\), got 'some'"):
+    Runtime(remat="some")
 
 
 def test_from_params_names_mismatched_parameters(params):

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from mamba_train.model import (
@@ -46,7 +47,7 @@ from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rm
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
-from mamba_train.model.ssd_pallas import ssd_fused
+from mamba_train.model.ssd_pallas import SAVE_NAMES as SSD_PALLAS_SAVE_NAMES, ssd_fused
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -177,6 +178,11 @@ def _dt_and_A(p, dt_raw, cfg):
   return dt, -jnp.exp(p["A_log"])
 
 
+# Names of the in_proj results a remat policy can save (`_REMAT_POLICIES`): z|x|B|C
+# (b, l, 2i + 2gn) in the compute dtype, and dt before its softplus (b, l, h) float32.
+IN_PROJ_NAMES = ("mamba_in_proj", "mamba_in_proj_dt")
+
+
 def _project_in(p, u, rt):
   """z, x, B|C and dt from the block input u. z|x|B|C is one matmul on the weights
   joined inside their cast to the compute dtype (one weight read, one dot), written
@@ -199,6 +205,9 @@ def _project_in(p, u, rt):
   else:
     r = mm.linear(u, jnp.concatenate([w, dtw], 1).astype(cd), cd, prec, 1, adapter)
     r, dt_raw = r[..., :2 * i + 2 * gn].astype(cd), r[..., 2 * i + 2 * gn:]
+  # Named whole, before the slices: a policy that saves them keeps one buffer in the
+  # compute dtype, and z, x, B, C are sliced again in the backward pass for free.
+  r, dt_raw = checkpoint_name(r, IN_PROJ_NAMES[0]), checkpoint_name(dt_raw, IN_PROJ_NAMES[1])
   z, x = r[..., :i], r[..., i:2 * i]
   bc = r[..., 2 * i:].reshape(*r.shape[:-1], 2, gn)
   return z, x, bc, dt_raw
@@ -421,8 +430,17 @@ def unstack(tree, n: int) -> list:
   return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
 
 
+_save_names = jax.checkpoint_policies.save_only_these_names
 _REMAT_POLICIES = {
     "full": None,  # recompute everything in the backward pass
+    # The in_proj results (one (b, l, 2i + 2gn) buffer in the compute dtype, and dt):
+    # the backward pass recomputes only what is cheap from them (the conv + SiLU, the
+    # dt softplus, the SSD's forward, the gate and norm), not the pre-norm and the
+    # in_proj matmul with its weight's read.
+    "save_in_proj": _save_names(*IN_PROJ_NAMES),
+    # And the SSD kernels' output and entering states (Pallas on TPU, Triton on
+    # GPUs), so the backward pass does not run the forward kernel again.
+    "save_in_proj_ssd": _save_names(*IN_PROJ_NAMES, *SSD_PALLAS_SAVE_NAMES, *SSD_GPU_SAVE_NAMES),
     # The GPU SSD kernels' output and entering states too: without them the backward
     # pass runs the forward kernel again (for 1.3b on 8 H100s, 4 x 2048 a GPU, about
     # 5% of the step's bytes, for 16 GiB a GPU: docs/bench/gpu.md).

@@ -22,7 +22,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # The projections' and LM head's arithmetic (`model/matmul.py` says what each does
 # and what stays float32): 'default' the compute dtype, 'fp8', 'int8'.
 MATMUL_PRECISIONS = ("default", "fp8", "int8")
-REMAT = ("none", "full", "save_matmuls")
+# What a layer's backward pass recomputes (`mamba2._REMAT_POLICIES` says what each
+# saves): 'none', 'full', 'save_matmuls', 'save_in_proj', 'save_in_proj_ssd', or
+# 'auto' (`default_remat`, for the large configs, where activations must shrink).
+REMAT = ("auto", "none", "full", "save_matmuls", "save_in_proj", "save_in_proj_ssd")
 SSD_FORMS = ("auto", "scan", "parallel")
 # How attention layers compute softmax(q k^T) v (`attention.attend`): 'xla', the
 # plain einsum form (the reference, and the CPU choice); 'dot_product',
@@ -108,6 +111,22 @@ def default_decode_impl(backend: str) -> str:
   return "pallas" if backend == "tpu" else "xla"
 
 
+def default_remat(backend: str) -> str:
+  """The remat that, of those that fit, moves the fewest bytes a chip in XLA's counts
+  of the 1.3b and 2.7b train steps (docs/bench/tpu_ssd.md, docs/bench/gpu.md):
+  REMAT_TPU on TPUs, 'save_matmuls' on NVIDIA GPUs; 'full' on CPUs, where nothing was
+  counted and memory, not bytes, is what a large model runs out of first."""
+  if backend == "tpu":
+    return REMAT_TPU
+  return "save_matmuls" if backend in ("gpu", "cuda") else "full"
+
+
+# 1.3b and 2.7b on TPU v6e-256, batch 512 x 2048 (docs/bench/tpu_ssd.md, 2026-12-02):
+# of the policies that fit, the fewest bytes a chip; 'save_in_proj_ssd' saves the SSD
+# kernel's rerun (FLOPs) but its stacked y and states cost more bytes than that rerun.
+REMAT_TPU = "save_in_proj"
+
+
 def default_moe_impl(backend: str) -> str:
   """megablox on TPUs, where libtpu 0.0.52 lowers ragged_dot on v6e to a product over
   every local expert (docs/bench/moe.md) and megablox's kernel stays grouped;
@@ -128,7 +147,9 @@ class Runtime(FrozenFields):
   # The matmuls' format below the compute dtype (MATMUL_PRECISIONS): qwix's quantized
   # dots, forward and backward, in training; weights quantized once in decoding.
   matmul_precision: str = "default"
-  # What the backward pass recomputes: nothing, everything, or all but the matmuls.
+  # What the backward pass recomputes (REMAT): nothing, everything, all but the
+  # matmuls, all but the in_proj results (and the SSD kernels' output and states),
+  # or 'auto' (`default_remat` of the backend the runtime is resolved for).
   remat: str = "none"
   # How the SSD combines chunks (`ssd.ssd_chunked`): 'parallel', 'scan', or 'auto'
   # (`default_form` of the backend the runtime is resolved for).
@@ -208,7 +229,7 @@ class Runtime(FrozenFields):
   @property
   def resolved(self) -> bool:
     return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl,
-                          self.moe_impl, self.decode_impl)
+                          self.moe_impl, self.decode_impl, self.remat)
 
   def resolve(self, backend: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
@@ -224,6 +245,7 @@ class Runtime(FrozenFields):
         layer_impl=default_layer_impl(backend) if self.layer_impl == "auto" else self.layer_impl,
         moe_impl=default_moe_impl(backend) if self.moe_impl == "auto" else self.moe_impl,
         decode_impl=default_decode_impl(backend) if self.decode_impl == "auto" else self.decode_impl,
+        remat=default_remat(backend) if self.remat == "auto" else self.remat,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))

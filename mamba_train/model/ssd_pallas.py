@@ -56,6 +56,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -458,9 +459,15 @@ def _one_pass(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret):
   return _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret)
 
 
+# Names a remat policy can save (the model's 'save_in_proj_ssd' does): with y and the
+# entering states kept, the backward pass need not run the forward kernel again.
+SAVE_NAMES = ("ssd_pallas_y", "ssd_pallas_states")
+
+
 def _one_pass_fwd(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret):
   y, final, states = _one_pass_call(xc, dtc, ac, Bc, Cc, init, Dr, row, col, keep_in, end, interpret,
                                     save=True)
+  y, states = checkpoint_name(y, SAVE_NAMES[0]), checkpoint_name(states, SAVE_NAMES[1])
   return (y, final), (xc, dtc, ac, Bc, Cc, states, Dr, row, col, keep_in, end)
 
 
