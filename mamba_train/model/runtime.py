@@ -121,8 +121,8 @@ def default_remat(backend: str) -> str:
   return "save_matmuls" if backend in ("gpu", "cuda") else "full"
 
 
-# 1.3b and 2.7b on TPU v6e-256, batch 512 x 2048 (docs/bench/tpu_ssd.md, 2026-12-02):
-# of the policies that fit, the fewest bytes a chip; 'save_in_proj_ssd' saves the SSD
+# Of the policies that fit the 1.3b and 2.7b train steps on TPU v6e-256, the fewest
+# bytes a chip (docs/bench/tpu_ssd.md, "Remat that fits the fused layer"); 'save_in_proj_ssd' saves the SSD
 # kernel's rerun (FLOPs) but its stacked y and states cost more bytes than that rerun.
 REMAT_TPU = "save_in_proj"
 
