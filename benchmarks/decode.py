@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import re
 from typing import Sequence
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from benchmarks import peers, roofline
 from benchmarks.common import add_rows, compile_fn, log, median_time, model_cfg, runtime
 from mamba_train.generation import decode_loop, prefill, step
 from mamba_train.metrics import Timer
+from mamba_train.model import decode_pallas, mamba2, matmul as mm
 from mamba_train.model.mamba2 import Mamba2LM
 
 
@@ -468,11 +470,28 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
           **({"hlo": compiled.as_text()} if hlo else {})}
 
 
+KERNEL_ALONE = "pallas, step kernel alone"
+
+
+def kernel_between_xla_matmuls(p, h, cfg, rt, state):
+  """`mamba2.block_step` as the fused step was before its projection kernels: the
+  pre-norm, in_proj, out_proj and the residual add by XLA around the step kernel
+  (`decode_pallas.mixer_step_fused`); p: `fused_decode_weights`."""
+  cd, interpret = rt.compute_dtype, rt.decode_impl == "interpret"
+  y, cx, cbc, ssm = decode_pallas.mixer_step_fused(
+      mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"], cd), state["conv_x"],
+      state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit,
+      compute_dtype=cd, interpret=interpret)
+  return mamba2.residual(h, mm.linear(y, p["out_proj"], cd), cfg), {"conv_x": cx, "conv_bc": cbc, "ssm": ssm}
+
+
 def bench_decode_tpu(args, results, size):
   """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
   the plain step (decode_impl 'xla') unrolled against scanned layers, weights cast
   per token against once per loop; and the fused step (`decode_pallas`, the TPU
-  default) over weights made once, unrolled and scanned. Ops a token are the
+  default: pre-norm + in_proj, the step, out_proj + residual as three kernels) over
+  weights made once, unrolled and scanned, and unrolled as it was before its
+  projection kernels (KERNEL_ALONE: the step kernel between XLA's matmuls). Ops a token are the
   sum of fusions (kernels included), DMAs and other ops, also given per layer
   (less the head's, measured as the step's embedding, final norm, head and argmax alone)."""
   from benchmarks.roofline import decode_bytes_per_step
@@ -484,13 +503,20 @@ def bench_decode_tpu(args, results, size):
   rows = []
   ways = [("xla", unrolled, precast) for unrolled in (True, False) for precast in (False, True)]
   ways += [("pallas", unrolled, True) for unrolled in (True, False)]
+  # The fused step as it was before its projection kernels (the 2026-12-02 rows of
+  # docs/bench/decode_tpu.md), to compare in one run.
+  ways.insert(4, (KERNEL_ALONE, True, True))
   try:
     head_ops = _head_ops(cfg, rt)
   except ImportError as e:
     log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
     return results
   for impl, unrolled, precast in ways:
-    r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl=impl)
+    if impl == KERNEL_ALONE:
+      with mock.patch.object(mamba2, "block_step", kernel_between_xla_matmuls):
+        r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl="pallas")
+    else:
+      r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl=impl)
     ops = r["fusions"] + r["dmas"] + r["other"]
     row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
            "decode_impl": impl, "layers": "unrolled" if unrolled else "scan",

@@ -233,3 +233,103 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
       cost_estimate=cost, interpret=interpret, name="mamba2_decode_step")(*args)
   return y, cx, cbc, s.reshape(b, h, p, n)
+
+
+# ----------------------------------------------------------------------------
+# The projections around the step: pre-norm + in_proj, and out_proj + residual.
+#
+# Each is one kernel over a grid of weight column tiles: Pallas' pipeline DMAs
+# tile j+1 from HBM while the matrix unit multiplies tile j, so the weight is read
+# once, in its stored dtype, and nothing but the (b, columns) result leaves the
+# chip. XLA's form of the same (`mamba2.block_step` on the plain weights) is a
+# matvec fusion each plus the norm's scalar ops, a result reshape and the weight's
+# prefetch DMAs in pieces; a layer becomes these two kernels and the step's.
+
+# The most bytes one weight tile holds (two are in VMEM at once, double-buffered).
+_TILE_BYTES = 2 << 20
+
+
+def _col_tile(rows: int, cols: int, itemsize: int) -> int:
+  """Columns a weight tile: a multiple of 128 (a lane tile) with rows x columns
+  within _TILE_BYTES, or all of them when they fit. The last tile may run past
+  the weight's end: Pallas clips its DMA, and the columns past the end are not
+  written."""
+  tn = max(128, (_TILE_BYTES // max(1, rows * itemsize)) // 128 * 128)
+  return cols if cols <= tn else tn
+
+
+def _project(x, w_ref, cd):
+  return jnp.dot(x.astype(cd), w_ref[...].astype(cd), preferred_element_type=_F32)
+
+
+def _norm_in_kernel(h_ref, *refs, eps, cd):
+  *nw_ref, w_ref, o_ref = refs
+  x = h_ref[...].astype(_F32)
+  if nw_ref:  # `mamba2.rms_norm`, recomputed per tile: (b, d) is a few KB
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * nw_ref[0][...]
+  o_ref[...] = _project(x, w_ref, cd)
+
+
+def norm_in_proj(h, w, norm_weight=None, *, eps: float = 1e-5, compute_dtype=jnp.float32,
+                 interpret: bool = False):
+  """in_proj of one position, with the block's pre-norm: rms_norm(h) @ w.
+
+  h: (b, d) float32 (the residual stream); norm_weight: (d,) float32, or None for
+  no norm; w: (d, W) in the compute dtype (made once before the loop). The norm is
+  float32, rounded to the compute dtype for the product (float32 accumulation), as
+  `mamba2.rms_norm` then `matmul.linear` compute it. Returns (b, W) float32."""
+  b, d = h.shape
+  W = w.shape[-1]
+  cd = jnp.dtype(compute_dtype)
+  tn = _col_tile(d, W, w.dtype.itemsize)
+  tiles = pl.cdiv(W, tn)
+  whole = pl.BlockSpec((b, d), lambda j: (0, 0))
+  args, specs = [h.astype(_F32)], [whole]
+  if norm_weight is not None:
+    args.append(norm_weight.astype(_F32).reshape(1, d))
+    specs.append(pl.BlockSpec((1, d), lambda j: (0, 0)))
+  cost = pl.CostEstimate(flops=int(2 * b * d * W + 4 * b * d * tiles), transcendentals=int(b * tiles),
+                         bytes_accessed=int(w.size * w.dtype.itemsize + 4 * (b * d + d + b * W)))
+  return pl.pallas_call(
+      functools.partial(_norm_in_kernel, eps=float(eps), cd=cd),
+      out_shape=jax.ShapeDtypeStruct((b, W), _F32), grid=(tiles,),
+      in_specs=specs + [pl.BlockSpec((d, tn), lambda j: (0, j))],
+      out_specs=pl.BlockSpec((b, tn), lambda j: (0, j)),
+      # Tiles are independent: a chip with two cores (v5p) splits them.
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      cost_estimate=cost, interpret=interpret, name="mamba2_decode_in_proj")(*args, w)
+
+
+def _out_res_kernel(y_ref, w_ref, *refs, cd, mult):
+  *h_ref, o_ref = refs
+  out = _project(y_ref[...], w_ref, cd)
+  if h_ref:
+    out = h_ref[0][...] + (out if mult == 1.0 else mult * out)
+  o_ref[...] = out
+
+
+def out_proj_residual(y, w, h=None, *, residual_multiplier: float = 1.0, compute_dtype=jnp.float32,
+                      interpret: bool = False):
+  """out_proj of one position, with the block's residual add: h + m * (y @ w).
+
+  y: (b, i) (the step's normed y); w: (i, d) in the compute dtype; h: (b, d) float32,
+  the residual stream, or None for out_proj alone. y is rounded to the compute
+  dtype for the product (float32 accumulation), as `matmul.linear` does; the sum
+  is float32 (`mamba2.residual`). Returns (b, d) float32."""
+  b, i = y.shape
+  d = w.shape[-1]
+  cd = jnp.dtype(compute_dtype)
+  tn = _col_tile(i, d, w.dtype.itemsize)
+  args, specs = [y, w], [pl.BlockSpec((b, i), lambda j: (0, 0)), pl.BlockSpec((i, tn), lambda j: (0, j))]
+  if h is not None:
+    args.append(h.astype(_F32))
+    specs.append(pl.BlockSpec((b, tn), lambda j: (0, j)))
+  cost = pl.CostEstimate(flops=int(2 * b * i * d + 2 * b * d), transcendentals=0,
+                         bytes_accessed=int(w.size * w.dtype.itemsize + y.size * y.dtype.itemsize
+                                            + 4 * b * d * len(args) - 4 * b * d))
+  return pl.pallas_call(
+      functools.partial(_out_res_kernel, cd=cd, mult=float(residual_multiplier)),
+      out_shape=jax.ShapeDtypeStruct((b, d), _F32), grid=(pl.cdiv(d, tn),),
+      in_specs=specs, out_specs=pl.BlockSpec((b, tn), lambda j: (0, j)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      cost_estimate=cost, interpret=interpret, name="mamba2_decode_out_proj")(*args)

@@ -41,7 +41,7 @@ from mamba_train.model import (
   pattern as pattern_lib,
 )
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
-from mamba_train.model.decode_pallas import mixer_step_fused, pack_small
+from mamba_train.model.decode_pallas import mixer_step_fused, norm_in_proj, out_proj_residual, pack_small
 from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
 from mamba_train.model.runtime import Runtime
@@ -377,19 +377,41 @@ def fused_decode_weights(p, rt: Runtime, lead: int = 0) -> dict[str, Array]:
   return {"norm": p["norm"], "in_proj": q(w), "small": pack_small(p), "out_proj": q(p["out_proj"])}
 
 
+def _fused_step(p, x, cfg: Mamba2Config, rt: Runtime, state, block: bool):
+  """The fused step (`fused_decode`) of a mixer (x: its input u) or, with block, of
+  the whole pre-norm residual block (x: the residual stream h): three TPU kernels,
+  in_proj (after the pre-norm), the step between the matmuls, and out_proj (with
+  the residual add), the two projections streaming their weight from HBM in column
+  tiles (`decode_pallas.norm_in_proj`, `out_proj_residual`). Quantized weights
+  (matmul_precision int8 / fp8) take XLA's dequantizing matvecs around the step
+  kernel instead: the projection kernels read plain weights."""
+  if "small" not in p:  # weights not made for it before the loop: joined here, every step
+    p = fused_decode_weights(p, rt)
+  cd, prec, interpret = rt.compute_dtype, rt.matmul_precision, rt.decode_impl == "interpret"
+  plain = isinstance(p["in_proj"], jax.Array) and isinstance(p["out_proj"], jax.Array)
+  if plain:
+    proj = norm_in_proj(x, p["in_proj"], p["norm"] if block else None, eps=cfg.norm_eps, compute_dtype=cd,
+                        interpret=interpret)
+  else:
+    proj = mm.linear(rms_norm(x, p["norm"], cfg.norm_eps) if block else x, p["in_proj"], cd, prec)
+  y, conv_x, conv_bc, ssm = mixer_step_fused(
+      proj, state["conv_x"], state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps,
+      dt_limit=cfg.dt_limit, compute_dtype=cd, interpret=interpret)
+  if plain:
+    out = out_proj_residual(y, p["out_proj"], x if block else None, residual_multiplier=cfg.residual_multiplier,
+                            compute_dtype=cd, interpret=interpret)
+  else:
+    out = mm.linear(y, p["out_proj"], cd, prec)
+    out = residual(x, out, cfg) if block else out
+  return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
 def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
   """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state.
   p: the layer's parameters, or (the fused step) `fused_decode_weights` of them."""
   b = u.shape[0]
   if fused_decode(cfg, rt):
-    if "small" not in p:  # weights not made for it before the loop: joined here, every step
-      p = fused_decode_weights(p, rt)
-    cd, prec = rt.compute_dtype, rt.matmul_precision
-    y, conv_x, conv_bc, ssm = mixer_step_fused(
-        mm.linear(u, p["in_proj"], cd, prec), state["conv_x"], state["conv_bc"], state["ssm"], p["small"],
-        ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit, compute_dtype=cd,
-        interpret=rt.decode_impl == "interpret")
-    return mm.linear(y, p["out_proj"], cd, prec), {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+    return _fused_step(p, u, cfg, rt, state, block=False)
   z, xr, bc, dt_raw = _project_in(p, u, rt)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
@@ -421,6 +443,8 @@ def block(p, h, cfg, rt, **kw):
 
 def block_step(p, h, cfg, rt, state):
   """`block` for one position (h: (b, d)), from and to a layer state."""
+  if fused_decode(cfg, rt):  # the pre-norm and the residual inside the projection kernels
+    return _fused_step(p, h, cfg, rt, state, block=True)
   out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, state)
   return residual(h, out, cfg), state
 
