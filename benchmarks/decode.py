@@ -476,10 +476,11 @@ KERNEL_ALONE = "pallas, step kernel alone"
 def kernel_between_xla_matmuls(p, h, cfg, rt, state):
   """`mamba2.block_step` as the fused step was before its projection kernels: the
   pre-norm, in_proj, out_proj and the residual add by XLA around the step kernel
-  (`decode_pallas.mixer_step_fused`); p: `fused_decode_weights`."""
+  (`decode_pallas.mixer_step_fused`); p: `fused_decode_weights` (in_proj as (W, d):
+  XLA takes it transposed into its matvec's layout)."""
   cd, interpret = rt.compute_dtype, rt.decode_impl == "interpret"
   y, cx, cbc, ssm = decode_pallas.mixer_step_fused(
-      mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"], cd), state["conv_x"],
+      mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"].T, cd), state["conv_x"],
       state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit,
       compute_dtype=cd, interpret=interpret)
   return mamba2.residual(h, mm.linear(y, p["out_proj"], cd), cfg), {"conv_x": cx, "conv_bc": cbc, "ssm": ssm}

@@ -170,7 +170,7 @@ for topo in sys.argv[1:]:
     d, w, i = 768, 3352, 1536
     proj = jax.jit(lambda hh, nw, wi, wo, y: (norm_in_proj(hh, wi, nw, compute_dtype=jnp.bfloat16),
                                               out_proj_residual(y, wo, hh, compute_dtype=jnp.bfloat16)))
-    hlo = proj.lower(S((b, d)), S((d,)), S((d, w), jnp.bfloat16), S((i, d), jnp.bfloat16),
+    hlo = proj.lower(S((b, d)), S((1, d)), S((w, d), jnp.bfloat16), S((i, d), jnp.bfloat16),
                      S((b, i), jnp.bfloat16 if b == 1 else jnp.float32)).compile().as_text()
     assert "mamba2_decode_in_proj" in hlo and "mamba2_decode_out_proj" in hlo, "projection kernels missing"
   print("compiled", topo)

@@ -56,6 +56,16 @@ def _dot(a, b, dims):
   return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=_F32)
 
 
+def in_hbm(x, interpret: bool = False):
+  """x, for a kernel operand, kept in HBM. Without the constraint XLA prefetches a
+  Pallas call's small and mid-sized operands into VMEM with DMAs of its own before
+  the call (one op each, a large weight in 4 MB pieces and a join), which the
+  kernel's own pipeline then copies again, VMEM to VMEM; constrained, the kernel's
+  DMAs are the only ones. (jax releases without the primitive: unconstrained.)"""
+  constrain = getattr(pltpu, "with_memory_space_constraint", None)
+  return x if interpret or constrain is None else constrain(x, pltpu.HBM)
+
+
 def _head_rows(h: int, p: int, n: int) -> int:
   """Heads per block of the state: the most whose (rows, n) float32 block fits
   _BLOCK_BYTES, dividing h, with a multiple of 128 rows (lane-aligned slices of
@@ -101,7 +111,7 @@ def _conv_taps(state, new, taps, bias):
 def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_out, ssm_out, *,
             g, p, hb, eps, dt_limit, cd, k, static_row):
   bi = 0 if static_row else pl.program_id(0)
-  i = cx_ref.shape[-1]
+  i = y_ref.shape[-1]
   gn = cbc_ref.shape[-1]
   n = ssm_ref.shape[-1]
   hp = ssm_ref.shape[-2]
@@ -119,10 +129,10 @@ def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_ou
   # conv-state shift, depthwise conv and SiLU: x (1, i), B and C (1, g*n). The state
   # was written from in_proj's rounded values; widened from them again, as
   # `layer_math.causal_conv` joins the state in the input's dtype.
-  conv, window = _conv_taps([widen(cx_ref[j:j + 1, :]) for j in range(k - 1)], xr,
+  conv, window = _conv_taps([widen(cx_ref[:, j * i:(j + 1) * i]) for j in range(k - 1)], xr,
                             [small(j, i) for j in range(k)], small(k, i))
   for j in range(k - 1):
-    cx_out[j:j + 1, :] = window[j]
+    cx_out[:, j * i:(j + 1) * i] = window[j]
   x = silu(conv)
   bc_state = [widen(cbc_ref[j]) for j in range(k - 1)]  # (2, g*n) each: B, C
   taps = [small(k + 2 + j, 2 * gn) for j in range(k)]
@@ -207,13 +217,19 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
   gn = conv_bc.shape[-1]
   cd = jnp.dtype(compute_dtype)
   hb = _head_rows(h, p, n)
-  args = (proj.astype(_F32), conv_x, conv_bc, ssm.reshape(b, h * p, n), small)
+  # conv_x as one row of its k-1 inputs side by side, (b, 1, (k-1) i): XLA lays a
+  # (1, k-1, i) state out in (1, 128) tiles (no padding of the k-1 rows), which the
+  # kernel's (k-1, i) block would copy into (8, 128) tiles on every call; the row
+  # is the same bytes in the same order at batch 1.
+  hbm = lambda a: in_hbm(a, interpret)
+  args = (proj.astype(_F32), hbm(conv_x.reshape(b, 1, (k - 1) * i)), hbm(conv_bc), hbm(ssm.reshape(b, h * p, n)),
+          hbm(small))
   row = lambda *blk: pl.BlockSpec((None, *blk), lambda bi: (bi,) + (0,) * len(blk))
   whole = lambda a: pl.BlockSpec(a.shape, lambda bi: (0,) * a.ndim)
-  in_specs = [whole(args[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n), whole(small)]
-  out_shape = (jax.ShapeDtypeStruct((b, i), cd if b == 1 else _F32), jax.ShapeDtypeStruct(conv_x.shape, _F32),
+  in_specs = [whole(args[0]), row(1, (k - 1) * i), row(k - 1, 2, gn), row(h * p, n), whole(small)]
+  out_shape = (jax.ShapeDtypeStruct((b, i), cd if b == 1 else _F32), jax.ShapeDtypeStruct(args[1].shape, _F32),
                jax.ShapeDtypeStruct(conv_bc.shape, _F32), jax.ShapeDtypeStruct((b, h * p, n), _F32))
-  out_specs = (whole(out_shape[0]), row(k - 1, i), row(k - 1, 2, gn), row(h * p, n))
+  out_specs = (whole(out_shape[0]), row(1, (k - 1) * i), row(k - 1, 2, gn), row(h * p, n))
   gp = max(8, -(-ngroups // 8) * 8)
   cost = pl.CostEstimate(
       # per row: the one-hot expansion (8 x h x hp), per state row three matmuls
@@ -232,7 +248,7 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
       # step writes its row of the one resident y block.
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
       cost_estimate=cost, interpret=interpret, name="mamba2_decode_step")(*args)
-  return y, cx, cbc, s.reshape(b, h, p, n)
+  return y, cx.reshape(conv_x.shape), cbc, s.reshape(b, h, p, n)
 
 
 # ----------------------------------------------------------------------------
@@ -258,51 +274,51 @@ def _col_tile(rows: int, cols: int, itemsize: int) -> int:
   return cols if cols <= tn else tn
 
 
-def _project(x, w_ref, cd):
-  return jnp.dot(x.astype(cd), w_ref[...].astype(cd), preferred_element_type=_F32)
-
-
 def _norm_in_kernel(h_ref, *refs, eps, cd):
   *nw_ref, w_ref, o_ref = refs
   x = h_ref[...].astype(_F32)
   if nw_ref:  # `mamba2.rms_norm`, recomputed per tile: (b, d) is a few KB
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * nw_ref[0][...]
-  o_ref[...] = _project(x, w_ref, cd)
+  # The weight tile is (columns, d): x w^T, as attention's q k^T.
+  o_ref[...] = jax.lax.dot_general(x.astype(cd), w_ref[...].astype(cd), _NT, preferred_element_type=_F32)
 
 
-def norm_in_proj(h, w, norm_weight=None, *, eps: float = 1e-5, compute_dtype=jnp.float32,
+def norm_in_proj(h, w_t, norm_weight=None, *, eps: float = 1e-5, compute_dtype=jnp.float32,
                  interpret: bool = False):
-  """in_proj of one position, with the block's pre-norm: rms_norm(h) @ w.
+  """in_proj of one position, with the block's pre-norm: rms_norm(h) @ w_t^T.
 
-  h: (b, d) float32 (the residual stream); norm_weight: (d,) float32, or None for
-  no norm; w: (d, W) in the compute dtype (made once before the loop). The norm is
-  float32, rounded to the compute dtype for the product (float32 accumulation), as
-  `mamba2.rms_norm` then `matmul.linear` compute it. Returns (b, W) float32."""
+  h: (b, d) float32 (the residual stream); norm_weight: (1, d) float32, or None for
+  no norm; w_t: (W, d), in_proj's weight transposed, in the compute dtype (made
+  once before the loop). Stored so, a tile of rows is contiguous and neither
+  dimension pads (W is a multiple of 8, d of 128, in the released models; XLA lays
+  a (d, W) weight out column-major to avoid W's padding, which a kernel reading it
+  row-major would copy every token). The norm is float32, rounded to the compute
+  dtype for the product (float32 accumulation), as `mamba2.rms_norm` then
+  `matmul.linear` compute it. Returns (b, W) float32."""
   b, d = h.shape
-  W = w.shape[-1]
+  W = w_t.shape[0]
   cd = jnp.dtype(compute_dtype)
-  tn = _col_tile(d, W, w.dtype.itemsize)
+  tn = _col_tile(d, W, w_t.dtype.itemsize)
   tiles = pl.cdiv(W, tn)
-  whole = pl.BlockSpec((b, d), lambda j: (0, 0))
-  args, specs = [h.astype(_F32)], [whole]
+  args, specs = [h.astype(_F32)], [pl.BlockSpec((b, d), lambda j: (0, 0))]
   if norm_weight is not None:
-    args.append(norm_weight.astype(_F32).reshape(1, d))
+    args.append(in_hbm(norm_weight.astype(_F32).reshape(1, d), interpret))
     specs.append(pl.BlockSpec((1, d), lambda j: (0, 0)))
   cost = pl.CostEstimate(flops=int(2 * b * d * W + 4 * b * d * tiles), transcendentals=int(b * tiles),
-                         bytes_accessed=int(w.size * w.dtype.itemsize + 4 * (b * d + d + b * W)))
+                         bytes_accessed=int(w_t.size * w_t.dtype.itemsize + 4 * (b * d + d + b * W)))
   return pl.pallas_call(
       functools.partial(_norm_in_kernel, eps=float(eps), cd=cd),
       out_shape=jax.ShapeDtypeStruct((b, W), _F32), grid=(tiles,),
-      in_specs=specs + [pl.BlockSpec((d, tn), lambda j: (0, j))],
+      in_specs=specs + [pl.BlockSpec((tn, d), lambda j: (j, 0))],
       out_specs=pl.BlockSpec((b, tn), lambda j: (0, j)),
       # Tiles are independent: a chip with two cores (v5p) splits them.
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-      cost_estimate=cost, interpret=interpret, name="mamba2_decode_in_proj")(*args, w)
+      cost_estimate=cost, interpret=interpret, name="mamba2_decode_in_proj")(*args, in_hbm(w_t, interpret))
 
 
 def _out_res_kernel(y_ref, w_ref, *refs, cd, mult):
   *h_ref, o_ref = refs
-  out = _project(y_ref[...], w_ref, cd)
+  out = jnp.dot(y_ref[...].astype(cd), w_ref[...].astype(cd), preferred_element_type=_F32)
   if h_ref:
     out = h_ref[0][...] + (out if mult == 1.0 else mult * out)
   o_ref[...] = out
@@ -320,13 +336,14 @@ def out_proj_residual(y, w, h=None, *, residual_multiplier: float = 1.0, compute
   d = w.shape[-1]
   cd = jnp.dtype(compute_dtype)
   tn = _col_tile(i, d, w.dtype.itemsize)
-  args, specs = [y, w], [pl.BlockSpec((b, i), lambda j: (0, 0)), pl.BlockSpec((i, tn), lambda j: (0, j))]
+  args = [y, in_hbm(w, interpret)]
+  specs = [pl.BlockSpec((b, i), lambda j: (0, 0)), pl.BlockSpec((i, tn), lambda j: (0, j))]
   if h is not None:
     args.append(h.astype(_F32))
     specs.append(pl.BlockSpec((b, tn), lambda j: (0, j)))
+  resid = 0 if h is None else 4 * b * d
   cost = pl.CostEstimate(flops=int(2 * b * i * d + 2 * b * d), transcendentals=0,
-                         bytes_accessed=int(w.size * w.dtype.itemsize + y.size * y.dtype.itemsize
-                                            + 4 * b * d * len(args) - 4 * b * d))
+                         bytes_accessed=int(w.size * w.dtype.itemsize + y.size * y.dtype.itemsize + 4 * b * d + resid))
   return pl.pallas_call(
       functools.partial(_out_res_kernel, cd=cd, mult=float(residual_multiplier)),
       out_shape=jax.ShapeDtypeStruct((b, d), _F32), grid=(pl.cdiv(d, tn),),

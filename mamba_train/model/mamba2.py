@@ -369,12 +369,19 @@ def fused_decode_weights(p, rt: Runtime, lead: int = 0) -> dict[str, Array]:
   joined into one (d, 2i + 2g*n + h) matmul weight, so a token is one dot, not
   three, and the small parameters packed into one array (`decode_pallas.pack_small`);
   both matmul weights in the compute dtype or quantized as `_decode_weights` does
-  (per output channel, so joining changes no value). The pre-norm's weight rides along."""
+  (per output channel, so joining changes no value). In the compute dtype, in_proj
+  is stored transposed, (2i + 2g*n + h, d), as its kernel reads it
+  (`decode_pallas.norm_in_proj`). The pre-norm's weight rides along as (1, d)."""
   zx = p["in_proj_zx"]
   pre, d = zx.shape[:lead], zx.shape[lead]
   w = jnp.concatenate([zx.reshape(*pre, d, -1), p["in_proj_bc"].reshape(*pre, d, -1), p["in_proj_dt"]], -1)
   q = lambda w: mm.quantize_weights(w, rt.matmul_precision, 1, rt.compute_dtype, lead)
-  return {"norm": p["norm"], "in_proj": q(w), "small": pack_small(p), "out_proj": q(p["out_proj"])}
+  if rt.matmul_precision == "default":  # read by `decode_pallas.norm_in_proj`: (W, d), a row per output
+    w_in = jnp.swapaxes(w, -1, -2).astype(rt.compute_dtype)
+  else:  # quantized: XLA's matvec dequantizes it (`_fused_step`)
+    w_in = q(w)
+  norm = p["norm"].reshape(*pre, 1, d)  # as the kernel reads it, so no step reshapes it
+  return {"norm": norm, "in_proj": w_in, "small": pack_small(p), "out_proj": q(p["out_proj"])}
 
 
 def _fused_step(p, x, cfg: Mamba2Config, rt: Runtime, state, block: bool):
