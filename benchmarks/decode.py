@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import re
 from typing import Sequence
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,6 @@ from benchmarks import peers, roofline
 from benchmarks.common import add_rows, compile_fn, log, median_time, model_cfg, runtime
 from mamba_train.generation import decode_loop, prefill, step
 from mamba_train.metrics import Timer
-from mamba_train.model import decode_pallas, mamba2, matmul as mm
 from mamba_train.model.mamba2 import Mamba2LM
 
 
@@ -406,8 +404,8 @@ def executed_kernels(text: str) -> dict[str, int]:
 
 
 def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = "v6e:1x1",
-                        hlo: bool = False, decode_impl: str = "auto") -> dict:
-  """One greedy decode step of batch 1 (token in, next token and states out), as the
+                        hlo: bool = False, decode_impl: str = "auto", batch: int = 1) -> dict:
+  """One greedy decode step of `batch` (1 by default) (token in, next token and states out), as the
   decode loop's body runs it, compiled for `topology`: XLA's bytes with every layer
   counted (xla_bytes; a scanned body scaled by the layer count, as the compile
   benchmark does; xla_bytes_raw as compiled) and FLOPs as compiled, the kernels
@@ -415,7 +413,8 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   hands them to the step (matmul weights and LM head already in the compute dtype)
   rather than the float32 parameters cast inside the step. decode_impl: the
   runtime's (`auto` on TPU: the fused step of `decode_pallas`; `xla`: the plain
-  step). hlo: also return the compiled module's text."""
+  step). hlo: also return the compiled module's text. batch: sequences a step
+  (1 in the benchmark's rows)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.metrics import compiled_cost, every_layer_counts
@@ -446,11 +445,11 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
     return jnp.argmax(m.logits(h, head), -1).astype(jnp.int32), new
 
   layers, head = jax.eval_shape(weights, params)
-  states = jax.eval_shape(lambda: Mamba2Cache.init(cfg, 1).states())
+  states = jax.eval_shape(lambda: Mamba2Cache.init(cfg, batch).states())
   if unrolled:
     states = jax.eval_shape(lambda p, s: nnx.merge(gd, p).unstack_states(s), params, states)
   args = (on(params), on(layers), None if head is None else on(head),
-          jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), on(states))
+          jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep), on(states))
   with Timer() as t:
     compiled = jax.jit(one_step, donate_argnums=(4,)).lower(*args).compile()
   cost = compiled_cost(compiled)
@@ -470,71 +469,49 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
           **({"hlo": compiled.as_text()} if hlo else {})}
 
 
-KERNEL_ALONE = "pallas, step kernel alone"
-
-
-def kernel_between_xla_matmuls(p, h, cfg, rt, state):
-  """`mamba2.block_step` as the fused step was before its projection kernels: the
-  pre-norm, in_proj, out_proj and the residual add by XLA around the step kernel
-  (`decode_pallas.mixer_step_fused`); p: `fused_decode_weights` (in_proj as (W, d):
-  XLA takes it transposed into its matvec's layout)."""
-  cd, interpret = rt.compute_dtype, rt.decode_impl == "interpret"
-  y, cx, cbc, ssm = decode_pallas.mixer_step_fused(
-      mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"].T, cd), state["conv_x"],
-      state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit,
-      compute_dtype=cd, interpret=interpret)
-  return mamba2.residual(h, mm.linear(y, p["out_proj"], cd), cfg), {"conv_x": cx, "conv_bc": cbc, "ssm": ssm}
-
-
 def bench_decode_tpu(args, results, size):
   """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
   the plain step (decode_impl 'xla') unrolled against scanned layers, weights cast
   per token against once per loop; and the fused step (`decode_pallas`, the TPU
   default: pre-norm + in_proj, the step, out_proj + residual as three kernels) over
-  weights made once, unrolled and scanned, and unrolled as it was before its
-  projection kernels (KERNEL_ALONE: the step kernel between XLA's matmuls). Ops a token are the
-  sum of fusions (kernels included), DMAs and other ops, also given per layer
-  (less the head's, measured as the step's embedding, final norm, head and argmax alone)."""
+  weights made once, unrolled and scanned; and both unrolled over weights made once
+  at batch 2 and 3 too. Ops a token are the sum of fusions (kernels included), DMAs
+  and other ops, also given per layer (less the head's, measured as the step's
+  embedding, final norm, head and argmax alone, at the row's batch)."""
   from benchmarks.roofline import decode_bytes_per_step
   from mamba_train.model.config import config_for
   from mamba_train.model.runtime import Runtime
   cfg = config_for(size)
   rt = Runtime(compute_dtype=args.dtype)
-  f32_bytes = decode_bytes_per_step(cfg, 1)
   rows = []
-  ways = [("xla", unrolled, precast) for unrolled in (True, False) for precast in (False, True)]
-  ways += [("pallas", unrolled, True) for unrolled in (True, False)]
-  # The fused step as it was before its projection kernels (the 2026-12-02 rows of
-  # docs/bench/decode_tpu.md), to compare in one run.
-  ways.insert(4, (KERNEL_ALONE, True, True))
+  ways = [("xla", unrolled, precast, 1) for unrolled in (True, False) for precast in (False, True)]
+  ways += [("pallas", unrolled, True, 1) for unrolled in (True, False)]
+  ways += [(impl, True, True, b) for b in (2, 3) for impl in ("xla", "pallas")]
   try:
-    head_ops = _head_ops(cfg, rt)
+    head_ops = {b: _head_ops(cfg, rt, batch=b) for b in sorted({w[3] for w in ways})}
   except ImportError as e:
     log(f"  decode TPU compile skipped: {e} (pip install libtpu)")
     return results
-  for impl, unrolled, precast in ways:
-    if impl == KERNEL_ALONE:
-      with mock.patch.object(mamba2, "block_step", kernel_between_xla_matmuls):
-        r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl="pallas")
-    else:
-      r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl=impl)
+  for impl, unrolled, precast, b in ways:
+    r = compile_decode_step(cfg, rt, unrolled, precast, decode_impl=impl, batch=b)
     ops = r["fusions"] + r["dmas"] + r["other"]
-    row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)",
+    f32_bytes = decode_bytes_per_step(cfg, b)
+    row = {"bench": "decode_tpu", "config": size, "dtype": args.dtype, "target": "TPU v6e (AOT)", "batch": b,
            "decode_impl": impl, "layers": "unrolled" if unrolled else "scan",
            "weights": "cast once per loop" if precast else "cast every token",
-           "min_bytes_f32": f32_bytes, "ops": ops, "head_ops": head_ops,
-           "ops_per_layer": (ops - head_ops) / cfg.n_layer, **r}
+           "min_bytes_f32": f32_bytes, "ops": ops, "head_ops": head_ops[b],
+           "ops_per_layer": (ops - head_ops[b]) / cfg.n_layer, **r}
     rows.append(row)
-    log(f"  decode step {size} {args.dtype} v6e, {impl}, {row['layers']}, {row['weights']}: "
+    log(f"  decode step {size} {args.dtype} v6e batch {b}, {impl}, {row['layers']}, {row['weights']}: "
         f"XLA {r['xla_bytes']:.3e} bytes, HBM est. {r['hbm_bytes_est']:.3e} (f32 params once: {f32_bytes:.3e}), "
         f"{r['fusions']} fusions, {r['dmas']} DMAs, {r['other']} other ops a token "
-        f"({row['ops_per_layer']:.1f} a layer + {head_ops} head), compile {r['compile_cpu_s']:.1f}s cpu")
+        f"({row['ops_per_layer']:.1f} a layer + {head_ops[b]} head), compile {r['compile_cpu_s']:.1f}s cpu")
   return add_rows(results, rows)
 
 
-def _head_ops(cfg, rt, topology: str = "v6e:1x1") -> int:
+def _head_ops(cfg, rt, topology: str = "v6e:1x1", batch: int = 1) -> int:
   """Ops a token outside the layers: the embedding row, final norm, LM head (cast
-  once, as the decode loop hands it) and argmax of one token, compiled alone."""
+  once, as the decode loop hands it) and argmax of one token a sequence, compiled alone."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from mamba_train.parallel.mesh import make_mesh
@@ -551,6 +528,6 @@ def _head_ops(cfg, rt, topology: str = "v6e:1x1") -> int:
   def outside(params, head, token):
     m = nnx.merge(gd, params)
     return jnp.argmax(m.logits(m.embed(token), head), -1).astype(jnp.int32)
-  text = jax.jit(outside).lower(on(params), on(head), jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep)
+  text = jax.jit(outside).lower(on(params), on(head), jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
                                 ).compile().as_text()
   return sum(executed_kernels(text).values())

@@ -91,10 +91,10 @@ def markdown(results) -> str:
                  "and over the batch-1 matvec read rate)",
        [("config", ""), ("impl", ""), ("batch", ""), ("seq_len", ""), ("tokens_per_s", ""),
         ("bw_util", "pct"), ("matvec_util", "pct"), ("ours_over_this", "x")]),
-      ("decode_tpu", ("Batch-1 decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
+      ("decode_tpu", ("Decode step compiled for one TPU v6e (AOT): XLA's bytes a token, "
                       "fusions, DMAs and other ops a token (a scanned body counted per layer)"),
-       [("config", ""), ("dtype", ""), ("decode_impl", ""), ("layers", ""), ("weights", ""), ("xla_bytes", ""),
-        ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""),
+       [("config", ""), ("dtype", ""), ("batch", ""), ("decode_impl", ""), ("layers", ""), ("weights", ""),
+        ("xla_bytes", ""), ("hbm_bytes_est", ""), ("min_bytes_f32", ""), ("fusions", ""), ("dmas", ""), ("other", ""),
         ("ops", ""), ("ops_per_layer", ""), ("head_ops", ""), ("compile_cpu_s", "")]),
       ("compile", "Compile time (wall and this process's CPU seconds)",
        [("impl", ""), ("program", ""), ("config", ""), ("n_layer", ""), ("batch", ""), ("seq_len", ""),

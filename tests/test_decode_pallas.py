@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks.decode import kernel_between_xla_matmuls
-from mamba_train.model import decode_pallas, mamba2
+from mamba_train.model import decode_pallas, mamba2, matmul as mm
 from mamba_train.model.cache import Mamba2Cache
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import (
@@ -101,6 +100,17 @@ def test_fused_block_step_matches_plain_block_step(g, b, limit, mult):
   assert rel(h1, h) > 1e-2 and rel(s1["ssm"], state["ssm"]) > 1e-3  # the layer did something
 
 
+def _kernel_between_xla_matmuls(p, h, cfg, rt, state):
+  """`block_step` with the step kernel alone (the fused form before its projection
+  kernels): the pre-norm, in_proj, out_proj and the residual add by XLA."""
+  y, cx, cbc, ssm = decode_pallas.mixer_step_fused(
+      mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"].T, rt.compute_dtype), state["conv_x"],
+      state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit,
+      compute_dtype=rt.compute_dtype, interpret=True)
+  return mamba2.residual(h, mm.linear(y, p["out_proj"], rt.compute_dtype), cfg), {"conv_x": cx, "conv_bc": cbc,
+                                                                                   "ssm": ssm}
+
+
 def test_fused_decoding_tokens_match_full_forward_and_the_kernel_alone():
   """Two layers, 3 groups, a batch of 2, teacher-forced: every position decoded one
   token at a time with the decode loop's weights (`decode_layers`), by the three
@@ -126,7 +136,7 @@ def test_fused_decoding_tokens_match_full_forward_and_the_kernel_alone():
       return jnp.moveaxis(jax.lax.scan(body, m.unstack_states(Mamba2Cache.init(cfg, 2).states()), ids.T)[1], 0, 1)
     if not before:
       return jax.jit(run)(ps)
-    with mock.patch.object(mamba2, "block_step", kernel_between_xla_matmuls):
+    with mock.patch.object(mamba2, "block_step", _kernel_between_xla_matmuls):
       return jax.jit(run)(ps)
   logits = {"kernels": stepped("interpret"), "before": stepped("interpret", before=True), "plain": stepped("xla")}
   greedy = np.asarray(jnp.argmax(full, -1))

@@ -129,10 +129,10 @@ def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_ou
   # conv-state shift, depthwise conv and SiLU: x (1, i), B and C (1, g*n). The state
   # was written from in_proj's rounded values; widened from them again, as
   # `layer_math.causal_conv` joins the state in the input's dtype.
-  conv, window = _conv_taps([widen(cx_ref[:, j * i:(j + 1) * i]) for j in range(k - 1)], xr,
+  conv, window = _conv_taps([widen(cx_ref[j, pl.ds(bi, 1), :]) for j in range(k - 1)], xr,
                             [small(j, i) for j in range(k)], small(k, i))
   for j in range(k - 1):
-    cx_out[:, j * i:(j + 1) * i] = window[j]
+    cx_out[j, pl.ds(bi, 1), :] = window[j]
   x = silu(conv)
   bc_state = [widen(cbc_ref[j]) for j in range(k - 1)]  # (2, g*n) each: B, C
   taps = [small(k + 2 + j, 2 * gn) for j in range(k)]
@@ -217,19 +217,19 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
   gn = conv_bc.shape[-1]
   cd = jnp.dtype(compute_dtype)
   hb = _head_rows(h, p, n)
-  # conv_x as one row of its k-1 inputs side by side, (b, 1, (k-1) i): XLA lays a
-  # (1, k-1, i) state out in (1, 128) tiles (no padding of the k-1 rows), which the
-  # kernel's (k-1, i) block would copy into (8, 128) tiles on every call; the row
-  # is the same bytes in the same order at batch 1.
+  # conv_x as (k-1, b, i), whole: XLA lays a (b, k-1, i) state out with k-1 major
+  # (no padding of the k-1 rows to a sublane tile), which the kernel's per-row
+  # (k-1, i) block would copy into (8, 128) tiles and back on every call; seen
+  # with the batch in the middle it is those bytes in that order.
   hbm = lambda a: in_hbm(a, interpret)
-  args = (proj.astype(_F32), hbm(conv_x.reshape(b, 1, (k - 1) * i)), hbm(conv_bc), hbm(ssm.reshape(b, h * p, n)),
+  args = (proj.astype(_F32), hbm(jnp.swapaxes(conv_x, 0, 1)), hbm(conv_bc), hbm(ssm.reshape(b, h * p, n)),
           hbm(small))
   row = lambda *blk: pl.BlockSpec((None, *blk), lambda bi: (bi,) + (0,) * len(blk))
   whole = lambda a: pl.BlockSpec(a.shape, lambda bi: (0,) * a.ndim)
-  in_specs = [whole(args[0]), row(1, (k - 1) * i), row(k - 1, 2, gn), row(h * p, n), whole(small)]
+  in_specs = [whole(args[0]), whole(args[1]), row(k - 1, 2, gn), row(h * p, n), whole(small)]
   out_shape = (jax.ShapeDtypeStruct((b, i), cd if b == 1 else _F32), jax.ShapeDtypeStruct(args[1].shape, _F32),
                jax.ShapeDtypeStruct(conv_bc.shape, _F32), jax.ShapeDtypeStruct((b, h * p, n), _F32))
-  out_specs = (whole(out_shape[0]), row(1, (k - 1) * i), row(k - 1, 2, gn), row(h * p, n))
+  out_specs = (whole(out_shape[0]), whole(args[1]), row(k - 1, 2, gn), row(h * p, n))
   gp = max(8, -(-ngroups // 8) * 8)
   cost = pl.CostEstimate(
       # per row: the one-hot expansion (8 x h x hp), per state row three matmuls
@@ -248,7 +248,7 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
       # step writes its row of the one resident y block.
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
       cost_estimate=cost, interpret=interpret, name="mamba2_decode_step")(*args)
-  return y, cx.reshape(conv_x.shape), cbc, s.reshape(b, h, p, n)
+  return y, jnp.swapaxes(cx, 0, 1), cbc, s.reshape(b, h, p, n)
 
 
 # ----------------------------------------------------------------------------
