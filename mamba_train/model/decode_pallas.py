@@ -56,14 +56,17 @@ def _dot(a, b, dims):
   return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=_F32)
 
 
-def in_hbm(x, interpret: bool = False):
-  """x, for a kernel operand, kept in HBM. Without the constraint XLA prefetches a
-  Pallas call's small and mid-sized operands into VMEM with DMAs of its own before
-  the call (one op each, a large weight in 4 MB pieces and a join), which the
-  kernel's own pipeline then copies again, VMEM to VMEM; constrained, the kernel's
-  DMAs are the only ones. (jax releases without the primitive: unconstrained.)"""
+def in_hbm(x, hbm: bool = True):
+  """x, for a kernel operand, kept in HBM (when `hbm`). Without the constraint XLA
+  prefetches a Pallas call's small and mid-sized operands into VMEM with DMAs of
+  its own before the call (one op each, a large weight in 4 MB pieces and a join),
+  which the kernel's own pipeline then copies again, VMEM to VMEM; constrained,
+  the kernel's DMAs are the only ones. Not for an operand that is a slice XLA makes
+  (a layer's weight in a layer scan): held to HBM, the slice is written out before
+  the kernel reads it, where unconstrained XLA DMAs it straight into VMEM. (jax
+  releases without the primitive: unconstrained.)"""
   constrain = getattr(pltpu, "with_memory_space_constraint", None)
-  return x if interpret or constrain is None else constrain(x, pltpu.HBM)
+  return constrain(x, pltpu.HBM) if hbm and constrain is not None else x
 
 
 def _head_rows(h: int, p: int, n: int) -> int:
@@ -198,7 +201,8 @@ def _kernel(proj_ref, cx_ref, cbc_ref, ssm_ref, small_ref, y_ref, cx_out, cbc_ou
 
 
 def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: float,
-                     dt_limit=(0.0, math.inf), compute_dtype=jnp.float32, interpret: bool = False):
+                     dt_limit=(0.0, math.inf), compute_dtype=jnp.float32, interpret: bool = False,
+                     hbm: bool = True):
   """The mixer's step between in_proj and out_proj, as `mamba2.mixer_step` computes it.
 
   proj: (b, 2i + 2g*n + h) float32, in_proj's output z | x | B | C | dt (z|x|B|C
@@ -209,7 +213,7 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
   batch 1, else float32, which out_proj rounds as it would anyway: a bfloat16 row
   at a dynamic sublane is a store Mosaic cannot prove aligned, two rows sharing a
   sublane) and the new conv_x, conv_bc and ssm (written over the old ones' buffers
-  when they are donated).
+  when they are donated). hbm: the states and parameters held in HBM (`in_hbm`).
   """
   b, i = proj.shape[0], conv_x.shape[-1]
   _, h, p, n = ssm.shape
@@ -221,9 +225,9 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
   # (no padding of the k-1 rows to a sublane tile), which the kernel's per-row
   # (k-1, i) block would copy into (8, 128) tiles and back on every call; seen
   # with the batch in the middle it is those bytes in that order.
-  hbm = lambda a: in_hbm(a, interpret)
-  args = (proj.astype(_F32), hbm(jnp.swapaxes(conv_x, 0, 1)), hbm(conv_bc), hbm(ssm.reshape(b, h * p, n)),
-          hbm(small))
+  keep = lambda a: in_hbm(a, hbm and not interpret)
+  args = (proj.astype(_F32), keep(jnp.swapaxes(conv_x, 0, 1)), keep(conv_bc), keep(ssm.reshape(b, h * p, n)),
+          keep(small))
   row = lambda *blk: pl.BlockSpec((None, *blk), lambda bi: (bi,) + (0,) * len(blk))
   whole = lambda a: pl.BlockSpec(a.shape, lambda bi: (0,) * a.ndim)
   in_specs = [whole(args[0]), whole(args[1]), row(k - 1, 2, gn), row(h * p, n), whole(small)]
@@ -284,7 +288,7 @@ def _norm_in_kernel(h_ref, *refs, eps, cd):
 
 
 def norm_in_proj(h, w_t, norm_weight=None, *, eps: float = 1e-5, compute_dtype=jnp.float32,
-                 interpret: bool = False):
+                 interpret: bool = False, hbm: bool = True):
   """in_proj of one position, with the block's pre-norm: rms_norm(h) @ w_t^T.
 
   h: (b, d) float32 (the residual stream); norm_weight: (1, d) float32, or None for
@@ -294,7 +298,8 @@ def norm_in_proj(h, w_t, norm_weight=None, *, eps: float = 1e-5, compute_dtype=j
   a (d, W) weight out column-major to avoid W's padding, which a kernel reading it
   row-major would copy every token). The norm is float32, rounded to the compute
   dtype for the product (float32 accumulation), as `mamba2.rms_norm` then
-  `matmul.linear` compute it. Returns (b, W) float32."""
+  `matmul.linear` compute it. hbm: the weights held in HBM (`in_hbm`). Returns
+  (b, W) float32."""
   b, d = h.shape
   W = w_t.shape[0]
   cd = jnp.dtype(compute_dtype)
@@ -302,7 +307,7 @@ def norm_in_proj(h, w_t, norm_weight=None, *, eps: float = 1e-5, compute_dtype=j
   tiles = pl.cdiv(W, tn)
   args, specs = [h.astype(_F32)], [pl.BlockSpec((b, d), lambda j: (0, 0))]
   if norm_weight is not None:
-    args.append(in_hbm(norm_weight.astype(_F32).reshape(1, d), interpret))
+    args.append(in_hbm(norm_weight.astype(_F32).reshape(1, d), hbm and not interpret))
     specs.append(pl.BlockSpec((1, d), lambda j: (0, 0)))
   cost = pl.CostEstimate(flops=int(2 * b * d * W + 4 * b * d * tiles), transcendentals=int(b * tiles),
                          bytes_accessed=int(w_t.size * w_t.dtype.itemsize + 4 * (b * d + d + b * W)))
@@ -313,7 +318,7 @@ def norm_in_proj(h, w_t, norm_weight=None, *, eps: float = 1e-5, compute_dtype=j
       out_specs=pl.BlockSpec((b, tn), lambda j: (0, j)),
       # Tiles are independent: a chip with two cores (v5p) splits them.
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-      cost_estimate=cost, interpret=interpret, name="mamba2_decode_in_proj")(*args, in_hbm(w_t, interpret))
+      cost_estimate=cost, interpret=interpret, name="mamba2_decode_in_proj")(*args, in_hbm(w_t, hbm and not interpret))
 
 
 def _out_res_kernel(y_ref, w_ref, *refs, cd, mult):
@@ -325,18 +330,19 @@ def _out_res_kernel(y_ref, w_ref, *refs, cd, mult):
 
 
 def out_proj_residual(y, w, h=None, *, residual_multiplier: float = 1.0, compute_dtype=jnp.float32,
-                      interpret: bool = False):
+                      interpret: bool = False, hbm: bool = True):
   """out_proj of one position, with the block's residual add: h + m * (y @ w).
 
   y: (b, i) (the step's normed y); w: (i, d) in the compute dtype; h: (b, d) float32,
   the residual stream, or None for out_proj alone. y is rounded to the compute
   dtype for the product (float32 accumulation), as `matmul.linear` does; the sum
-  is float32 (`mamba2.residual`). Returns (b, d) float32."""
+  is float32 (`mamba2.residual`). hbm: the weight held in HBM (`in_hbm`). Returns
+  (b, d) float32."""
   b, i = y.shape
   d = w.shape[-1]
   cd = jnp.dtype(compute_dtype)
   tn = _col_tile(i, d, w.dtype.itemsize)
-  args = [y, in_hbm(w, interpret)]
+  args = [y, in_hbm(w, hbm and not interpret)]
   specs = [pl.BlockSpec((b, i), lambda j: (0, 0)), pl.BlockSpec((i, tn), lambda j: (0, j))]
   if h is not None:
     args.append(h.astype(_F32))

@@ -395,18 +395,20 @@ def _fused_step(p, x, cfg: Mamba2Config, rt: Runtime, state, block: bool):
   if "small" not in p:  # weights not made for it before the loop: joined here, every step
     p = fused_decode_weights(p, rt)
   cd, prec, interpret = rt.compute_dtype, rt.matmul_precision, rt.decode_impl == "interpret"
+  # Weights and states held in HBM for the kernels' own DMAs, except in a layer scan,
+  # where they are XLA's slices of the stacked ones (`decode_pallas.in_hbm`).
+  kw = dict(compute_dtype=cd, interpret=interpret, hbm=rt.decode_layers != "scan")
   plain = isinstance(p["in_proj"], jax.Array) and isinstance(p["out_proj"], jax.Array)
   if plain:
-    proj = norm_in_proj(x, p["in_proj"], p["norm"] if block else None, eps=cfg.norm_eps, compute_dtype=cd,
-                        interpret=interpret)
+    proj = norm_in_proj(x, p["in_proj"], p["norm"] if block else None, eps=cfg.norm_eps, **kw)
   else:
     proj = mm.linear(rms_norm(x, p["norm"], cfg.norm_eps) if block else x, p["in_proj"], cd, prec)
   y, conv_x, conv_bc, ssm = mixer_step_fused(
       proj, state["conv_x"], state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps,
-      dt_limit=cfg.dt_limit, compute_dtype=cd, interpret=interpret)
+      dt_limit=cfg.dt_limit, **kw)
   if plain:
     out = out_proj_residual(y, p["out_proj"], x if block else None, residual_multiplier=cfg.residual_multiplier,
-                            compute_dtype=cd, interpret=interpret)
+                            **kw)
   else:
     out = mm.linear(y, p["out_proj"], cd, prec)
     out = residual(x, out, cfg) if block else out
