@@ -1,5 +1,5 @@
-"""One decoding step of a Mamba-2 mixer between its two matmuls, as one Pallas
-TPU kernel.
+"""One decoding step of a Mamba-2 block as three Pallas TPU kernels: the pre-norm
+and in_proj, the step between the matmuls, out_proj and the residual add.
 
 `mamba2.mixer_step` (the reference, and what CPUs and GPUs run) takes one token
 through in_proj, the conv-state shift with the depthwise conv and SiLU (x and
@@ -10,7 +10,9 @@ copies: docs/bench/decode_tpu.md); at batch 1 each moves a few kilobytes, so a
 small model's token is launch-bound. `mixer_step_fused` is that chain as one
 kernel: it reads in_proj's outputs, the layer's small parameters and its states,
 and writes the normed y (what out_proj reads) and the new conv and SSM states in
-place (`input_output_aliases`), so a layer is in_proj, this kernel and out_proj.
+place (`input_output_aliases`). `norm_in_proj` and `out_proj_residual` (at the end
+of this file) are the matmuls around it, each streaming its weight from HBM in
+tiles, so a layer launches these three kernels and nothing else.
 
 Layout: everything a row of the batch holds is a row of lanes, (1, channels), as
 in_proj writes it; the SSM state is (h*p, n), heads and head dim on the sublanes.

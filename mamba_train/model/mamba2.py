@@ -355,7 +355,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
 
 
 def fused_decode(cfg: Mamba2Config, rt: Runtime) -> bool:
-  """Whether `mixer_step` runs the fused kernel (`decode_pallas`) as
+  """Whether `mixer_step` and `block_step` run the fused kernels (`decode_pallas`) as
   `rt.decode_impl` asks: not for a windowed layer (its state is a window of inputs,
   not the kernel's (h, p, n) state), nor under a mesh (XLA cannot partition a
   Pallas call, and the plain step's sharding is the rules table's); those take the

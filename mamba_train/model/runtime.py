@@ -56,12 +56,12 @@ LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
 # 'tokamax' (tokamax's ragged dot, its Pallas Triton kernels: NVIDIA GPUs, the
 # optional `gpu` extra), or 'auto' (`default_moe_impl`).
 MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret", "tokamax")
-# Who computes a Mamba-2 layer's decoding step between in_proj and out_proj (the
-# conv-state shift, conv + SiLU, dt, the SSD step, gate and norm): 'xla' (the plain
-# `mamba2.mixer_step`), 'pallas' (one TPU kernel a layer, `decode_pallas`),
-# 'interpret' (that kernel in Pallas' interpreter, for tests), or 'auto'
-# (`default_decode_impl`). Windowed layers and decoding under a mesh take the plain
-# step whatever it says (`mamba2.fused_decode`).
+# Who computes a Mamba-2 layer's decoding step (pre-norm and in_proj; the conv-state
+# shift, conv + SiLU, dt, the SSD step, gate and norm; out_proj and the residual):
+# 'xla' (the plain `mamba2.block_step`), 'pallas' (three TPU kernels a layer,
+# `decode_pallas`), 'interpret' (those kernels in Pallas' interpreter, for tests),
+# or 'auto' (`default_decode_impl`). Windowed layers and decoding under a mesh take
+# the plain step whatever it says (`mamba2.fused_decode`).
 DECODE_IMPLS = ("auto", "xla", "pallas", "interpret")
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
@@ -105,9 +105,9 @@ def tokamax_imports() -> bool:
 
 
 def default_decode_impl(backend: str) -> str:
-  """The fused step on TPUs, where the plain step's chain between the matmuls is
-  about 40 launches a layer and batch-1 decoding is launch-bound
-  (docs/bench/decode_tpu.md); the plain step elsewhere (a Mosaic kernel)."""
+  """The fused step on TPUs, where the plain step is about 50 launches a layer and
+  batch-1 decoding is launch-bound, the fused one 3 (docs/bench/decode_tpu.md); the
+  plain step elsewhere (the fused kernels are Mosaic's, TPU only)."""
   return "pallas" if backend == "tpu" else "xla"
 
 
