@@ -260,7 +260,8 @@ def mixer_step_fused(proj, conv_x, conv_bc, ssm, small, *, ngroups: int, eps: fl
 # ----------------------------------------------------------------------------
 # The projections around the step: pre-norm + in_proj, and out_proj + residual.
 #
-# Each is one kernel over a grid of weight column tiles: Pallas' pipeline DMAs
+# Each is one kernel over a grid of weight tiles, a tile a block of output columns
+# (rows of in_proj's transposed weight, columns of out_proj's): Pallas' pipeline DMAs
 # tile j+1 from HBM while the matrix unit multiplies tile j, so the weight is read
 # once, in its stored dtype, and nothing but the (b, columns) result leaves the
 # chip. XLA's form of the same (`mamba2.block_step` on the plain weights) is a
@@ -272,10 +273,10 @@ _TILE_BYTES = 2 << 20
 
 
 def _col_tile(rows: int, cols: int, itemsize: int) -> int:
-  """Columns a weight tile: a multiple of 128 (a lane tile) with rows x columns
-  within _TILE_BYTES, or all of them when they fit. The last tile may run past
-  the weight's end: Pallas clips its DMA, and the columns past the end are not
-  written."""
+  """Output columns a weight tile holds: a multiple of 128 (a lane tile of the
+  result) with rows x columns within _TILE_BYTES (rows: the contracted length), or
+  all of them when they fit. The last tile may run past the weight's end: Pallas
+  clips its DMA, and the result's columns past the end are not written."""
   tn = max(128, (_TILE_BYTES // max(1, rows * itemsize)) // 128 * 128)
   return cols if cols <= tn else tn
 
