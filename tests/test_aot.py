@@ -153,8 +153,8 @@ mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices[:1])
 out = {}
 for remat in ("full", "save_in_proj"):
   c = base.get_config()  # the Pallas SSD's smallest chunk (128) and head dim (64)
-  c.model.update(d_model=256, n_layer=1, vocab_size=256, d_state=64, headdim=64, chunk_size=128)
-  c.seq_len, c.batch_size = 256, 1
+  c.model.update(d_model=128, n_layer=1, vocab_size=128, d_state=64, headdim=64, chunk_size=128)
+  c.seq_len, c.batch_size = 128, 1
   c.runtime.update(remat=remat, compute_dtype="bfloat16")
   plan = run_config.validate(c, num_devices=1, platform=devices[0].platform)
   out[remat] = aot.cost_with_layers(plan, mesh, 1, unroll=False)["flops"]
