@@ -142,6 +142,45 @@ def test_every_layer_cost_counts_each_layer():
     assert abs(got[k] - want[k]) <= 0.02 * want[k], (k, got[k], want[k])
 
 
+_RECOMPUTE = """
+import json, jax
+from configs import base
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.parallel.topology import tpu_devices
+from mamba_train.train import aot, run_config
+devices = tpu_devices("v6e:1x1")[2]
+mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices[:1])
+out = {}
+for remat in ("full", "save_in_proj"):
+  c = base.get_config()  # the Pallas SSD's smallest chunk (128) and head dim (64)
+  c.model.update(d_model=128, n_layer=1, vocab_size=128, d_state=64, headdim=64, chunk_size=128)
+  c.seq_len, c.batch_size = 128, 1
+  c.runtime.update(remat=remat, compute_dtype="bfloat16")
+  plan = run_config.validate(c, num_devices=1, platform=devices[0].platform)
+  out[remat] = aot.cost_with_layers(plan, mesh, 1, unroll=False)["flops"]
+m = plan.model
+out["in_proj"] = 2 * c.seq_len * m.d_model * (2 * m.d_inner + 2 * m.ngroups * m.d_state + m.nheads)
+print(json.dumps(out))
+"""
+
+
+def test_every_layer_programs_keep_the_recompute_on_tpu():
+  """The every-layer count's programs run their layers as straight-line code (one
+  layer, two unrolled), where a remat with prevent_cse=False let XLA:TPU merge the
+  backward's recomputation with the forward: `full` and `save_in_proj` counted the
+  same FLOPs. The one-layer train step for one v6e must count `full` above
+  `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h)."""
+  require_libtpu()
+  import json
+  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", _RECOMPUTE], capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  flops = json.loads(r.stdout.strip().splitlines()[-1])
+  assert flops["full"] - flops["save_in_proj"] == pytest.approx(flops["in_proj"], rel=0.02), flops
+
+
 @pytest.mark.parametrize("lora_rank", [0, 2])
 def test_hybrid_every_layer_cost_counts_each_kind(lora_rank):
   """A hybrid's every-layer counts (one layer of each kind from small unrolled

@@ -38,6 +38,31 @@ def test_blockwise_matches_plain_value_and_gradients(b, l, block):
   assert np.all(np.asarray(gw1)[v:] == 0)  # padding rows get no gradient
 
 
+def test_bfloat16_blocks_sum_the_heads_gradient_in_float32():
+  """bfloat16 compute: four blocks (the head's gradient summed two blocks a matmul)
+  against one block of the whole sequence (one matmul): the same products, summed
+  in float32, so within float32 rounding; and both within bfloat16's error of the
+  float32 plain form (a few ulps of 2**-8), which bfloat16 really moved."""
+  b, l, d, v, vp = 2, 16, 32, 37, 48
+  ks = jax.random.split(jax.random.PRNGKey(7), 4)
+  h = jax.random.normal(ks[0], (b, l, d))
+  w = jax.random.normal(ks[1], (vp, d)) / 4
+  targets = jax.random.randint(ks[2], (b, l), 0, v)
+  mask = (jax.random.uniform(ks[3], (b, l)) > 0.3).astype(jnp.float32)
+
+  def grads(block, cd):
+    f = lambda h, w: linear_cross_entropy(h, w, targets, mask, v, cd, block_tokens=block)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
+  (v4, (gh4, gw4)), (v1, (gh1, gw1)) = grads(b * 4, "bfloat16"), grads(b * l, "bfloat16")
+  assert abs(float(v4) - float(v1)) / abs(float(v1)) < 1e-6
+  assert rel(gh4, gh1) < 1e-5 and rel(gw4, gw1) < 1e-5
+  with jax.default_matmul_precision("highest"):
+    v0, (gh0, gw0) = jax.jit(jax.value_and_grad(lambda h, w: plain(h, w, targets, mask, v), argnums=(0, 1)))(h, w)
+  for got, want in ((gh4, gh0), (gw4, gw0)):
+    assert 1e-4 < rel(got, want) < 2e-2
+  assert abs(float(v4) - float(v0)) / abs(float(v0)) < 1e-2
+
+
 def test_shape_mismatch_is_named():
   with pytest.raises(ValueError, match="do not agree"):
     linear_cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((5, 4)), jnp.zeros((2, 4), jnp.int32),

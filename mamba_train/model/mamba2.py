@@ -618,10 +618,14 @@ class Mamba2LM(nnx.Module):
     fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe}
     if self.lora is not None:  # inside the remat: the backward pass merges again, nothing is kept
       fns = {k: (lambda p, h, st, f=f: f(self._merged_layer(p), h, st)) for k, f in fns.items()}
-    if rt.remat != "none":
-      fns = {k: jax.checkpoint(f, policy=_REMAT_POLICIES[rt.remat], prevent_cse=False)
-             for k, f in fns.items()}
     return fns
+
+  def _remat(self):
+    """`pattern.run`'s remat: the runtime's policy, or None for 'none'."""
+    policy = self.runtime.remat
+    if policy == "none":
+      return None
+    return lambda f, prevent_cse: jax.checkpoint(f, policy=_REMAT_POLICIES[policy], prevent_cse=prevent_cse)
 
   def _by_kind(self, states) -> dict[str, Any]:
     """A flat states dict -> {kind: its states} (kinds without state: None)."""
@@ -709,7 +713,7 @@ class Mamba2LM(nnx.Module):
                      jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
                              {k: self._compute_params(k) for k in self._kinds()}, init, h,
-                             unroll=self.runtime.unroll_layers)
+                             unroll=self.runtime.unroll_layers, remat=self._remat())
     return h, self._flat(new)
 
   def step(self, input_ids, states, layers=None):

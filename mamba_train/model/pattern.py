@@ -24,6 +24,7 @@ kind's layers in pattern order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -68,7 +69,7 @@ def _slice(tree, start, length):
 
 
 def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h,
-        unroll: bool = False):
+        unroll: bool = False, remat: Callable | None = None):
   """Apply every layer in pattern order (every scan unrolled when `unroll`: XLA's
   cost analysis then counts each layer, not one loop body).
 
@@ -76,15 +77,26 @@ def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict
   stateless kind); params[kind] and states[kind] are stacked over that kind's
   layers (states[kind] may be None). Returns h and the new states, stacked
   alike (None where the kind has no state).
-  """
 
-  def period_body(h, xs):
+  remat(fn, prevent_cse) -> fn: how a layer recomputes in the backward pass
+  (`jax.checkpoint` with a policy), or None. Applied here, where it is known
+  whether the layer runs inside a loop: in a rolled scan the forward and backward
+  passes are separate loops, so `prevent_cse=False` costs nothing and lets XLA
+  optimise the body; in straight-line code (a run of one layer, an unrolled scan)
+  XLA would merge the backward's recomputation with the forward's ops, keeping
+  the forward's activations alive (the memory remat exists to save) and dropping
+  the recompute from the counts (`train/aot.py` counts every layer from unrolled
+  programs), so there it is `prevent_cse=True`.
+  """
+  wrap = (lambda fn, looped: fn) if remat is None else (lambda fn, looped: remat(fn, not looped))
+
+  def period_body(h, xs, looped):
     outs = {k: [] for k in xs}
     for r in pl.runs:
       p_k, s_k = xs[r.kind]
       p_run = _slice(p_k, r.start, r.length)
       s_run = None if s_k is None else _slice(s_k, r.start, r.length)
-      fn = fns[r.kind]
+      fn = wrap(fns[r.kind], looped or (r.length > 1 and not unroll))
       if r.length == 1:
         h, s = fn(jax.tree.map(lambda a: a[0], p_run), h,
                   None if s_run is None else jax.tree.map(lambda a: a[0], s_run))
@@ -99,13 +111,15 @@ def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict
   kinds = sorted(set(pl.period))
   xs = {k: (params[k], states.get(k)) for k in kinds}
   if pl.repeats == 1:
-    return period_body(h, xs)
+    return period_body(h, xs, looped=False)
   if len(pl.period) == 1:  # one kind throughout: a plain scan over its stack
     k = pl.period
-    h, s = jax.lax.scan(lambda h, x: fns[k](x[0], h, x[1]), h, xs[k], unroll=unroll or 1)
+    fn = wrap(fns[k], not unroll)
+    h, s = jax.lax.scan(lambda h, x: fn(x[0], h, x[1]), h, xs[k], unroll=unroll or 1)
     return h, {k: s}
   r = pl.repeats
   fold = lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:])
   unfold = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-  h, new = jax.lax.scan(period_body, h, jax.tree.map(fold, xs), unroll=unroll or 1)
+  h, new = jax.lax.scan(functools.partial(period_body, looped=not unroll), h, jax.tree.map(fold, xs),
+                        unroll=unroll or 1)
   return h, jax.tree.map(unfold, new)

@@ -122,8 +122,10 @@ def default_remat(backend: str) -> str:
 
 
 # Of the policies that fit the 1.3b and 2.7b train steps on TPU v6e-256, the fewest
-# bytes a chip (docs/bench/tpu_ssd.md, "Remat that fits the fused layer"); 'save_in_proj_ssd' saves the SSD
-# kernel's rerun (FLOPs) but its stacked y and states cost more bytes than that rerun.
+# bytes a chip in the real (scanned) step's count, and the FLOPs v5p is bound by
+# (docs/bench/tpu_ssd.md, "Remat that fits the fused layer" and "The every-layer count
+# against a looped one"); 'save_in_proj_ssd' saves the SSD kernel's rerun (FLOPs) but
+# its stacked y and states cost more bytes than that rerun there, and twice the memory.
 REMAT_TPU = "save_in_proj"
 
 

@@ -4,7 +4,8 @@ never exist at once.
 `linear_cross_entropy` walks the sequence in blocks of positions (`lax.scan`, the
 batch axis kept whole so its sharding over devices stays as it is); each block's
 logits are made, reduced to their logsumexp and target logit, and dropped. Its
-custom VJP makes them again, block by block, for the gradients. The padding rows
+custom VJP makes them again for the gradients, a group of blocks a matmul (two
+in bfloat16, whose p then takes a float32 block's memory; one in float32). The padding rows
 of the vocabulary are masked to -inf inside the block, not sliced off, so no
 (b, l, vocab) copy is made either. Precision: the head matmul in the compute
 dtype with float32 accumulation, everything after it float32.
@@ -72,7 +73,10 @@ def _lce_fwd(h, w, targets, weights, vocab_size, compute_dtype, block):
     hb, tb, mb = xs
     logits = _block_logits(hb, wc, vocab_size)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, tb[..., None], -1)[..., 0]
+    # The target's logit as a masked sum, not a gather (take_along_axis): XLA fuses
+    # it into the pass that reduces the logits, where on TPU a gather is an op of
+    # its own that reads the block's logits again. Exact: one term is the logit.
+    tgt = jnp.sum(jnp.where(jnp.arange(wc.shape[0]) == tb[..., None], logits, 0.0), -1)
     return total + jnp.einsum("bt,btk->bk", lse - tgt, mb), lse
 
   xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
@@ -86,19 +90,33 @@ def _lce_bwd(vocab_size, compute_dtype, block, res, g):
   wc = w.astype(compute_dtype)
   cd = wc.dtype
 
-  def body(dw, xs):
-    hb, tb, mb, lb = xs
+  def block_p(hb, tb, mb, lb):
     p = jnp.exp(_block_logits(hb, wc, vocab_size) - lb[..., None])  # softmax; 0 on padding rows
     p = p - jax.nn.one_hot(tb, wc.shape[0], dtype=F32)
-    p = (p * jnp.einsum("btk,bk->bt", mb, g)[..., None]).astype(cd)
-    dh = jnp.einsum("btv,vd->btd", p, wc, preferred_element_type=F32)
-    dw = dw + jnp.einsum("btv,btd->vd", p, hb.astype(cd), preferred_element_type=F32)
+    return (p * jnp.einsum("btk,bk->bt", mb, g)[..., None]).astype(cd)
+
+  def body(dw, xs):  # xs: `group` blocks
+    # The group's logits as one batched matmul whose epilogue writes p in the
+    # compute dtype: XLA then reads no float32 logits here. (Made block by block,
+    # XLA merged them with the forward's when the blocks were unrolled and read
+    # those float32 logits back twice, once for each matmul below.)
+    ps = jax.vmap(block_p)(*xs)
+    dh = jnp.einsum("jbtv,vd->jbtd", ps, wc, preferred_element_type=F32)
+    dw = dw + jnp.einsum("jbtv,jbtd->vd", ps, xs[0].astype(cd), preferred_element_type=F32)
     return dw, dh
 
   xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block), lse)
+  # The head's gradient takes `group` blocks a matmul: the float32 (vocab, d) sum it
+  # carries is read and written once a group, not once a block. A group's p in the
+  # compute dtype holds no more than one block's float32 logits (the forward's peak):
+  # two blocks in bfloat16, one in float32 (then it is the block-by-block form).
+  n = xs[0].shape[0]
+  group = max(1, 4 // cd.itemsize)
+  group = group if n % group == 0 else 1
+  xs = jax.tree.map(lambda a: a.reshape(n // group, group, *a.shape[1:]), xs)
   dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, F32), xs, unroll=_unroll(xs[0]))
   b, l = h.shape[:2]
-  dh = jnp.moveaxis(dh, 0, 2).reshape(b, -1, h.shape[-1])[:, :l]
+  dh = jnp.moveaxis(dh.reshape(n, *dh.shape[2:]), 0, 2).reshape(b, -1, h.shape[-1])[:, :l]
   return dh.astype(h.dtype), dw.astype(w.dtype), None, None
 
 
