@@ -6,9 +6,6 @@ greedy tokens; and the kernel compiled for TPU v6e and v5p through libtpu (no TP
 needed), so Mosaic's tiling rules are checked here."""
 
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +16,7 @@ from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import _block_uniform_shapes, init_block_params, mixer_step, zero_state
 from mamba_train.model.runtime import Runtime
 
-from helpers import ROOT, rel, require_libtpu
+from helpers import libtpu_compiles, rel
 
 
 @pytest.mark.parametrize("g,b,limit", [(1, 3, (0.0, math.inf)), (3, 2, (0.0, 0.02))],
@@ -86,10 +83,4 @@ for topo in sys.argv[1:]:
 
 
 def test_fused_step_compiles_for_tpu_v6e_and_v5p():
-  require_libtpu()
-  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
-                     text=True, env=env, timeout=600)
-  assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

@@ -44,6 +44,7 @@ from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 from mamba_train.model.decode_pallas import mixer_step_fused, pack_small
 from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
+from mamba_train.model.layer_tpu import causal_conv_silu_tpu, gated_rms_norm_tpu
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
@@ -265,16 +266,19 @@ _CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
 def _elementwise(cfg: Mamba2Config, rt: Runtime, split):
   """(conv, norm): the conv + SiLU (`causal_conv_silu`'s arguments) and the gated
   RMSNorm (`gated_rms_norm`'s) as `rt.layer_impl` says: the plain forms, or the GPU
-  kernels, which under a mesh run on each device's batch and channels
-  (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
+  (Triton) or TPU (Mosaic) kernels, which under a mesh run on each device's batch and
+  channels (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
   exchanges a halo inside its own map)."""
   conv, norm = causal_conv_silu, gated_rms_norm
   if split is not None:
     return functools.partial(split.conv, causal_conv_silu), norm
-  if rt.layer_impl in ("triton", "triton_interpret"):
-    interpret = rt.layer_impl == "triton_interpret"
-    conv = functools.partial(causal_conv_silu_gpu, interpret=interpret)
-    norm = functools.partial(gated_rms_norm_gpu, interpret=interpret)
+  kernels = {"triton": (causal_conv_silu_gpu, gated_rms_norm_gpu),
+             "mosaic": (causal_conv_silu_tpu, gated_rms_norm_tpu)}
+  impl = rt.layer_impl.removesuffix("_interpret")
+  if impl in kernels:
+    interpret = rt.layer_impl.endswith("_interpret")
+    conv = functools.partial(kernels[impl][0], interpret=interpret)
+    norm = functools.partial(kernels[impl][1], interpret=interpret)
     heads = sharding.head_split()
     if heads is not None:
       conv = functools.partial(heads.conv, conv)
