@@ -79,6 +79,35 @@ def test_gated_norm_kernel_matches_plain_form(shape, groups):
     assert a.shape == b.shape and rel(a, b) < 1e-5, name
 
 
+def test_kernels_bfloat16_within_the_plain_forms_error():
+  """bfloat16 inputs: the kernels' outputs and gradients deviate from the float32 plain
+  form (on the same rounded inputs) by no more than the plain form run on the bfloat16
+  inputs and rounded to bfloat16 as the model rounds it, to a factor 1.5."""
+  x, w, bias, front, wy, wf = _conv_inputs(2, 100, (32,), 4)
+  x = x.astype(jnp.bfloat16)
+  seq = packed_ids(7, 2, 100)
+  plain_bf16 = lambda *a: (lambda y, t: (y.astype(jnp.bfloat16), t))(*layer_math.causal_conv_silu(*a))
+  (_, ref), gref = _conv_grads(layer_math.causal_conv_silu, seq, None, wy, wf)(x.astype(jnp.float32), w, bias,
+                                                                               front)
+  (_, out_k), gk = _conv_grads(_CONV, seq, None, wy, wf)(x, w, bias, front)
+  (_, out_p), gp = _conv_grads(plain_bf16, seq, None, wy, wf)(x, w, bias, front)
+  ks = jax.random.split(jax.random.PRNGKey(3), 4)
+  y, z = (jax.random.normal(k, (2, 40, 64)).astype(jnp.bfloat16) for k in ks[:2])
+  nw, wo = 1.0 + 0.1 * jax.random.normal(ks[2], (64,)), jax.random.normal(ks[3], (2, 40, 64))
+  f32 = lambda a: a.astype(jnp.float32)
+  (_, nref), ngref = _norm_grads(layer_math.gated_rms_norm, 2, wo)(f32(y), f32(z), nw)
+  (_, nk), ngk = _norm_grads(_NORM, 2, wo)(y, z, nw)
+  (_, npl), ngp = _norm_grads(lambda *a: layer_math.gated_rms_norm(*a).astype(jnp.bfloat16), 2, wo)(y, z, nw)
+  assert out_k[0].dtype == jnp.bfloat16 and nk.dtype == jnp.bfloat16
+  pairs = [("conv y", out_k[0], out_p[0], ref[0]), ("norm out", nk, npl, nref)]
+  pairs += [(f"conv d{n}", a, b, r) for n, a, b, r in zip(("x", "w", "bias", "front"), gk, gp, gref)]
+  pairs += [(f"norm d{n}", a, b, r) for n, a, b, r in zip(("y", "z", "w"), ngk, ngp, ngref)]
+  for name, k, plain, r in pairs:
+    err_k, err_p = rel(k, r), rel(plain, r)
+    assert err_p < 5e-2, (name, err_p)  # bfloat16 rounding, not a broken reference
+    assert err_k <= 1.5 * err_p + 1e-6, (name, err_k, err_p)
+
+
 def test_model_with_mosaic_layer_kernels_matches_xla_model():
   """A one-layer tiny model with 4 groups over packed documents at a ragged length,
   logits and every parameter's gradient: the TPU kernels in the interpreter (remat
@@ -90,7 +119,7 @@ def test_model_with_mosaic_layer_kernels_matches_xla_model():
   ids = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
   seq = packed_ids(3, 2, 40)
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
-  assert Runtime().resolve("cpu").layer_impl == "xla"
+  assert Runtime().resolve("cpu").layer_impl == "xla" and Runtime().resolve("tpu").layer_impl == "mosaic"
   with pytest.raises(ValueError, match="layer_impl must be one of"):
     Runtime(layer_impl="pallas")
 

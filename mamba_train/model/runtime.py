@@ -92,7 +92,11 @@ def default_impl(backend: str) -> str:
 
 
 def default_layer_impl(backend: str) -> str:
-  """The layer kernels of `layer_gpu` on NVIDIA GPUs; the plain forms elsewhere."""
+  """The layer kernels of `layer_gpu` on NVIDIA GPUs and of `layer_tpu` on TPUs, where
+  XLA's counts of the 1.3b and 2.7b train steps give them fewer bytes a chip than the
+  plain forms (docs/bench/gpu.md, docs/bench/tpu_ssd.md); the plain forms on CPUs."""
+  if backend == "tpu":
+    return "mosaic"
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
