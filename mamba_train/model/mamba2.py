@@ -198,8 +198,16 @@ def _project_in(p, u, rt):
     zxr, bc, dt_raw = _project_in_step(p, u, rt)
     return zxr[..., 0, :], zxr[..., 1, :], bc, dt_raw
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
-  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
   adapter = mm.adapter_of(p, "in_proj")
+  if adapter is None and rt.layer_impl in ("mosaic", "mosaic_interpret"):
+    # The TPU layer kernels take z, x and B|C as operands of their own: sliced out of
+    # one joined result each would be a copy (XLA's conv and norm fusions read the
+    # slices in place, the kernels cannot). Three GEMMs write them whole instead, and
+    # read u three times (docs/bench/tpu_ssd.md, "The layer's elementwise chain").
+    proj = lambda w: checkpoint_name(mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
+    dt_raw = checkpoint_name(mm.linear(u, dtw.astype(cd), cd, prec), IN_PROJ_NAMES[1])
+    return proj(zx[:, 0]), proj(zx[:, 1]), proj(bcw), dt_raw
+  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
   if adapter is None:
     r = mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd)
     dt_raw = mm.linear(u, dtw.astype(cd), cd, prec)
