@@ -203,7 +203,7 @@ def _project_in(p, u, rt):
     # The TPU layer kernels take z, x and B|C as operands of their own: sliced out of
     # one joined result each would be a copy (XLA's conv and norm fusions read the
     # slices in place, the kernels cannot). Three GEMMs write them whole instead, and
-    # read u three times (docs/bench/tpu_ssd.md, "The layer's elementwise chain").
+    # read u three times (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels").
     proj = lambda w: checkpoint_name(mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
     dt_raw = checkpoint_name(mm.linear(u, dtw.astype(cd), cd, prec), IN_PROJ_NAMES[1])
     return proj(zx[:, 0]), proj(zx[:, 1]), proj(bcw), dt_raw

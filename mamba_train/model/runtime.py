@@ -92,11 +92,11 @@ def default_impl(backend: str) -> str:
 
 
 def default_layer_impl(backend: str) -> str:
-  """The layer kernels of `layer_gpu` on NVIDIA GPUs and of `layer_tpu` on TPUs, where
-  XLA's counts of the 1.3b and 2.7b train steps give them fewer bytes a chip than the
-  plain forms (docs/bench/gpu.md, docs/bench/tpu_ssd.md); the plain forms on CPUs."""
-  if backend == "tpu":
-    return "mosaic"
+  """The layer kernels of `layer_gpu` on NVIDIA GPUs (docs/bench/gpu.md); the plain
+  forms elsewhere. On TPUs too: the Mosaic kernels of `layer_tpu` ('mosaic') move more
+  bytes than XLA's fusions in the scanned 1.3b train step, whose remat recomputes them
+  in the backward pass where XLA fuses the recompute into its consumers
+  (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels")."""
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
