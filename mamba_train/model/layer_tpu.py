@@ -14,7 +14,11 @@ Why kernels: XLA splits each chain into several fusions whose float32 intermedia
 for the weight gradient) cross HBM (docs/bench/tpu_ssd.md, "The layer's elementwise
 chain"). Here each kernel reads its inputs once and writes its outputs once, in the
 input's dtype; the backward recomputes what the forward did not keep (the
-pre-activation, the row's RMS) from the same inputs.
+pre-activation, the row's RMS) from the same inputs. What that buys depends on
+remat (docs/bench/tpu_ssd.md): without it, 3.5e9 fewer bytes for two scanned 1.3b
+layers; under `save_in_proj` the kernels' operands are materialised and their forward
+reruns in the backward pass where XLA fuses the recompute into its consumers, and the
+scanned step counts about as many bytes as XLA's fusions, so `auto` keeps those on TPU.
 
 Mosaic's rules shape the blocks: the last two dims of a block are multiples of
 (8, 128) (16 rows for bfloat16) or the whole axis. The conv's k-1 taps reach back
