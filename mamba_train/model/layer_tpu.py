@@ -62,9 +62,11 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general: a @ b.T
 CONV_ROWS = 256
 CONV_CHANNELS = 512
 HALO = 16
-# The norm: a program owns NORM_ROWS rows, whole (all groups): a 2.7b row is 5120
-# channels, (128, 5120) float32 temporaries are 2.6 MB of VMEM each.
+# The norm: a program owns whole rows (all groups), at most NORM_ELEMENTS elements a
+# block: (128, 4096) does not fit v5p's scoped VMEM with the backward's float32
+# temporaries (Mosaic's CompileTimeScopedVmemOom at the 1.3b width), (64, 4096) does.
 NORM_ROWS = 128
+NORM_ELEMENTS = 64 * 4096
 
 
 def _round_up(v: int, m: int) -> int:
@@ -364,13 +366,20 @@ def _norm_bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, gro
   dw_ref[...] = jnp.sum(do * xn, axis=0, keepdims=True)
 
 
+def _norm_rows(R: int, i: int) -> int:
+  """Rows a program owns: at most NORM_ROWS and NORM_ELEMENTS / i, a multiple of 16
+  (bfloat16's tile), or all R when fewer (R is padded to a multiple of the result)."""
+  rows = max(HALO, min(NORM_ROWS, NORM_ELEMENTS // i) // HALO * HALO)
+  return rows if R > rows else _round_up(R, HALO)
+
+
 def _norm_specs(rows, i):
   return (pl.BlockSpec((rows, i), lambda ri: (ri, 0)), pl.BlockSpec((1, i), lambda ri: (0, 0)))
 
 
 def _norm_call(y, z, w, groups, G, eps, interpret):
   R, i = y.shape
-  row, wspec = _norm_specs(NORM_ROWS if R >= NORM_ROWS else R, i)
+  row, wspec = _norm_specs(_norm_rows(R, i), i)
   rows = row.block_shape[0]
   isz = jnp.dtype(y.dtype).itemsize
   cost = pl.CostEstimate(
@@ -396,7 +405,7 @@ def _norm_fwd(y, z, w, groups, G, eps, interpret):
 def _norm_bwd(groups, G, eps, interpret, res, do):
   y, z, w = res
   R, i = y.shape
-  row, wspec = _norm_specs(NORM_ROWS if R >= NORM_ROWS else R, i)
+  row, wspec = _norm_specs(_norm_rows(R, i), i)
   nr = R // row.block_shape[0]
   isz = jnp.dtype(y.dtype).itemsize
   cost = pl.CostEstimate(
@@ -431,7 +440,7 @@ def gated_rms_norm_tpu(y, z, weight, groups, eps, *, interpret: bool = False):
   lead = y.shape[:-1]
   R = math.prod(lead)
   # Zero rows after the end (none when the rows fill whole blocks) are dropped.
-  Rp = _round_up(R, NORM_ROWS) if R > NORM_ROWS else _round_up(R, HALO)
+  Rp = _round_up(R, _norm_rows(R, i))
   prep = lambda a: _pad_to(a.astype(dt).reshape(R, i), 0, Rp)
   out = _norm(prep(y), prep(z), weight.astype(_F32).reshape(1, i), groups, i // groups, float(eps), interpret)
   return out[:R].reshape(*lead, i)
