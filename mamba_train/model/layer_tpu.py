@@ -63,10 +63,13 @@ CONV_ROWS = 256
 CONV_CHANNELS = 512
 HALO = 16
 # The norm: a program owns whole rows (all groups), at most NORM_ELEMENTS elements a
-# block: (128, 4096) does not fit v5p's scoped VMEM with the backward's float32
-# temporaries (Mosaic's CompileTimeScopedVmemOom at the 1.3b width), (64, 4096) does.
+# block: (128, 4096) does not fit v5p's default 16 MiB of scoped VMEM with the
+# backward's float32 temporaries (Mosaic's CompileTimeScopedVmemOom at the 1.3b
+# width); (64, 4096) with several groups (their 0/1 matrices) needs 17 MiB, so the
+# norm asks for NORM_VMEM (compiled for v5p and v6e in tests/test_layer_tpu.py).
 NORM_ROWS = 128
 NORM_ELEMENTS = 64 * 4096
+NORM_VMEM = 32 * 1024 * 1024
 
 
 def _round_up(v: int, m: int) -> int:
@@ -389,7 +392,7 @@ def _norm_call(y, z, w, groups, G, eps, interpret):
       functools.partial(_norm_fwd_kernel, groups=groups, G=G, eps=eps),
       out_shape=jax.ShapeDtypeStruct((R, i), y.dtype), grid=(R // rows,),
       in_specs=[row, row, wspec], out_specs=row, cost_estimate=cost,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=NORM_VMEM),
       interpret=interpret, name="gated_norm_tpu_fwd")(y, z, w)
 
 
@@ -419,7 +422,7 @@ def _norm_bwd(groups, G, eps, interpret, res, do):
                  jax.ShapeDtypeStruct((nr, 1, i), _F32)),
       grid=(nr,), in_specs=[row, row, wspec, row],
       out_specs=(row, row, pl.BlockSpec((None, 1, i), lambda ri: (ri, 0, 0))), cost_estimate=cost,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=NORM_VMEM),
       interpret=interpret, name="gated_norm_tpu_bwd")(y, z, w, do.astype(y.dtype))
   return dy, dz, jnp.sum(dw, axis=(0, 1))[None, :]
 
