@@ -5,6 +5,8 @@ fusions by bytes.
   python -m benchmarks.layer_bytes                 # forward, l=4096, batch 1
   python -m benchmarks.layer_bytes --train         # also the loss's value_and_grad
   python -m benchmarks.layer_bytes --top 30 --dump /tmp/hlo
+  python -m benchmarks.layer_bytes --config 1.3b --batch 2 --seq_len 2048 --train --no_forward \
+      --remat auto --layer_impl mosaic   # a v6e-256 chip's share of the 512 x 2048 step
 
 A fusion's bytes are its operands' plus its result's sizes as the optimised HLO
 prints them (an upper bound where XLA reads only a slice of an operand); XLA's
@@ -84,7 +86,8 @@ def _on(sharding, tree):
 
 def compile_layer(args):
   cfg = config_for(args.config, n_layer=args.n_layer)
-  rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl).resolve("tpu")
+  rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl, layer_impl=args.layer_impl,
+               remat=args.remat).resolve("tpu")
   _, _, devices = tpu_devices(args.topology)
   rep = NamedSharding(make_mesh({"data": -1}, devices), P())
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
@@ -109,7 +112,8 @@ def compile_layer(args):
       compiled = fn.lower(*a).compile()
     cost = metrics.compiled_cost(compiled)
     print(f"== {args.config} n_layer={args.n_layer} {name}, b={args.batch} l={args.seq_len}, {args.dtype}, "
-          f"ssd {args.ssd_impl}, {args.topology}: XLA {cost.get('flops', 0):.3e} FLOPs, "
+          f"ssd {args.ssd_impl}, layer {rt.layer_impl}, remat {rt.remat}, {args.topology}: "
+          f"XLA {cost.get('flops', 0):.3e} FLOPs, "
           f"{cost.get('bytes accessed', 0):.3e} bytes (compile {t.seconds:.0f}s)", flush=True)
     files = sorted(glob.glob(os.path.join(_DUMP, "*after_optimizations.txt")), key=os.path.getmtime)
     with open(files[-1]) as f:
@@ -130,6 +134,8 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--ssd_impl", default="pallas")
+  ap.add_argument("--layer_impl", default="auto", help="runtime.layer_impl (auto: TPU's choice)")
+  ap.add_argument("--remat", default="none", help="runtime.remat (auto: TPU's choice)")
   ap.add_argument("--topology", default="v6e:1x1")
   ap.add_argument("--train", action="store_true", help="also compile value_and_grad of the training loss")
   ap.add_argument("--no_forward", action="store_true")

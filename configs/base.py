@@ -43,8 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   # ssd_impl: auto (pallas on TPU, triton on GPU, xla on CPU) | xla | pallas | interpret | triton
   #   | triton_interpret (pallas: the fused SSD kernels, model/ssd_pallas.py; triton: model/ssd_gpu.py;
   #   *interpret: them in Pallas' interpreter)
-  # layer_impl: auto (triton on GPU, xla elsewhere) | xla | triton | triton_interpret (the conv +
-  #   SiLU and gated RMSNorm kernels of model/layer_gpu.py, or the plain forms of model/layer_math.py)
+  # layer_impl: auto (triton on GPU, xla elsewhere) | xla | triton | triton_interpret |
+  #   mosaic | mosaic_interpret (the conv + SiLU and gated RMSNorm kernels of model/layer_gpu.py
+  #   (Triton) or model/layer_tpu.py (Mosaic), or the plain forms of model/layer_math.py)
   # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
   # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)

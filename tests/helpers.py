@@ -48,6 +48,19 @@ def require_libtpu() -> None:
                 "the TPU compiler these tests compile with; no TPU is needed)")
 
 
+def libtpu_compiles(script: str, topologies=("v6e:1x1", "v5p:2x2x1")) -> None:
+  """Run `script` (Python source that compiles Pallas TPU kernels for each topology
+  in sys.argv[1:] and prints "compiled TOPO" for each) in a subprocess through
+  libtpu, and assert every topology compiled. A subprocess: libtpu parses XLA_FLAGS
+  too and aborts on conftest's CPU-only fast-compile flags."""
+  require_libtpu()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", script, *topologies], capture_output=True, text=True, env=env,
+                     timeout=600)
+  assert r.returncode == 0 and r.stdout.count("compiled") == len(topologies), r.stderr[-3000:]
+
+
 def missing_gpu_wheels() -> list[str]:
   """The GPU compile wheels (the `gpu` extra) that are not installed. find_spec of a
   submodule raises when its parent package is absent too (no jax_plugins at all)."""

@@ -8,9 +8,6 @@ kernels); and the kernels compiled for TPU v6e and v5p through libtpu (no TPU
 needed), so Mosaic's tiling rules are checked here."""
 
 import math
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import jax
@@ -32,7 +29,7 @@ from mamba_train.model.mamba2 import (
 )
 from mamba_train.model.runtime import Runtime
 
-from helpers import ROOT, rel, require_libtpu
+from helpers import libtpu_compiles, rel
 
 
 def _layer(cfg, seed):
@@ -188,10 +185,4 @@ for topo in sys.argv[1:]:
 
 
 def test_fused_step_compiles_for_tpu_v6e_and_v5p():
-  require_libtpu()
-  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
-                     text=True, env=env, timeout=600)
-  assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

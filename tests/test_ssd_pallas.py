@@ -5,9 +5,6 @@ them against the model run by XLA; and the kernels compiled for TPU v6e and v5p
 through libtpu (no TPU needed), so Mosaic's tiling rules are checked here."""
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,7 @@ import pytest
 
 from mamba_train.model import ssd, ssd_pallas
 
-from helpers import ROOT, packed_ids, rel, require_libtpu, ssd_inputs
+from helpers import libtpu_compiles, packed_ids, rel, ssd_inputs
 
 
 def _loss(fn, chunk, kw):
@@ -147,10 +144,4 @@ for topo in sys.argv[1:]:
 
 
 def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
-  require_libtpu()
-  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", _AOT, "v6e:1x1", "v5p:2x2x1"], capture_output=True,
-                     text=True, env=env, timeout=600)
-  assert r.returncode == 0 and r.stdout.count("compiled") == 2, r.stderr[-3000:]
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

@@ -44,6 +44,7 @@ from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 from mamba_train.model.decode_pallas import mixer_step_fused, norm_in_proj, out_proj_residual, pack_small
 from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
+from mamba_train.model.layer_tpu import causal_conv_silu_tpu, gated_rms_norm_tpu
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
 from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES, ssd_gpu
@@ -197,8 +198,16 @@ def _project_in(p, u, rt):
     zxr, bc, dt_raw = _project_in_step(p, u, rt)
     return zxr[..., 0, :], zxr[..., 1, :], bc, dt_raw
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
-  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
   adapter = mm.adapter_of(p, "in_proj")
+  if adapter is None and rt.layer_impl in ("mosaic", "mosaic_interpret"):
+    # The TPU layer kernels take z, x and B|C as operands of their own: sliced out of
+    # one joined result each would be a copy (XLA's conv and norm fusions read the
+    # slices in place, the kernels cannot). Three GEMMs write them whole instead, and
+    # read u three times (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels").
+    proj = lambda w: checkpoint_name(mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
+    dt_raw = checkpoint_name(mm.linear(u, dtw.astype(cd), cd, prec), IN_PROJ_NAMES[1])
+    return proj(zx[:, 0]), proj(zx[:, 1]), proj(bcw), dt_raw
+  w = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * gn)], 1)
   if adapter is None:
     r = mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd)
     dt_raw = mm.linear(u, dtw.astype(cd), cd, prec)
@@ -265,16 +274,19 @@ _CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
 def _elementwise(cfg: Mamba2Config, rt: Runtime, split):
   """(conv, norm): the conv + SiLU (`causal_conv_silu`'s arguments) and the gated
   RMSNorm (`gated_rms_norm`'s) as `rt.layer_impl` says: the plain forms, or the GPU
-  kernels, which under a mesh run on each device's batch and channels
-  (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
+  (Triton) or TPU (Mosaic) kernels, which under a mesh run on each device's batch and
+  channels (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
   exchanges a halo inside its own map)."""
   conv, norm = causal_conv_silu, gated_rms_norm
   if split is not None:
     return functools.partial(split.conv, causal_conv_silu), norm
-  if rt.layer_impl in ("triton", "triton_interpret"):
-    interpret = rt.layer_impl == "triton_interpret"
-    conv = functools.partial(causal_conv_silu_gpu, interpret=interpret)
-    norm = functools.partial(gated_rms_norm_gpu, interpret=interpret)
+  kernels = {"triton": (causal_conv_silu_gpu, gated_rms_norm_gpu),
+             "mosaic": (causal_conv_silu_tpu, gated_rms_norm_tpu)}
+  impl = rt.layer_impl.removesuffix("_interpret")
+  if impl in kernels:
+    interpret = rt.layer_impl.endswith("_interpret")
+    conv = functools.partial(kernels[impl][0], interpret=interpret)
+    norm = functools.partial(kernels[impl][1], interpret=interpret)
     heads = sharding.head_split()
     if heads is not None:
       conv = functools.partial(heads.conv, conv)

@@ -45,11 +45,12 @@ def default_attention(backend: str, compute_dtype: str) -> str:
 SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
 # Who computes a Mamba-2 layer's elementwise chain around its matmuls (the conv +
 # SiLU, the gated RMSNorm): 'xla' (the plain forms of `layer_math`), 'triton' (the
-# GPU kernels of `layer_gpu`), 'triton_interpret' (those in Pallas' interpreter, for
-# tests), or 'auto' (`default_layer_impl`). A field apart from ssd_impl: the kernels
+# GPU kernels of `layer_gpu`), 'mosaic' (the TPU kernels of `layer_tpu`),
+# 'triton_interpret' / 'mosaic_interpret' (those in Pallas' interpreter, for tests),
+# or 'auto' (`default_layer_impl`). A field apart from ssd_impl: the kernels
 # do not depend on the SSD's, a run (and benchmarks/gpu.sh) can time either with the
 # same SSD, and a TPU lowering can join as its own value.
-LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret")
+LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret", "mosaic", "mosaic_interpret")
 # Who runs the routed experts' grouped matmuls (`moe.expert_mlp`): 'ragged'
 # (`jax.lax.ragged_dot`, every backend), 'megablox' (JAX's Pallas TPU grouped
 # matmul), 'megablox_interpret' (that kernel in Pallas' interpreter, for tests),
@@ -91,7 +92,11 @@ def default_impl(backend: str) -> str:
 
 
 def default_layer_impl(backend: str) -> str:
-  """The layer kernels of `layer_gpu` on NVIDIA GPUs; the plain forms elsewhere."""
+  """The layer kernels of `layer_gpu` on NVIDIA GPUs (docs/bench/gpu.md); the plain
+  forms elsewhere. On TPUs too: the Mosaic kernels of `layer_tpu` ('mosaic') move more
+  bytes than XLA's fusions in the scanned 1.3b train step, whose remat recomputes them
+  in the backward pass where XLA fuses the recompute into its consumers
+  (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels")."""
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
