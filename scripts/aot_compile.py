@@ -74,9 +74,11 @@ def format_report(r: dict) -> str:
   if c:
     f = r["cost_every_layer"]
     if f:
+      how = ("the layers unrolled, each counted as compiled" if r["runtime"].get("unroll_layers") else
+             f"as compiled, the scanned layer body once: {c.get('flops', 0):.3e} FLOPs, "
+             f"{c.get('bytes accessed', 0):.3e} bytes")
       lines.append(f"XLA counts per device: {f['flops']:.3e} FLOPs, {f['bytes accessed']:.3e} bytes, every layer "
-                   f"counted (as compiled, the scanned layer body once: {c.get('flops', 0):.3e} FLOPs, "
-                   f"{c.get('bytes accessed', 0):.3e} bytes); model FLOPs {r['model_flops_per_device']:.3e}")
+                   f"counted ({how}); model FLOPs {r['model_flops_per_device']:.3e}")
     else:
       lines.append(f"XLA counts per device: {c.get('flops', 0):.3e} FLOPs, {c.get('bytes accessed', 0):.3e} bytes "
                    f"(the scanned layer bodies counted once: --every_layer=false); model FLOPs "
@@ -107,7 +109,9 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice (v5e:2x2, v6e:
                                 "or NVIDIA GPUs (h100-8, h200-8, h100-64, ...)")
 _JSON = flags.DEFINE_string("json", "", "Also write the report as JSON here.")
 _EVERY_LAYER = flags.DEFINE_bool("every_layer", True, "Count every layer's FLOPs and bytes (two more "
-                                 "small compiles); false: the scanned layer body once, a lower bound.")
+                                 "small compiles); false: the scanned layer body once, a lower bound. With "
+                                 "--config.runtime.unroll_layers=True the step holds every layer and is "
+                                 "counted whole either way.")
 
 
 def main(argv):

@@ -58,10 +58,11 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   # Narrower than the recipe (d_model 64): the TPU compile takes half the time.
   narrow = ("--config.model.d_model=64", "--config.model.d_intermediate=128", "--config.model.headdim=32",
             "--config.model.d_state=16", "--config.model.attn_head_dim=32")
-  # --every_layer=false: two compiles fewer (every_layer_cost has its own test below).
+  # Layers unrolled: the step holds every layer, so it is counted whole with no
+  # differencing compiles, even with --every_layer (every_layer_cost has its own test below).
   # Length 128: the splash attention kernel's smallest block (TPU's default form).
   r = _run("--topology", "v6e:2x2", *_SMALL, *narrow, "--config.seq_len=128", "--json", str(out),
-           "--every_layer=false", config="tiny-hybrid")
+           "--config.runtime.unroll_layers=True", config="tiny-hybrid")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "memory per device" in r.stdout and "of 32.00 GiB HBM" in r.stdout, r.stdout
   import json
@@ -72,6 +73,12 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]
   assert rep["cost"]["flops"] > 0 and rep["compile_s"] > 0
+  # Counted whole, as the report says: XLA's FLOPs of the step itself, near the model's
+  # own count (96% here: the tiny step's small ops round differently), with no differencing.
+  assert rep["cost_every_layer"] == {k: rep["cost"][k] for k in ("flops", "bytes accessed")}
+  ratio = rep["cost"]["flops"] / rep["model_flops_per_device"]
+  assert 0.9 < ratio < 1.5, (rep["cost"], rep["model_flops_per_device"])
+  assert "the layers unrolled, each counted as compiled" in r.stdout, r.stdout
 
 
 def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):

@@ -7,7 +7,8 @@ slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
 state and batch shardings it trains with; the state and batch are abstract (shapes
 and shardings only), so nothing is allocated. The report: per-device memory from
 XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
-layer counted (two more small compiles: one layer, and two layers unrolled), the
+layer counted (two more small compiles: one layer, and two layers unrolled; none
+when `runtime.unroll_layers` compiles every layer into the step itself), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
 
@@ -363,11 +364,14 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
                      f" but a {chip.name} device has {hbm / GIB:.0f} GiB of HBM.\nTo fit: "
                      f"{_advice(config, state_bytes, hbm, mem['temp_bytes'])}")
   # XLA's cost analysis counts a while-loop body once, and the layers run in a
-  # scan: `every_layer_cost` counts every layer. The step time takes the larger of
+  # scan: `every_layer_cost` counts every layer (unless they are unrolled, when the
+  # program itself holds each one and needs no differencing). The step time takes the larger of
   # those FLOPs and the model's count (metrics.train_flops_per_token).
   # A hybrid's pattern fixes its depth: small unrolled patterns count one layer of each kind.
   full = None
-  if every_layer:
+  if plan.runtime.unroll_layers:  # every layer compiled as its own ops: XLA counts them all
+    full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full
   if full is None:  # the scanned body counted once: bytes a lower bound
