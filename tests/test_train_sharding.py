@@ -1,4 +1,5 @@
-"""Sharded train steps on 8 simulated CPU devices equal the single-device step;
+"""Sharded train steps on 8 simulated CPU devices equal the single-device step (the XLA
+layer, and the TPU kernels of the layer and SSD in Pallas' interpreter);
 gradient accumulation equals the big batch; non-finite steps are skipped.
 
 Everything runs in one subprocess (the device count is fixed when jax starts,
@@ -22,6 +23,9 @@ MESHES = {  # name -> (mesh config, grad_accum)
     "fsdp8": ({"data": 1, "fsdp": 8, "tensor": 1}, 1),
     "d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
     "d2f2t2_accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, 2),
+    # The layer's Mosaic kernels (conv + SiLU, gated norm; Pallas' interpreter) and the
+    # fused SSD, each run per device's batch and heads under the mesh, against the XLA step.
+    "d2f2t2_kernels": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
     # A hybrid (Mamba-2, GQA attention, MLP): heads and MLP units split by tensor.
     "hybrid_single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
     "hybrid_d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
@@ -64,7 +68,9 @@ def _worker(out_dir):
                  str(logical_to_spec(ax)), list(a.addressable_shards[0].data.shape), list(a.shape)]
              for (k, a), b, ax in zip(flat(state.params).items(), flat(mu).values(),
                                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))}
-    step = trainer.make_train_step(cfg, Runtime().resolve("cpu"), tx, schedule, mesh, grad_accum=accum)
+    rt = (Runtime(layer_impl="mosaic_interpret", ssd_impl="interpret") if name.endswith("_kernels")
+          else Runtime()).resolve("cpu")
+    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, grad_accum=accum)
     loader = SyntheticLoader(vocab_size=64, seq_len=40, global_batch_size=8, seed=0)
     losses = []
     for _ in range(STEPS):
