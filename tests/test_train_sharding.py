@@ -1,5 +1,5 @@
 """Sharded train steps on 8 simulated CPU devices equal the single-device step (the XLA
-layer, and the TPU kernels of the layer and SSD in Pallas' interpreter);
+layer, and the TPU and GPU kernels of the layer and SSD in Pallas' interpreter);
 gradient accumulation equals the big batch; non-finite steps are skipped.
 
 Everything runs in one subprocess (the device count is fixed when jax starts,
@@ -26,6 +26,7 @@ MESHES = {  # name -> (mesh config, grad_accum)
     # The layer's Mosaic kernels (conv + SiLU, gated norm; Pallas' interpreter) and the
     # fused SSD, each run per device's batch and heads under the mesh, against the XLA step.
     "d2f2t2_kernels": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
+    "d2f2t2_gpu_kernels": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),  # the same, the GPU's (Triton)
     # A hybrid (Mamba-2, GQA attention, MLP): heads and MLP units split by tensor.
     "hybrid_single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
     "hybrid_d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
@@ -68,7 +69,8 @@ def _worker(out_dir):
                  str(logical_to_spec(ax)), list(a.addressable_shards[0].data.shape), list(a.shape)]
              for (k, a), b, ax in zip(flat(state.params).items(), flat(mu).values(),
                                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))}
-    rt = (Runtime(layer_impl="mosaic_interpret", ssd_impl="interpret") if name.endswith("_kernels")
+    rt = (Runtime(layer_impl="triton_interpret", ssd_impl="triton_interpret") if name.endswith("_gpu_kernels")
+          else Runtime(layer_impl="mosaic_interpret", ssd_impl="interpret") if name.endswith("_kernels")
           else Runtime()).resolve("cpu")
     step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, grad_accum=accum)
     loader = SyntheticLoader(vocab_size=64, seq_len=40, global_batch_size=8, seed=0)
