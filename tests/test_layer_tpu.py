@@ -15,26 +15,17 @@ import pytest
 from mamba_train.model import layer_math, layer_tpu
 
 from helpers import libtpu_compiles, packed_ids, rel
+from kernel_checks import (
+  assert_bfloat16_within_plain_error,
+  assert_model_matches_xla,
+  conv_grads,
+  conv_inputs,
+  norm_grads,
+  norm_inputs,
+)
 
 _CONV = functools.partial(layer_tpu.causal_conv_silu_tpu, interpret=True)
 _NORM = functools.partial(layer_tpu.gated_rms_norm_tpu, interpret=True)
-
-
-def _conv_inputs(b, l, chan, k):
-  ks = jax.random.split(jax.random.PRNGKey(l), 6)
-  x = jax.random.normal(ks[0], (b, l, *chan))
-  w = 0.5 * jax.random.normal(ks[1], (k, *chan))
-  bias = jax.random.normal(ks[2], chan)
-  front = jax.random.normal(ks[3], (b, k - 1, *chan))
-  return x, w, bias, front, jax.random.normal(ks[4], x.shape), jax.random.normal(ks[5], front.shape)
-
-
-def _conv_grads(fn, seq, front_idx, wy, wf):
-  # A weighted sum of both outputs, so every cotangent path is checked.
-  def loss(x, w, bias, front):
-    y, tail = fn(x, w, bias, front, seq, front_idx)
-    return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(tail * wf), (y, tail)
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
 # (l, channels, documents): 300 positions are two blocks of 256 (the second ragged)
@@ -42,12 +33,12 @@ def _conv_grads(fn, seq, front_idx, wy, wf):
 # over B|C-shaped channels (2, 128) in one block; whole blocks, no documents.
 @pytest.mark.parametrize("l,chan,docs", [(300, (24,), True), (37, (2, 128), True), (512, (16,), False)])
 def test_conv_silu_kernel_matches_plain_form(l, chan, docs):
-  x, w, bias, front, wy, wf = _conv_inputs(2, l, chan, 4)
+  x, w, bias, front, wy, wf = conv_inputs(2, l, chan, 4)
   seq = packed_ids(l, 2, l) if docs else None
   # The front's first input is of an earlier document than position 0's.
   front_idx = (jnp.zeros((2, 3), jnp.int32).at[:, 0].set(-1) + seq[:, :1]) if docs else None
-  (_, (y1, t1)), g1 = _conv_grads(_CONV, seq, front_idx, wy, wf)(x, w, bias, front)
-  (_, (y2, t2)), g2 = _conv_grads(layer_math.causal_conv_silu, seq, front_idx, wy, wf)(x, w, bias, front)
+  (_, (y1, t1)), g1 = conv_grads(_CONV, seq, wy, wf, front_idx)(x, w, bias, front)
+  (_, (y2, t2)), g2 = conv_grads(layer_math.causal_conv_silu, seq, wy, wf, front_idx)(x, w, bias, front)
   assert y1.shape == x.shape and y1.dtype == x.dtype and t1.dtype == jnp.float32
   assert rel(y1, y2) < 1e-5 and rel(t1, t2) == 0.0
   for name, a, b in zip(("x", "w", "bias", "front"), g1, g2):
@@ -58,22 +49,13 @@ def test_conv_silu_kernel_matches_plain_form(l, chan, docs):
     assert rel(y3[0, cut:], y1[0, cut:]) == 0.0 and rel(y3[0, cut - 1], y1[0, cut - 1]) > 0
 
 
-def _norm_grads(fn, groups, wo):
-  def loss(y, z, w):
-    out = fn(y, z, w, groups, 1e-5)
-    return jnp.sum(out.astype(jnp.float32) * wo), out
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-
-
 # 3 groups of 8 channels over a ragged 2 x 37 rows; 1 group of 64 over 144 rows (two
 # blocks of 128, the second ragged).
 @pytest.mark.parametrize("shape,groups", [((2, 37, 24), 3), ((3, 48, 64), 1)])
 def test_gated_norm_kernel_matches_plain_form(shape, groups):
-  ks = jax.random.split(jax.random.PRNGKey(shape[-1]), 4)
-  y, z = (jax.random.normal(k, shape) for k in ks[:2])
-  w, wo = 1.0 + 0.1 * jax.random.normal(ks[2], shape[-1:]), jax.random.normal(ks[3], shape)
-  (_, o1), g1 = _norm_grads(_NORM, groups, wo)(y, z, w)
-  (_, o2), g2 = _norm_grads(layer_math.gated_rms_norm, groups, wo)(y, z, w)
+  y, z, w, wo = norm_inputs(shape)
+  (_, o1), g1 = norm_grads(_NORM, groups, wo)(y, z, w)
+  (_, o2), g2 = norm_grads(layer_math.gated_rms_norm, groups, wo)(y, z, w)
   assert o1.shape == shape and o1.dtype == jnp.float32 and rel(o1, o2) < 1e-5
   for name, a, b in zip(("y", "z", "weight"), g1, g2):
     assert a.shape == b.shape and rel(a, b) < 1e-5, name
@@ -83,58 +65,21 @@ def test_kernels_bfloat16_within_the_plain_forms_error():
   """bfloat16 inputs: the kernels' outputs and gradients deviate from the float32 plain
   form (on the same rounded inputs) by no more than the plain form run on the bfloat16
   inputs and rounded to bfloat16 as the model rounds it, to a factor 1.5."""
-  x, w, bias, front, wy, wf = _conv_inputs(2, 100, (32,), 4)
-  x = x.astype(jnp.bfloat16)
-  seq = packed_ids(7, 2, 100)
-  plain_bf16 = lambda *a: (lambda y, t: (y.astype(jnp.bfloat16), t))(*layer_math.causal_conv_silu(*a))
-  (_, ref), gref = _conv_grads(layer_math.causal_conv_silu, seq, None, wy, wf)(x.astype(jnp.float32), w, bias,
-                                                                               front)
-  (_, out_k), gk = _conv_grads(_CONV, seq, None, wy, wf)(x, w, bias, front)
-  (_, out_p), gp = _conv_grads(plain_bf16, seq, None, wy, wf)(x, w, bias, front)
-  ks = jax.random.split(jax.random.PRNGKey(3), 4)
-  y, z = (jax.random.normal(k, (2, 40, 64)).astype(jnp.bfloat16) for k in ks[:2])
-  nw, wo = 1.0 + 0.1 * jax.random.normal(ks[2], (64,)), jax.random.normal(ks[3], (2, 40, 64))
-  f32 = lambda a: a.astype(jnp.float32)
-  (_, nref), ngref = _norm_grads(layer_math.gated_rms_norm, 2, wo)(f32(y), f32(z), nw)
-  (_, nk), ngk = _norm_grads(_NORM, 2, wo)(y, z, nw)
-  (_, npl), ngp = _norm_grads(lambda *a: layer_math.gated_rms_norm(*a).astype(jnp.bfloat16), 2, wo)(y, z, nw)
-  assert out_k[0].dtype == jnp.bfloat16 and nk.dtype == jnp.bfloat16
-  pairs = [("conv y", out_k[0], out_p[0], ref[0]), ("norm out", nk, npl, nref)]
-  pairs += [(f"conv d{n}", a, b, r) for n, a, b, r in zip(("x", "w", "bias", "front"), gk, gp, gref)]
-  pairs += [(f"norm d{n}", a, b, r) for n, a, b, r in zip(("y", "z", "w"), ngk, ngp, ngref)]
-  for name, k, plain, r in pairs:
-    err_k, err_p = rel(k, r), rel(plain, r)
-    assert err_p < 5e-2, (name, err_p)  # bfloat16 rounding, not a broken reference
-    assert err_k <= 1.5 * err_p + 1e-6, (name, err_k, err_p)
+  assert_bfloat16_within_plain_error(_CONV, _NORM)
 
 
 def test_model_with_mosaic_layer_kernels_matches_xla_model():
   """A one-layer tiny model with 4 groups over packed documents at a ragged length,
   logits and every parameter's gradient: the TPU kernels in the interpreter (remat
   save_in_proj, TPU's) against the XLA model (no remat); and what 'auto' resolves to."""
-  from flax import nnx
-
-  from mamba_train import Mamba2LM, Runtime, config_for
-  cfg = config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8)
-  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
-  seq = packed_ids(3, 2, 40)
-  params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
+  from mamba_train import Runtime, config_for
   assert Runtime().resolve("cpu").layer_impl == Runtime().resolve("tpu").layer_impl == "xla"
   with pytest.raises(ValueError, match="layer_impl must be one of"):
     Runtime(layer_impl="pallas")
-
-  def run(rt):
-    def loss(p):
-      logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
-      return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-
-  (_, l1), g1 = run(Runtime(ssd_impl="xla", layer_impl="mosaic_interpret", ssd_form="parallel",
-                            remat="save_in_proj"))
-  (_, l2), g2 = run(Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
-  assert rel(l1, l2) < 1e-5
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
-    assert rel(a, b) < 1e-5, path
+  assert_model_matches_xla(config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8),
+                           Runtime(ssd_impl="xla", layer_impl="mosaic_interpret", ssd_form="parallel",
+                                   remat="save_in_proj"),
+                           Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
 
 
 _AOT = """

@@ -17,6 +17,7 @@ import pytest
 from mamba_train.model import ssd, ssd_gpu
 
 from helpers import ROOT, missing_gpu_wheels, packed_ids, rel, ssd_inputs
+from kernel_checks import assert_model_matches_xla
 
 
 def _grads(fn, chunk, seq, wy, ws):
@@ -82,29 +83,12 @@ def test_model_with_gpu_kernels_matches_xla_model():
   every parameter's gradient: ssd_impl 'triton_interpret' (these kernels, as
   `ssd_impl=auto` runs them on a GPU; remat save_matmuls, which saves their output
   and states by name) against 'xla' in the parallel form (no remat)."""
-  from flax import nnx
-
-  from mamba_train import Mamba2LM, Runtime, config_for
-  cfg = config_for("tiny", n_layer=1, chunk_size=16)
-  ids = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
-  seq = packed_ids(3, 2, 40)
-  params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
+  from mamba_train import Runtime, config_for
   assert Runtime().resolve("gpu").ssd_impl == "triton"
-
-  def run(impl):
-    # save_matmuls with the kernels: the backward takes their saved output and states.
-    rt = Runtime(ssd_impl=impl, ssd_form="parallel", remat="save_matmuls" if impl != "xla" else "none")
-
-    def loss(p):
-      logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
-      return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-
-  (_, l1), g1 = run("triton_interpret")
-  (_, l2), g2 = run("xla")
-  assert rel(l1, l2) < 1e-5
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
-    assert rel(a, b) < 1e-5, path
+  # save_matmuls with the kernels: the backward takes their saved output and states.
+  assert_model_matches_xla(config_for("tiny", n_layer=1, chunk_size=16),
+                           Runtime(ssd_impl="triton_interpret", ssd_form="parallel", remat="save_matmuls"),
+                           Runtime(ssd_impl="xla", ssd_form="parallel", remat="none"))
 
 
 _COMPILE = """

@@ -14,6 +14,7 @@ import pytest
 from mamba_train.model import ssd, ssd_pallas
 
 from helpers import libtpu_compiles, packed_ids, rel, ssd_inputs
+from kernel_checks import assert_model_matches_xla
 
 
 def _loss(fn, chunk, kw):
@@ -92,27 +93,10 @@ def test_model_with_fused_ssd_matches_xla_model(length):
   'interpret' (the kernels) against 'xla' in the parallel form at the same chunk. At a
   whole number of chunks the mixer hands x to the kernels, and takes y back, in their
   chunk-major layout (layout constraints); a ragged length pads the last chunk."""
-  from flax import nnx
-
-  from mamba_train import Mamba2LM, Runtime, config_for
-  cfg = config_for("tiny", n_layer=1, chunk_size=16)
-  ids = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
-  seq = packed_ids(3, 2, length)
-  params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
-
-  def run(impl):
-    rt = Runtime(ssd_impl=impl, ssd_form="parallel")
-
-    def loss(p):
-      logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
-      return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-
-  (_, l1), g1 = run("interpret")
-  (_, l2), g2 = run("xla")
-  assert rel(l1, l2) < 1e-5
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
-    assert rel(a, b) < 1e-5, path
+  from mamba_train import Runtime, config_for
+  assert_model_matches_xla(config_for("tiny", n_layer=1, chunk_size=16),
+                           Runtime(ssd_impl="interpret", ssd_form="parallel"),
+                           Runtime(ssd_impl="xla", ssd_form="parallel"), length)
 
 
 _AOT = """

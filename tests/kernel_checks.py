@@ -1,0 +1,94 @@
+"""Checks the kernel test files share (they import jax, which `helpers` does not at
+import): a tiny model run through a kernel runtime against the XLA model, and the
+layer kernels' inputs, loss-weighted gradients and bfloat16 check, which the TPU
+(`test_layer_tpu`) and GPU (`test_layer_gpu`) kernels are held to alike."""
+
+import jax
+import jax.numpy as jnp
+
+from mamba_train.model import layer_math
+
+from helpers import packed_ids, rel
+
+
+def assert_model_matches_xla(cfg, kernels, xla, length: int = 40, tol: float = 1e-5):
+  """The logits and every parameter's gradient of `cfg` (random init) over packed
+  documents of `length`, run by the `kernels` runtime, within `tol` of the `xla` one."""
+  from flax import nnx
+
+  from mamba_train import Mamba2LM
+  ids = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
+  seq = packed_ids(3, 2, length)
+  params = Mamba2LM(cfg, rngs=nnx.Rngs(0)).params()
+
+  def run(rt):
+    def loss(p):
+      logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
+      return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (_, l1), g1 = run(kernels)
+  (_, l2), g2 = run(xla)
+  assert rel(l1, l2) < tol
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
+    assert rel(a, b) < tol, path
+
+
+def conv_inputs(b, l, chan, k, dtype=jnp.float32):
+  """x (in `dtype`), w, bias, front, and the weights of y and the new front in the loss."""
+  ks = jax.random.split(jax.random.PRNGKey(l), 6)
+  x = jax.random.normal(ks[0], (b, l, *chan)).astype(dtype)
+  w = 0.5 * jax.random.normal(ks[1], (k, *chan))
+  bias = jax.random.normal(ks[2], chan)
+  front = jax.random.normal(ks[3], (b, k - 1, *chan))
+  return x, w, bias, front, jax.random.normal(ks[4], x.shape), jax.random.normal(ks[5], front.shape)
+
+
+def conv_grads(fn, seq, wy, wf, *extra):
+  """Jitted value and gradients (x, w, bias, front) of a weighted sum of both of the
+  conv's outputs, so every cotangent path is checked; `extra` follows seq_idx."""
+  def loss(x, w, bias, front):
+    y, tail = fn(x, w, bias, front, seq, *extra)
+    return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(tail * wf), (y, tail)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def norm_inputs(shape, dtype=jnp.float32):
+  """y, z (in `dtype`), the norm's weight, and the output's weight in the loss."""
+  ks = jax.random.split(jax.random.PRNGKey(shape[-1]), 4)
+  y, z = (jax.random.normal(k, shape).astype(dtype) for k in ks[:2])
+  return y, z, 1.0 + 0.1 * jax.random.normal(ks[2], shape[-1:]), jax.random.normal(ks[3], shape)
+
+
+def norm_grads(fn, groups, wo):
+  """Jitted value and gradients (y, z, weight) of the norm's output weighted by wo."""
+  def loss(y, z, w):
+    out = fn(y, z, w, groups, 1e-5)
+    return jnp.sum(out.astype(jnp.float32) * wo), out
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def assert_bfloat16_within_plain_error(conv, norm):
+  """bfloat16 inputs: the conv and norm kernels' outputs and gradients deviate from
+  the float32 plain form (on the same rounded inputs) by no more than the plain form
+  run on the bfloat16 inputs and rounded to bfloat16 as the model rounds it, to a
+  factor 1.5."""
+  x, w, bias, front, wy, wf = conv_inputs(2, 100, (32,), 4, jnp.bfloat16)
+  seq = packed_ids(7, 2, 100)
+  plain_bf16 = lambda *a: (lambda y, t: (y.astype(jnp.bfloat16), t))(*layer_math.causal_conv_silu(*a))
+  (_, ref), gref = conv_grads(layer_math.causal_conv_silu, seq, wy, wf)(x.astype(jnp.float32), w, bias, front)
+  (_, out_k), gk = conv_grads(conv, seq, wy, wf)(x, w, bias, front)
+  (_, out_p), gp = conv_grads(plain_bf16, seq, wy, wf)(x, w, bias, front)
+  y, z, nw, wo = norm_inputs((2, 40, 64), jnp.bfloat16)
+  f32 = lambda a: a.astype(jnp.float32)
+  (_, nref), ngref = norm_grads(layer_math.gated_rms_norm, 2, wo)(f32(y), f32(z), nw)
+  (_, nk), ngk = norm_grads(norm, 2, wo)(y, z, nw)
+  (_, npl), ngp = norm_grads(lambda *a: layer_math.gated_rms_norm(*a).astype(jnp.bfloat16), 2, wo)(y, z, nw)
+  assert out_k[0].dtype == jnp.bfloat16 and nk.dtype == jnp.bfloat16
+  pairs = [("conv y", out_k[0], out_p[0], ref[0]), ("norm out", nk, npl, nref)]
+  pairs += [(f"conv d{n}", a, b, r) for n, a, b, r in zip(("x", "w", "bias", "front"), gk, gp, gref)]
+  pairs += [(f"norm d{n}", a, b, r) for n, a, b, r in zip(("y", "z", "w"), ngk, ngp, ngref)]
+  for name, k, plain, r in pairs:
+    err_k, err_p = rel(k, r), rel(plain, r)
+    assert err_p < 5e-2, (name, err_p)  # bfloat16 rounding, not a broken reference
+    assert err_k <= 1.5 * err_p + 1e-6, (name, err_k, err_p)
