@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mamba_train.model.layer_math import causal_conv_silu
+from mamba_train.model.layer_math import causal_conv_silu, dsilu, pad_axis
 
 _F32 = jnp.float32
 
@@ -67,21 +67,8 @@ def _pow2_ceil(v: int) -> int:
   return 1 << max(v - 1, 0).bit_length()
 
 
-def _pad_to(x, axis: int, size: int, mode: str = "constant"):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, mode=mode)
-
-
 def _params():
   return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-
-
-def _dsilu(a, sig):
-  """d silu(a) / da from a and sigmoid(a)."""
-  return sig * (1.0 + a * (1.0 - sig))
 
 
 # ----------------------------------------------------------------------------
@@ -138,7 +125,7 @@ def _conv_bwd_kernel(*refs, k, t, nb, n_in, n_out, seq):
     a, oks = _conv_rows(xp_ref, ids_ref, w_ref, b_ref, r0, k=k, t=t, n_in=n_in, seq=seq)
     iota = r0 + jax.lax.broadcasted_iota(jnp.int32, (t, 1), 0)
     dy = pltriton.load(dy_ref.at[pl.ds(r0, t), :], mask=iota < n_out, other=0).astype(_F32)
-    return dy * _dsilu(a, jax.nn.sigmoid(a)), oks
+    return dy * dsilu(a, jax.nn.sigmoid(a)), oks
 
   def body(i, carry):
     dws, db = carry
@@ -283,16 +270,16 @@ def causal_conv_silu_gpu(x, w, bias, front, seq_idx=None, front_idx=None, *, int
   t, nb, L, bc = _conv_tiles(l, C)
   Cp = -(-C // bc) * bc
   # Padding (none at the released sizes): positions after the end and zero channels.
-  xk = _pad_to(_pad_to(x.reshape(b, l, C), 1, L), 2, Cp)
-  fk = _pad_to(front.reshape(b, k - 1, C), 2, Cp)
-  wk = _pad_to(w.reshape(k, C).astype(_F32), 1, Cp)
-  bk = _pad_to(bias.reshape(C).astype(_F32), 0, Cp)
+  xk = pad_axis(pad_axis(x.reshape(b, l, C), 1, L), 2, Cp)
+  fk = pad_axis(front.reshape(b, k - 1, C), 2, Cp)
+  wk = pad_axis(w.reshape(k, C).astype(_F32), 1, Cp)
+  bk = pad_axis(bias.reshape(C).astype(_F32), 0, Cp)
   ids = None
   if seq_idx is not None:
     if front_idx is None:
       front_idx = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)
     # (b, L + k - 1, 1): a trailing axis of one keeps the loads two-dimensional
-    ids = _pad_to(jnp.concatenate([front_idx, seq_idx], axis=1).astype(jnp.int32), 1, L + k - 1,
+    ids = pad_axis(jnp.concatenate([front_idx, seq_idx], axis=1).astype(jnp.int32), 1, L + k - 1,
                   mode="edge")[..., None]
   y = _conv(xk, fk, wk, bk, ids, k, interpret)[:, :l, :C].reshape(x.shape)
   # The new front: the last k-1 inputs (of the front, too, when l < k - 1).
@@ -336,7 +323,7 @@ def _norm_bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, row
     g = do * w
     dx = rstd * (g - xn * (jnp.sum(g * xn, axis=1, keepdims=True) / G))
     dy_ref[pl.ds(r, 1), :] = (dx * z * sig).astype(dy_ref.dtype)
-    dz_ref[pl.ds(r, 1), :] = (dx * y * _dsilu(z, sig)).astype(dz_ref.dtype)
+    dz_ref[pl.ds(r, 1), :] = (dx * y * dsilu(z, sig)).astype(dz_ref.dtype)
     return dw + do * xn
 
   dw_ref[...] = jax.lax.fori_loop(0, rows, body, jnp.zeros((1, w_ref.shape[-1]), _F32))
@@ -414,7 +401,7 @@ def gated_rms_norm_gpu(y, z, weight, groups, eps, *, interpret: bool = False):
   Rp = -(-R // NORM_ROWS) * NORM_ROWS
   # Padding (none at the released sizes): zero channels add nothing to a group's
   # sum of squares (the mean divides by G), zero rows are dropped.
-  prep = lambda a: _pad_to(_pad_to(a.astype(dt).reshape(R, groups, G), 2, Gp).reshape(R, groups * Gp), 0, Rp)
-  wk = _pad_to(weight.astype(_F32).reshape(groups, G), 1, Gp).reshape(groups * Gp)
+  prep = lambda a: pad_axis(pad_axis(a.astype(dt).reshape(R, groups, G), 2, Gp).reshape(R, groups * Gp), 0, Rp)
+  wk = pad_axis(weight.astype(_F32).reshape(groups, G), 1, Gp).reshape(groups * Gp)
   out = _norm(prep(y), prep(z), wk, groups, G, float(eps), interpret)
   return out[:R].reshape(R, groups, Gp)[..., :G].reshape(*lead, i)

@@ -2,7 +2,9 @@
 causal depthwise convolution (with the SiLU after it) between in_proj and the SSD,
 and the gated RMSNorm between the SSD and out_proj. These are the reference forms,
 what CPUs run, and what the GPU kernels of `layer_gpu` (same arguments, same
-results) are tested against, as `ssd.ssd_chunked` is for the SSD kernels.
+results) are tested against, as `ssd.ssd_chunked` is for the SSD kernels; and the
+two pieces both kernel modules (TPU's `layer_tpu`, GPU's `layer_gpu`) use, the
+padding to whole blocks and SiLU's derivative.
 
 Float32 inside: the conv's taps and the norm's mean of squares are float32 whatever
 the compute dtype of their inputs. Shapes: b batch, l length, k conv kernel, c
@@ -15,6 +17,21 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+def pad_axis(x, axis: int, size: int, mode: str = "constant"):
+  """x padded at the end of `axis` to `size`: the kernels' (TPU's and GPU's) whole
+  blocks of positions or channels."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, mode=mode)
+
+
+def dsilu(a, sig):
+  """d silu(a) / da from a and sigmoid(a): what the kernels' backward passes take."""
+  return sig * (1.0 + a * (1.0 - sig))
 
 
 def gated_rms_norm(y, z, weight, groups, eps):

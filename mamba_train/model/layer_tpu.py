@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mamba_train.model.layer_math import causal_conv_silu
+from mamba_train.model.layer_math import causal_conv_silu, dsilu, pad_axis
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -74,19 +74,6 @@ NORM_VMEM = 32 * 1024 * 1024
 
 def _round_up(v: int, m: int) -> int:
   return -(-v // m) * m
-
-
-def _pad_to(x, axis: int, size: int, mode: str = "constant"):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, mode=mode)
-
-
-def _dsilu(a, sig):
-  """d silu(a) / da from a and sigmoid(a)."""
-  return sig * (1.0 + a * (1.0 - sig))
 
 
 def _sigmoid(a):
@@ -158,7 +145,7 @@ def _conv_bwd_kernel(*refs, k, seq):
 
   def da_at(start, rows, b, dy):
     a = _pre(xs_ref, w_ref, b_ref, b, start, rows, k)
-    return dy.astype(_F32) * _dsilu(a, _sigmoid(a))
+    return dy.astype(_F32) * dsilu(a, _sigmoid(a))
 
   da = da_at(HALO, t, bits, dy_ref[...])
   # Past the last block there are no outputs: the next rows' da is zero there.
@@ -311,14 +298,14 @@ def causal_conv_silu_tpu(x, w, bias, front, seq_idx=None, front_idx=None, *, int
   C = math.prod(chan)
   _, L, _ = _conv_tiles(l, C)
   # Padding (none at whole blocks of positions): zero positions after the end.
-  xk = _pad_to(x.reshape(b, l, C), 1, L)
+  xk = pad_axis(x.reshape(b, l, C), 1, L)
   fk = jnp.pad(front.reshape(b, k - 1, C).astype(x.dtype), ((0, 0), (HALO - (k - 1), 0), (0, 0)))
   wk = w.reshape(k, C).astype(_F32)
   bk = bias.reshape(1, C).astype(_F32)
   bits = head_ids = front_ids = None
   if seq_idx is not None:
-    bits = _pad_to(_doc_bits(seq_idx, front_idx, k), 1, L)[:, None, :]
-    head_ids = _pad_to(seq_idx, 1, L, mode="edge")[:, :k - 1]
+    bits = pad_axis(_doc_bits(seq_idx, front_idx, k), 1, L)[:, None, :]
+    head_ids = pad_axis(seq_idx, 1, L, mode="edge")[:, :k - 1]
     front_ids = jnp.repeat(seq_idx[:, :1], k - 1, axis=1) if front_idx is None else front_idx
   y = _conv(xk, fk, wk, bk, bits, head_ids, front_ids, interpret)[:, :l].reshape(x.shape)
   # The new front: the last k-1 inputs (of the front, too, when l < k - 1).
@@ -365,7 +352,7 @@ def _norm_bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, gro
   g = do * w_ref[...]
   dx = rstd * (g - xn * (_group_sum(g * xn, groups, G) / G))
   dy_ref[...] = (dx * z * sig).astype(dy_ref.dtype)
-  dz_ref[...] = (dx * y * _dsilu(z, sig)).astype(dz_ref.dtype)
+  dz_ref[...] = (dx * y * dsilu(z, sig)).astype(dz_ref.dtype)
   dw_ref[...] = jnp.sum(do * xn, axis=0, keepdims=True)
 
 
@@ -444,6 +431,6 @@ def gated_rms_norm_tpu(y, z, weight, groups, eps, *, interpret: bool = False):
   R = math.prod(lead)
   # Zero rows after the end (none when the rows fill whole blocks) are dropped.
   Rp = _round_up(R, _norm_rows(R, i))
-  prep = lambda a: _pad_to(a.astype(dt).reshape(R, i), 0, Rp)
+  prep = lambda a: pad_axis(a.astype(dt).reshape(R, i), 0, Rp)
   out = _norm(prep(y), prep(z), weight.astype(_F32).reshape(1, i), groups, i // groups, float(eps), interpret)
   return out[:R].reshape(*lead, i)
