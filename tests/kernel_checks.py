@@ -92,3 +92,35 @@ def assert_bfloat16_within_plain_error(conv, norm):
     err_k, err_p = rel(k, r), rel(plain, r)
     assert err_p < 5e-2, (name, err_p)  # bfloat16 rounding, not a broken reference
     assert err_k <= 1.5 * err_p + 1e-6, (name, err_k, err_p)
+
+
+def assert_conv_matches_plain(conv, l, chan, docs: bool, front_ids: bool = False):
+  """The conv + SiLU kernel against `layer_math.causal_conv_silu` on a (2, l, *chan)
+  input, float32: its output at 1e-5, the new front exactly, every gradient at 1e-5;
+  with `docs`, packed documents, and an input of another document changes nothing
+  after its boundary. `front_ids`: the front's own document ids too (its first input
+  of an earlier document than position 0's)."""
+  x, w, bias, front, wy, wf = conv_inputs(2, l, chan, 4)
+  seq = packed_ids(l, 2, l) if docs else None
+  extra = ((jnp.zeros((2, 3), jnp.int32).at[:, 0].set(-1) + seq[:, :1]) if docs else None,) if front_ids else ()
+  (_, (y1, t1)), g1 = conv_grads(conv, seq, wy, wf, *extra)(x, w, bias, front)
+  (_, (y2, t2)), g2 = conv_grads(layer_math.causal_conv_silu, seq, wy, wf, *extra)(x, w, bias, front)
+  assert y1.shape == x.shape and y1.dtype == x.dtype and t1.dtype == jnp.float32
+  assert rel(y1, y2) < 1e-5 and rel(t1, t2) == 0.0
+  for name, a, b in zip(("x", "w", "bias", "front"), g1, g2):
+    assert a.shape == b.shape and rel(a, b) < 1e-5, name
+  if docs:  # an input of another document changes nothing at positions after the boundary
+    cut = int(jnp.argmax(seq[0] > seq[0, 0]))
+    y3, _ = jax.jit(conv)(x.at[0, cut - 1].add(5.0), w, bias, front, seq, *extra)
+    assert rel(y3[0, cut:], y1[0, cut:]) == 0.0 and rel(y3[0, cut - 1], y1[0, cut - 1]) > 0
+
+
+def assert_norm_matches_plain(norm, shape, groups):
+  """The gated RMSNorm kernel against `layer_math.gated_rms_norm`, float32: output and
+  every gradient at 1e-5."""
+  y, z, w, wo = norm_inputs(shape)
+  (_, o1), g1 = norm_grads(norm, groups, wo)(y, z, w)
+  (_, o2), g2 = norm_grads(layer_math.gated_rms_norm, groups, wo)(y, z, w)
+  assert o1.shape == shape and o1.dtype == jnp.float32 and rel(o1, o2) < 1e-5
+  for name, a, b in zip(("y", "z", "weight"), g1, g2):
+    assert a.shape == b.shape and rel(a, b) < 1e-5, name

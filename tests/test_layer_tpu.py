@@ -8,20 +8,16 @@ through libtpu (no TPU needed), so Mosaic's tiling rules are checked here."""
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from mamba_train.model import layer_math, layer_tpu
+from mamba_train.model import layer_tpu
 
-from helpers import libtpu_compiles, packed_ids, rel
+from helpers import libtpu_compiles
 from kernel_checks import (
   assert_bfloat16_within_plain_error,
+  assert_conv_matches_plain,
   assert_model_matches_xla,
-  conv_grads,
-  conv_inputs,
-  norm_grads,
-  norm_inputs,
+  assert_norm_matches_plain,
 )
 
 _CONV = functools.partial(layer_tpu.causal_conv_silu_tpu, interpret=True)
@@ -33,32 +29,14 @@ _NORM = functools.partial(layer_tpu.gated_rms_norm_tpu, interpret=True)
 # over B|C-shaped channels (2, 128) in one block; whole blocks, no documents.
 @pytest.mark.parametrize("l,chan,docs", [(300, (24,), True), (37, (2, 128), True), (512, (16,), False)])
 def test_conv_silu_kernel_matches_plain_form(l, chan, docs):
-  x, w, bias, front, wy, wf = conv_inputs(2, l, chan, 4)
-  seq = packed_ids(l, 2, l) if docs else None
-  # The front's first input is of an earlier document than position 0's.
-  front_idx = (jnp.zeros((2, 3), jnp.int32).at[:, 0].set(-1) + seq[:, :1]) if docs else None
-  (_, (y1, t1)), g1 = conv_grads(_CONV, seq, wy, wf, front_idx)(x, w, bias, front)
-  (_, (y2, t2)), g2 = conv_grads(layer_math.causal_conv_silu, seq, wy, wf, front_idx)(x, w, bias, front)
-  assert y1.shape == x.shape and y1.dtype == x.dtype and t1.dtype == jnp.float32
-  assert rel(y1, y2) < 1e-5 and rel(t1, t2) == 0.0
-  for name, a, b in zip(("x", "w", "bias", "front"), g1, g2):
-    assert a.shape == b.shape and rel(a, b) < 1e-5, name
-  if docs:  # an input of another document changes nothing at positions after the boundary
-    cut = int(jnp.argmax(seq[0] > seq[0, 0]))
-    y3, _ = jax.jit(_CONV)(x.at[0, cut - 1].add(5.0), w, bias, front, seq, front_idx)
-    assert rel(y3[0, cut:], y1[0, cut:]) == 0.0 and rel(y3[0, cut - 1], y1[0, cut - 1]) > 0
+  assert_conv_matches_plain(_CONV, l, chan, docs, front_ids=True)
 
 
 # 3 groups of 8 channels over a ragged 2 x 37 rows; 1 group of 64 over 144 rows (two
 # blocks of 128, the second ragged).
 @pytest.mark.parametrize("shape,groups", [((2, 37, 24), 3), ((3, 48, 64), 1)])
 def test_gated_norm_kernel_matches_plain_form(shape, groups):
-  y, z, w, wo = norm_inputs(shape)
-  (_, o1), g1 = norm_grads(_NORM, groups, wo)(y, z, w)
-  (_, o2), g2 = norm_grads(layer_math.gated_rms_norm, groups, wo)(y, z, w)
-  assert o1.shape == shape and o1.dtype == jnp.float32 and rel(o1, o2) < 1e-5
-  for name, a, b in zip(("y", "z", "weight"), g1, g2):
-    assert a.shape == b.shape and rel(a, b) < 1e-5, name
+  assert_norm_matches_plain(_NORM, shape, groups)
 
 
 def test_kernels_bfloat16_within_the_plain_forms_error():
