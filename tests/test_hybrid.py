@@ -21,7 +21,7 @@ from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.parallel import sharding
 
-from helpers import rel
+from helpers import rel, skip_on_known_transformers_bug
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
 
@@ -79,6 +79,7 @@ def test_config_read(pair):
 
 def test_logits_match_transformers(pair):
   _, ref, ours = pair
+  skip_on_known_transformers_bug(ref.config)
   ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
   with torch.no_grad():
     want = ref(ids).logits.numpy()
@@ -89,6 +90,7 @@ def test_logits_match_transformers(pair):
 
 def test_greedy_matches_transformers(pair):
   _, ref, ours = pair
+  skip_on_known_transformers_bug(ref.config)
   prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 12
   with torch.no_grad():
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,

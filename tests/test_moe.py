@@ -17,7 +17,7 @@ from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.runtime import Runtime
 
-from helpers import rel
+from helpers import rel, skip_on_known_transformers_bug
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
 
@@ -78,6 +78,7 @@ def test_config_read(pair):
 
 def test_logits_match_transformers(pair):
   _, ref, ours = pair
+  skip_on_known_transformers_bug(ref.config)
   ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
   with torch.no_grad():
     want = ref(ids).logits.numpy()
@@ -88,6 +89,7 @@ def test_logits_match_transformers(pair):
 
 def test_greedy_matches_transformers(pair):
   _, ref, ours = pair
+  skip_on_known_transformers_bug(ref.config)
   prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 10
   with torch.no_grad():
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
@@ -108,6 +110,7 @@ def test_export_then_from_pretrained(tmp_path):
   ours = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(3))
   save_hf(ours, tmp_path / "out")
   ref = NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
+  skip_on_known_transformers_bug(ref.config)
   ids = np.random.default_rng(0).integers(0, 90, (2, 19))
   with torch.no_grad():
     want = ref(torch.tensor(ids)).logits.numpy()
@@ -136,6 +139,7 @@ def test_eval_harness_scores_as_transformers(tmp_path):
   ours = Mamba2LM(MOE_CFG.replace(vocab_size=257), rngs=nnx.Rngs(4))
   save_hf(ours, tmp_path / "hf")
   ref = NemotronHForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  skip_on_known_transformers_bug(ref.config)
   rng = np.random.default_rng(0)
   pairs = [(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, m).tolist()) for n, m in ((9, 3), (14, 1), (5, 6))]
   got = HarnessLM(ours, load_tokenizer("byte"), batch_size=4).score(pairs)
