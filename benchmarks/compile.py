@@ -23,7 +23,7 @@ from benchmarks import peers
 from benchmarks.common import F32, add_rows, compile_fn, log, model_cfg, one_device_mesh, run_plan, runtime
 from mamba_train import metrics
 from mamba_train.model.config import config_for
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices

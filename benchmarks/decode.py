@@ -30,7 +30,7 @@ from benchmarks import peers, roofline
 from benchmarks.common import add_rows, compile_fn, log, median_time, model_cfg, runtime
 from mamba_train.generation import decode_loop, prefill, step
 from mamba_train.metrics import Timer
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity"))

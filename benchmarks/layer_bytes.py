@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_train import metrics
 from mamba_train.model.config import config_for
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices

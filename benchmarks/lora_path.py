@@ -19,7 +19,8 @@ import numpy as np
 from benchmarks.common import log, median_time
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import config_for
-from mamba_train.model.mamba2 import Mamba2LM, weight_names
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.train import step as steps
 

@@ -29,7 +29,7 @@ from benchmarks.common import (
   runtime,
 )
 from mamba_train import metrics
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.parallel.sharding import batch_sharding
 from mamba_train.train.step import build
 

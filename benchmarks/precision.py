@@ -18,7 +18,7 @@ from benchmarks.common import log
 from benchmarks.decode import compile_decode_step
 from mamba_train.generation import generate_with_stats
 from mamba_train.model.config import config_for
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.runtime import Runtime
 
 

@@ -6,7 +6,7 @@ model only: generation, loading and the workdir stack come in on first use.
 """
 
 from mamba_train.model.config import SIZES, Mamba2Config, config_for
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.runtime import Runtime
 
 __all__ = ["Mamba2Config", "Mamba2LM", "Runtime", "SIZES", "config_for", "generate", "load_model"]

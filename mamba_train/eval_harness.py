@@ -62,7 +62,7 @@ if _XET_BEFORE is None:
 
 from mamba_train.data.tokenizer import TokenizerInfo, token_bytes  # noqa: E402
 from mamba_train.generation import generate, round_up_pow2, token_byte_table  # noqa: E402
-from mamba_train.model.mamba2 import Mamba2LM  # noqa: E402
+from mamba_train.model.lm import Mamba2LM  # noqa: E402
 from mamba_train.parallel import sharding  # noqa: E402
 
 log = logging.getLogger(__name__)

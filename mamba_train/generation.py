@@ -34,7 +34,7 @@ from flax import nnx
 
 from mamba_train.metrics import Timer
 from mamba_train.model.cache import Mamba2Cache
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.parallel import sharding
 
 # Longest prompt accepted. The released models were trained at context 2048 and

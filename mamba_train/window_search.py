@@ -27,7 +27,8 @@ import numpy as np
 
 from mamba_train.model import mamba2
 from mamba_train.model.config import MAMBA, Mamba2Config
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.params import unstack
 from mamba_train.model.runtime import Runtime
 from mamba_train.train.loss import linear_cross_entropy
 from mamba_train.train.step import loss_sums
@@ -95,7 +96,7 @@ def _one_layer_sums(params, batch, cfg: Mamba2Config, rt: Runtime, layer: int, w
   model = Mamba2LM.from_params(cfg, params, rt)
   seq = batch["seq_idx"]
   h = model.embed(batch["input_ids"])
-  for i, p in enumerate(mamba2.unstack(model.layer_params(MAMBA), cfg.count(MAMBA))):
+  for i, p in enumerate(unstack(model.layer_params(MAMBA), cfg.count(MAMBA))):
     h, _ = mamba2.block(p, h, cfg.replace(ssd_window=window) if i == layer else cfg, rt, seq_idx=seq)
   mask = batch["loss_mask"].astype(F32)
   total = linear_cross_entropy(model.final_norm(h), model.head_weight(), batch["targets"], mask,

@@ -19,14 +19,9 @@ from flax import nnx
 from mamba_train.model import decode_pallas, mamba2, matmul as mm
 from mamba_train.model.cache import Mamba2Cache
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import (
-    Mamba2LM,
-    _block_uniform_shapes,
-    block_step,
-    init_block_params,
-    mixer_step,
-    zero_state,
-)
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.mamba2 import block_step, mixer_step, zero_state
+from mamba_train.model.params import _block_uniform_shapes, init_block_params
 from mamba_train.model.runtime import Runtime
 
 from helpers import libtpu_compiles, rel

@@ -23,7 +23,7 @@ def test_export_never_replaces_its_source_or_a_non_export(tmp_path):
   from flax import nnx
 
   from mamba_train import Mamba2Config
-  from mamba_train.model.mamba2 import Mamba2LM
+  from mamba_train.model.lm import Mamba2LM
   model = Mamba2LM(Mamba2Config(d_model=32, n_layer=1, vocab_size=64, headdim=8, d_state=8,
                                 chunk_size=8), rngs=nnx.Rngs(0))
   unrelated = tmp_path / "notes"

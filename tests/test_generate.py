@@ -25,7 +25,8 @@ import mamba_train
 from mamba_train.generation import generate, generate_with_stats, prefill, step
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import MATMUL_WEIGHTS, Mamba2LM
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.params import MATMUL_WEIGHTS
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 

@@ -602,7 +602,8 @@ _HEAVY = ("mamba_train.workdir", "mamba_train.generation", "mamba_train.interop"
           "gcsfs", "wandb")
 
 
-@pytest.mark.parametrize("what", ["mamba_train", "mamba_train.model.ssd", "mamba_train.model.mamba2"])
+@pytest.mark.parametrize("what", ["mamba_train", "mamba_train.model.ssd", "mamba_train.model.mamba2",
+                                  "mamba_train.model.lm"])
 def test_importing_the_model_loads_no_workdir_generation_or_trainer(what):
   code = (f"import json, sys\nimport {what}\n"
           "print(json.dumps(sorted(m for m in sys.modules)))")

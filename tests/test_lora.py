@@ -29,7 +29,7 @@ HYBRID = dict(SMALL_MODEL, n_layer=4, layer_pattern="M*-M", attn_num_heads=2, d_
 
 
 def _spec(cfg, rank=4, targets="*", base_dtype=""):
-  from mamba_train.model.mamba2 import weight_names
+  from mamba_train.model.params import weight_names
   return lora.make_spec(rank, 8.0, 0.0, targets, base_dtype, weight_names(cfg))
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
-from mamba_train.model.mamba2 import KIND_PARAMS
+from mamba_train.model.params import KIND_PARAMS
 
 # The files of the outside layouts.
 CONFIG_FILE = "config.json"

@@ -32,7 +32,7 @@ import numpy as np
 
 from mamba_train.errors import UserError
 from mamba_train.interop import convert
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.workdir import storage
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

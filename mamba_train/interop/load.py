@@ -28,7 +28,8 @@ from flax import nnx
 from mamba_train.interop import convert
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
-from mamba_train.model.mamba2 import Mamba2LM, weight_names
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.workdir import checkpoint, storage
 

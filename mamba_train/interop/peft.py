@@ -25,7 +25,8 @@ from mamba_train.errors import UserError
 from mamba_train.interop import convert
 from mamba_train.interop.export import _atomic_dir
 from mamba_train.model import lora as lora_lib
-from mamba_train.model.mamba2 import KIND_PARAMS, Mamba2LM
+from mamba_train.model.lm import Mamba2LM
+from mamba_train.model.params import KIND_PARAMS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -22,7 +22,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # The projections' and LM head's arithmetic (`model/matmul.py` says what each does
 # and what stays float32): 'default' the compute dtype, 'fp8', 'int8'.
 MATMUL_PRECISIONS = ("default", "fp8", "int8")
-# What a layer's backward pass recomputes (`mamba2._REMAT_POLICIES` says what each
+# What a layer's backward pass recomputes (`lm.REMAT_POLICIES` says what each
 # saves): 'none', 'full', 'save_matmuls', 'save_in_proj', 'save_in_proj_ssd', or
 # 'auto' (`default_remat`, for the large configs, where activations must shrink).
 REMAT = ("auto", "none", "full", "save_matmuls", "save_in_proj", "save_in_proj_ssd")

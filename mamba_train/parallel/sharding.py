@@ -1,7 +1,7 @@
 """Logical axis names, the one table that maps them to mesh axes, and the
 shardings built from it.
 
-Every parameter carries `logical_axes` metadata (see model/mamba2.py); activations
+Every parameter carries `logical_axes` metadata (see model/params.py); activations
 are constrained at block boundaries with `constrain`. The trainer activates a mesh
 and rules with `use_rules`; outside that context `constrain` does nothing, so the
 model runs unsharded on one device with no setup. Parameter, batch and cache

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from mamba_train import metrics
 from mamba_train.model import lora as lora_lib, moe as moe_lib
-from mamba_train.model.mamba2 import weight_names
+from mamba_train.model.params import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
 from mamba_train.train import run_config

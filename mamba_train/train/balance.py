@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.config import MOE, Mamba2Config
-from mamba_train.model.mamba2 import KIND_PARAMS
+from mamba_train.model.params import KIND_PARAMS
 
 F32 = jnp.float32
 # The scalar metrics of a step (besides moe_tokens_per_expert, a list per layer).

@@ -27,7 +27,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.train.loss import row_cross_entropy
 
 F32 = jnp.float32

@@ -25,7 +25,7 @@ from mamba_train import data, metrics as metrics_lib
 from mamba_train.interop.load import load_model
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import weight_names
+from mamba_train.model.params import weight_names
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import goodput as goodput_lib, hooks, inputs, step as steps
 from mamba_train.train.run_config import ConfigError, Plan

@@ -19,7 +19,7 @@ from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import weight_names
+from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
 from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import Mamba2LM
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.parallel import sharding
 from mamba_train.train.optim import guard
 

@@ -17,8 +17,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_train.model.config import Mamba2Config
+from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.lora import LoraSpec
-from mamba_train.model.mamba2 import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 from mamba_train.train import balance, dpo as dpo_lib, run_config

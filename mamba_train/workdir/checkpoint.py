@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from mamba_train.errors import RunFailure, UserError
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.mamba2 import param_shapes, shape_problems
+from mamba_train.model.params import param_shapes, shape_problems
 from mamba_train.model.runtime import Runtime
 from mamba_train.workdir import local_tier, storage
 
