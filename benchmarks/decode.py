@@ -412,7 +412,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
   it runs per token, and the compile time. precast: the weights as `decode_loop`
   hands them to the step (matmul weights and LM head already in the compute dtype)
   rather than the float32 parameters cast inside the step. decode_impl: the
-  runtime's (`auto` on TPU: the fused step of `decode_pallas`; `xla`: the plain
+  runtime's (`auto` on TPU: the fused step of `decode_tpu`; `xla`: the plain
   step). hlo: also return the compiled module's text. batch: sequences a step
   (1 in the benchmark's rows)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -472,7 +472,7 @@ def compile_decode_step(cfg, rt, unrolled: bool, precast: bool, topology: str = 
 def bench_decode_tpu(args, results, size):
   """Batch-1 decode step of `size` in bfloat16 for one TPU v6e chip (AOT via libtpu):
   the plain step (decode_impl 'xla') unrolled against scanned layers, weights cast
-  per token against once per loop; and the fused step (`decode_pallas`, the TPU
+  per token against once per loop; and the fused step (`decode_tpu`, the TPU
   default: pre-norm + in_proj, the step, out_proj + residual as three kernels) over
   weights made once, unrolled and scanned; and both unrolled over weights made once
   at batch 2 and 3 too. Ops a token are the sum of fusions (kernels included), DMAs

@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks import roofline
 from benchmarks.common import F32, compile_fn, log, median_time
-from mamba_train.model import layer_gpu, layer_math
+from mamba_train.ops import layer_gpu, layer_math
 from mamba_train.train import aot
 
 # (name, b, l, d_inner, ngroups * d_state): a layer of each model at 4 x 2048 a GPU.

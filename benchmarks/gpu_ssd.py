@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks import roofline
 from benchmarks.common import F32, compile_fn, log, median_time
 from mamba_train.metrics import ssd_flops_per_token
-from mamba_train.model import ssd, ssd_gpu
+from mamba_train.ops import ssd, ssd_gpu
 
 # (name, b, l, h, p, g, n): a layer of each model at 4 x 2048 per GPU.
 SHAPES = [("130m", 4, 2048, 24, 64, 1, 128), ("1.3b", 4, 2048, 64, 64, 1, 128)]

@@ -19,7 +19,7 @@ from benchmarks import peers, roofline
 from benchmarks.common import F32, add_rows, compile_fn, log, median_time
 from mamba_train.metrics import ssd_flops_per_token
 from mamba_train.model.runtime import default_form
-from mamba_train.model.ssd import ssd_chunked, ssd_sequential
+from mamba_train.ops.ssd import ssd_chunked, ssd_sequential
 
 
 def bench_ssd(args, results):

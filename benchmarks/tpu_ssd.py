@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks.common import log
 from benchmarks.compile import TPU, compile_forward, outside_scan_cost
 from mamba_train import metrics
-from mamba_train.model import ssd, ssd_pallas
 from mamba_train.model.config import config_for
 from mamba_train.model.runtime import Runtime
+from mamba_train.ops import ssd, ssd_tpu
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices
 
@@ -39,7 +39,7 @@ def ssd_forms(interpret: bool = False) -> dict:
   """name -> SSD forward fn(x, dt, A, B, C, D, seq_idx) -> (y, final state)."""
   return {
       "ssd_chunked (parallel form)": functools.partial(ssd.ssd_chunked, form="parallel"),
-      "Pallas, one pass": functools.partial(ssd_pallas.ssd_fused, interpret=interpret),
+      "Pallas, one pass": functools.partial(ssd_tpu.ssd_fused, interpret=interpret),
   }
 
 

@@ -25,13 +25,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_train import metrics
-from mamba_train.model import ssd, ssd_pallas
+from mamba_train.ops import ssd, ssd_tpu
 from mamba_train.parallel.topology import tpu_devices
 
 # name -> SSD fn(x, dt, A, B, C, chunk, *, D, seq_idx) -> (y, final state)
 FORMS = {
     "xla (ssd_chunked, parallel form)": functools.partial(ssd.ssd_chunked, form="parallel"),
-    "pallas one pass, one-pass backward kernel": ssd_pallas.ssd_fused,
+    "pallas one pass, one-pass backward kernel": ssd_tpu.ssd_fused,
 }
 
 

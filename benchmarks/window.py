@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks.common import log, median_time  # noqa: E402
 from mamba_train import Mamba2LM, Runtime, config_for, metrics  # noqa: E402
-from mamba_train.model import ssd  # noqa: E402
+from mamba_train.ops import ssd  # noqa: E402
 from mamba_train.parallel.mesh import make_mesh  # noqa: E402
 from mamba_train.parallel.sequence import SequenceSplit  # noqa: E402
 from mamba_train.parallel.topology import tpu_devices  # noqa: E402

@@ -41,11 +41,11 @@ def get_config() -> ml_collections.ConfigDict:
   # remat: none | full | save_matmuls | save_in_proj | save_in_proj_ssd | auto (what the backward pass recomputes)
   # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
   # ssd_impl: auto (pallas on TPU, triton on GPU, xla on CPU) | xla | pallas | interpret | triton
-  #   | triton_interpret (pallas: the fused SSD kernels, model/ssd_pallas.py; triton: model/ssd_gpu.py;
+  #   | triton_interpret (pallas: the fused SSD kernels, ops/ssd_tpu.py; triton: ops/ssd_gpu.py;
   #   *interpret: them in Pallas' interpreter)
   # layer_impl: auto (triton on GPU, xla elsewhere) | xla | triton | triton_interpret |
-  #   mosaic | mosaic_interpret (the conv + SiLU and gated RMSNorm kernels of model/layer_gpu.py
-  #   (Triton) or model/layer_tpu.py (Mosaic), or the plain forms of model/layer_math.py)
+  #   mosaic | mosaic_interpret (the conv + SiLU and gated RMSNorm kernels of ops/layer_gpu.py
+  #   (Triton) or ops/layer_tpu.py (Mosaic), or the plain forms of ops/layer_math.py)
   # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
   # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
   # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)

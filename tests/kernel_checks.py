@@ -6,7 +6,7 @@ layer kernels' inputs, loss-weighted gradients and bfloat16 check, which the TPU
 import jax
 import jax.numpy as jnp
 
-from mamba_train.model import layer_math
+from mamba_train.ops import layer_math
 
 from helpers import packed_ids, rel
 

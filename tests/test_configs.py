@@ -163,9 +163,9 @@ def test_runtime_fields_change_no_weights():
   cfg, rt = config_for("tiny-hybrid"), Runtime()
   other = {"compute_dtype": "bfloat16", "remat": "full", "ssd_form": "parallel",
            "scan_chunk_size": 16, "parallel_chunk_size": 32, "attention": "dot_product",
-           "pallas_interpret": True, "ssd_impl": "pallas", "unroll_layers": True,
-           "decode_layers": "scan", "matmul_precision": "int8", "layer_impl": "triton_interpret",
-           "moe_capacity_factor": 1.25, "moe_impl": "megablox_interpret", "decode_impl": "interpret"}
+           "interpret": True, "ssd_impl": "mosaic", "unroll_layers": True,
+           "decode_layers": "scan", "matmul_precision": "int8", "layer_impl": "triton",
+           "moe_capacity_factor": 1.25, "moe_impl": "megablox", "decode_impl": "mosaic"}
   assert set(other) == {f.name for f in dataclasses.fields(Runtime)}
   for name, value in other.items():
     assert shapes(cfg, rt.replace(**{name: value})) == shapes(cfg, rt), name
@@ -188,7 +188,7 @@ def test_weight_differences_name_each_field_in_the_callers_order():
 
 @pytest.mark.parametrize("backend, chunk, want", [
     ("cpu", 256, ("scan", 64)), ("cpu", 32, ("scan", 32)),
-    ("gpu", 256, ("triton", 128)), ("tpu", 64, ("pallas", 64))])
+    ("gpu", 256, ("triton", 128)), ("tpu", 64, ("mosaic", 64))])
 def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   """The form and chunk the SSD runs at, resolved for the target backend whatever
   backend Python runs on: the scan form (CPU) capped by scan_chunk_size, the
@@ -203,7 +203,7 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   xla = rt.replace(ssd_impl="xla")
   assert xla.replace(ssd_form="parallel").resolve(backend).ssd_plan(chunk) == ("parallel", min(chunk, 128))
   assert xla.replace(ssd_form="scan", scan_chunk_size=16).ssd_plan(chunk) == ("scan", 16)
-  assert rt.replace(ssd_impl="interpret").resolve(backend).ssd_plan(chunk) == ("interpret", min(chunk, 128))
+  assert rt.replace(ssd_impl="interpret").resolve(backend).ssd_plan(chunk) == ("mosaic", min(chunk, 128))
   with pytest.raises(ValueError, match="not resolved"):
     rt.ssd_plan(chunk)
   monkeypatch.setattr(jax, "default_backend", lambda: backend)

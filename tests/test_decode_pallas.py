@@ -1,4 +1,4 @@
-"""The fused decoding step (model/decode_pallas.py) against the plain step
+"""The fused decoding step (ops/decode_tpu.py) against the plain step
 (`mamba2.mixer_step` / `block_step` with decode_impl 'xla'): on CPU in Pallas'
 interpreter, the output and every state in float32, 1 and 3 groups, batch 1 to 3,
 d_conv 4, a dt clamp, the projections over several weight tiles with a ragged last
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mamba_train.model import decode_pallas, mamba2, matmul as mm
+from mamba_train.model import mamba2, matmul as mm
 from mamba_train.model.cache import Mamba2Cache
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.mamba2 import block_step, mixer_step, zero_state
 from mamba_train.model.params import _block_uniform_shapes, init_block_params
 from mamba_train.model.runtime import Runtime
+from mamba_train.ops import decode_tpu
 
 from helpers import libtpu_compiles, rel
 
@@ -81,7 +82,7 @@ def test_fused_block_step_matches_plain_block_step(g, b, limit, mult):
     made = mamba2.fused_decode_weights(p, fused_rt)
     return (block_step(made, h, cfg, fused_rt, state), block_step(p, h, cfg, fused_rt, state),
             block_step(p, h, cfg, plain_rt, state))
-  with mock.patch.object(decode_pallas, "_TILE_BYTES", 1):
+  with mock.patch.object(decode_tpu, "_TILE_BYTES", 1):
     (h1, s1), (h2, s2), (h0, s0) = jax.jit(all_three)(p, h, state)
   assert h1.shape == (b, cfg.d_model) and h1.dtype == jnp.float32
   for hx, sx in ((h1, s1), (h2, s2)):
@@ -95,7 +96,7 @@ def test_fused_block_step_matches_plain_block_step(g, b, limit, mult):
 def _kernel_between_xla_matmuls(p, h, cfg, rt, state):
   """`block_step` with the step kernel alone (the fused form before its projection
   kernels): the pre-norm, in_proj, out_proj and the residual add by XLA."""
-  y, cx, cbc, ssm = decode_pallas.mixer_step_fused(
+  y, cx, cbc, ssm = decode_tpu.mixer_step_fused(
       mm.linear(mamba2.rms_norm(h, p["norm"], cfg.norm_eps), p["in_proj"].T, rt.compute_dtype), state["conv_x"],
       state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps, dt_limit=cfg.dt_limit,
       compute_dtype=rt.compute_dtype, interpret=True)
@@ -138,9 +139,10 @@ def test_fused_decoding_tokens_match_full_forward_and_the_kernel_alone():
 
 
 def test_runtime_chooses_the_fused_step_on_tpu_only():
-  from mamba_train.model.mamba2 import fused_decode
+  from mamba_train.ops import table
+  fused_decode = lambda cfg, rt: table.build(rt, cfg).decode is not None
   cfg = Mamba2Config(d_model=24, n_layer=1, d_state=16, headdim=8, vocab_size=64)
-  assert Runtime().resolve("tpu").decode_impl == "pallas"
+  assert Runtime().resolve("tpu").decode_impl == "mosaic"
   assert Runtime().resolve("cpu").decode_impl == Runtime().resolve("gpu").decode_impl == "xla"
   assert fused_decode(cfg, Runtime().resolve("tpu"))
   # A windowed layer keeps the plain step (its state is a window, not (h, p, n)).
@@ -153,7 +155,7 @@ _AOT = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
-from mamba_train.model.decode_pallas import mixer_step_fused, norm_in_proj, out_proj_residual
+from mamba_train.ops.decode_tpu import mixer_step_fused, norm_in_proj, out_proj_residual
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)

@@ -82,7 +82,7 @@ def _full_and_cached(graphdef, params, full_ids, prompt_ids, mask, rest_ids):
 def test_prefill_then_steps_match_full_forward(decode_impl):
   """Row 0: prompt of 5 (< chunk), left-padded; row 1: prompt of 21 (> 2 chunks,
   ragged), unpadded. Every later position is then decoded one token at a time, by
-  the plain step or the fused TPU kernel (`decode_pallas`) in Pallas' interpreter."""
+  the plain step or the fused TPU kernel (`decode_tpu`) in Pallas' interpreter."""
   model = small_model()
   if decode_impl != "xla":
     model = Mamba2LM.from_params(CFG, model.params(), runtime=Runtime(decode_impl=decode_impl))

@@ -19,6 +19,7 @@ from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
+from mamba_train.ops import attention as attention_ops, attention_tpu
 from mamba_train.parallel import sharding
 
 from helpers import rel, skip_on_known_transformers_bug
@@ -199,12 +200,12 @@ def test_attention_forms_agree():
   k, v = (jnp.asarray(rng.normal(size=(2, 9, 2, 8)), jnp.float32) for _ in range(2))
   seq_idx = jnp.asarray([[0] * 4 + [1] * 5, [0] * 9])
   mask = jnp.asarray([[True] * 9, [False] * 3 + [True] * 6])
-  ok = attn_lib.allowed(9, 9, seq_idx=seq_idx, key_mask=mask)
-  attend = jax.jit(attn_lib.attend, static_argnums=(4, 5))
+  ok = attention_ops.allowed(9, 9, seq_idx=seq_idx, key_mask=mask)
+  attend = jax.jit(attention_ops.attend, static_argnums=(4, 5))
   ref = attend(q, k, v, ok, "xla", jnp.float32)
   got = attend(q, k, v, ok, "dot_product", jnp.float32)
   assert rel(got, ref) < 1e-6
-  causal = attn_lib.allowed(9, 9)
+  causal = attention_ops.allowed(9, 9)
   assert rel(attend(q, k, v, None, "dot_product", jnp.float32),
              attend(q, k, v, causal, "xla", jnp.float32)) < 1e-6
   np.testing.assert_array_equal(attend(q, k, v, None, "xla", jnp.float32),
@@ -231,10 +232,10 @@ def test_splash_kernel_agrees_in_interpret_mode():
   k, v = (jnp.asarray(rng.normal(size=(1, l, 1, 16)), jnp.float32) for _ in range(2))
   seq_idx = jnp.asarray([[0] * 60 + [1] * 68])
   mask = jnp.asarray([[False] * 9 + [True] * (l - 9)])
-  ref = lambda q: attn_lib.attend(q, k, v, attn_lib.allowed(l, l, seq_idx=seq_idx, key_mask=mask),
+  ref = lambda q: attention_ops.attend(q, k, v, attention_ops.allowed(l, l, seq_idx=seq_idx, key_mask=mask),
                                   "xla", jnp.float32)
   # Jitted: the interpreter runs op by op otherwise, five times slower.
-  got = jax.jit(lambda q: attn_lib.splash(q, k, v, seq_idx, mask, jnp.float32, interpret=True))
+  got = jax.jit(lambda q: attention_tpu.splash(q, k, v, seq_idx, mask, jnp.float32, interpret=True))
   real = np.asarray(mask)[:, :, None, None]  # padding queries' outputs are never used
   assert rel(np.where(real, got(q), 0), np.where(real, ref(q), 0)) < 1e-5
   loss = lambda f: lambda q: jnp.sum(jnp.where(real, f(q), 0.0) ** 2)

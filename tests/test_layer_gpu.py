@@ -1,5 +1,5 @@
-"""The GPU layer kernels (model/layer_gpu.py, Pallas Triton: the conv + SiLU and the
-gated RMSNorm) against their plain forms (model/layer_math.py) in Pallas' interpreter
+"""The GPU layer kernels (ops/layer_gpu.py, Pallas Triton: the conv + SiLU and the
+gated RMSNorm) against their plain forms (ops/layer_math.py) in Pallas' interpreter
 on CPU: float32 forward and every gradient at 1e-5, ragged lengths over several
 program spans, packed documents (the conv never reads across a document boundary),
 a front of earlier inputs, several channel axes and groups, bfloat16 judged against
@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from mamba_train.model import layer_gpu
+from mamba_train.ops import layer_gpu
 
 from kernel_checks import (
   assert_bfloat16_within_plain_error,

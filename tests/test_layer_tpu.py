@@ -1,5 +1,5 @@
-"""The TPU layer kernels (model/layer_tpu.py, Pallas Mosaic: the conv + SiLU and the
-gated RMSNorm) against their plain forms (model/layer_math.py) in Pallas' interpreter
+"""The TPU layer kernels (ops/layer_tpu.py, Pallas Mosaic: the conv + SiLU and the
+gated RMSNorm) against their plain forms (ops/layer_math.py) in Pallas' interpreter
 on CPU: float32 forward and every gradient at 1e-5, ragged lengths over several
 position blocks, packed documents with a front of earlier inputs (the conv never
 reads across a document boundary), B|C-shaped channels, 1 and 3 groups; the model
@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from mamba_train.model import layer_tpu
+from mamba_train.ops import layer_tpu
 
 from helpers import libtpu_compiles
 from kernel_checks import (
@@ -64,7 +64,7 @@ _AOT = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
-from mamba_train.model.layer_tpu import causal_conv_silu_tpu, gated_rms_norm_tpu
+from mamba_train.ops.layer_tpu import causal_conv_silu_tpu, gated_rms_norm_tpu
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)

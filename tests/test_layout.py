@@ -74,8 +74,8 @@ class Import:
 
 @dataclasses.dataclass(frozen=True)
 class Module:
-  name: str  # "mamba_train.model.ssd"; a package by its own name ("mamba_train.model")
-  path: str  # as shown in messages: "mamba_train/model/ssd.py"
+  name: str  # "mamba_train.ops.ssd"; a package by its own name ("mamba_train.model")
+  path: str  # as shown in messages: "mamba_train/ops/ssd.py"
   imports: tuple[Import, ...]
   strings: tuple[tuple[int, str], ...]  # (line, value) of every string constant but docstrings
 
@@ -192,26 +192,43 @@ class Rule:
 
 # Imports nothing and every layer may raise its errors.
 ERRORS_MODULE = f"{PACKAGE}.errors"
-_MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.parallel.sharding")
+_MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.ops", "mamba_train.parallel.sharding")
 _PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "workdir"))
 
-# The math the kernels stand beside: the SSD's, and the layer's elementwise chain.
-_MATH = ("mamba_train.model.ssd", "mamba_train.model.layer_math")
-_KERNEL_MODULES = ("mamba_train.model.ssd_pallas", "mamba_train.model.ssd_gpu", "mamba_train.model.layer_gpu",
-                   "mamba_train.model.decode_pallas")
+# The plain forms the kernels stand beside (mamba_train/ops/): the SSD's, the layer's
+# elementwise chain, the experts' grouped matmuls, attention.
+_MATH = ("mamba_train.ops.ssd", "mamba_train.ops.layer_math", "mamba_train.ops.experts",
+         "mamba_train.ops.attention")
+# The kernels: what runs in Pallas (or tokamax) instead of XLA's own ops.
+_KERNEL_MODULES = ("mamba_train.ops.ssd_tpu", "mamba_train.ops.ssd_gpu", "mamba_train.ops.layer_tpu",
+                   "mamba_train.ops.layer_gpu", "mamba_train.ops.decode_tpu", "mamba_train.ops.experts_tpu",
+                   "mamba_train.ops.experts_gpu", "mamba_train.ops.attention_tpu")
+# The one place that chooses among them, and the one that defines the runtime's knobs.
+TABLE_MODULE = "mamba_train.ops.table"
+RUNTIME_MODULE = "mamba_train.model.runtime"
 
 SSD_IS_PURE = Rule(
-    "ssd-is-pure", "the SSD math (and the layer's, layer_math) imports nothing of the package",
+    "ssd-is-pure", "the plain forms of the operations (the SSD, layer_math, experts, attention) import "
+    "nothing of the package",
     governs=lambda m: m in _MATH,
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
 KERNELS = Rule(
     "kernels", "the kernels import nothing of the package but the math they stand beside "
-    "(mamba_train.model.ssd, mamba_train.model.layer_math)",
+    "(mamba_train.ops.ssd, mamba_train.ops.layer_math)",
     governs=lambda m: m in _KERNEL_MODULES,
     broken_by=lambda t: (ours(t) and t not in _MATH) or t.startswith("<relative"))
+TABLE = Rule(
+    "table", "the selection table imports nothing of the package but the operations",
+    governs=lambda m: m == TABLE_MODULE,
+    broken_by=lambda t: (ours(t) and not within(t, "mamba_train.ops")) or t.startswith("<relative"))
+ONLY_TABLE_IMPORTS_KERNELS = Rule(
+    "only-the-table-imports-kernels", "only the selection table (mamba_train.ops.table) imports a kernel "
+    "module: the model calls what it chose",
+    governs=lambda m: ours(m) and m not in _KERNEL_MODULES and m != TABLE_MODULE,
+    broken_by=lambda t: t in _KERNEL_MODULES)
 MODEL = Rule(
     "model", "the model knows no trainer, data, workdir, metrics, generation or interop: it "
-    "imports only mamba_train.model.* and mamba_train.parallel.sharding",
+    "imports only mamba_train.model.*, mamba_train.ops.* and mamba_train.parallel.sharding",
     governs=lambda m: within(m, "mamba_train.model"),
     broken_by=lambda t: ours(t) and not any(within(t, p) for p in _MODEL_MAY_IMPORT))
 DATA = Rule(
@@ -232,7 +249,7 @@ LEAVES = Rule(
     governs=lambda m: m in (ERRORS_MODULE, f"{PACKAGE}.metrics"),
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
 
-RULES = (SSD_IS_PURE, KERNELS, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL, LEAVES)
+RULES = (SSD_IS_PURE, KERNELS, TABLE, ONLY_TABLE_IMPORTS_KERNELS, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL, LEAVES)
 
 
 def outside_names(module: Module) -> list[str]:
@@ -257,7 +274,7 @@ def _governed(rule: Rule) -> list[str]:
 
 
 def test_the_layout_is_where_the_rules_expect_it():
-  for name in ("mamba_train.model.ssd", "mamba_train.model", "mamba_train.data",
+  for name in ("mamba_train.ops.ssd", "mamba_train.model", "mamba_train.data",
                "mamba_train.parallel", "mamba_train.interop", "mamba_train.train"):
     assert name in MODULES, f"{name} is missing: update the rules in this file with the layout"
 
@@ -267,6 +284,44 @@ def test_ssd_math_imports_nothing_of_the_package_and_its_kernels_only_the_math()
     assert SSD_IS_PURE.violations(MODULES[name]) == []
   for name in _KERNEL_MODULES:
     assert KERNELS.violations(MODULES[name]) == []
+
+
+def test_only_the_table_imports_kernels_and_it_only_the_operations():
+  assert TABLE.violations(MODULES[TABLE_MODULE]) == []
+  for name in _governed(ONLY_TABLE_IMPORTS_KERNELS):
+    assert ONLY_TABLE_IMPORTS_KERNELS.violations(MODULES[name]) == []
+  # The kernel list is every module of ops/ but the plain forms and the table.
+  ops = {m for m in MODULES if within(m, "mamba_train.ops") and m != "mamba_train.ops"}
+  assert ops == set(_MATH) | set(_KERNEL_MODULES) | {TABLE_MODULE}
+
+
+# The runtime fields that choose an implementation (and Pallas' interpreter).
+IMPL_FIELDS = ("ssd_impl", "layer_impl", "moe_impl", "decode_impl", "pallas_interpret")
+SHARED_NAMES = ("attention", "interpret")  # read only on a runtime: `rt.attention`, `runtime.interpret`
+
+
+def implementation_reads(source: str) -> list[int]:
+  """Lines that read an implementation field of a runtime."""
+  lines = []
+  for node in ast.walk(ast.parse(source)):
+    if not isinstance(node, ast.Attribute):
+      continue
+    base = ast.unparse(node.value)
+    if node.attr in IMPL_FIELDS or (node.attr in SHARED_NAMES and re.search(r"(^|\.)(rt|runtime)$", base)):
+      lines.append(node.lineno)
+  return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m not in (TABLE_MODULE, RUNTIME_MODULE)))
+def test_only_the_runtime_and_the_table_read_an_implementation_field(module):
+  path = ROOT / MODULES[module].path
+  assert implementation_reads(path.read_text()) == [], (
+      f"{MODULES[module].path} reads a runtime's implementation field: what runs is the selection "
+      f"table's choice (mamba_train/ops/table.py), which the model calls through `Ops`")
+
+
+def test_the_implementation_check_sees_a_read():
+  assert implementation_reads("x = rt.ssd_impl\ny = self.runtime.attention\nz = cfg.attention\n") == [1, 2]
 
 
 @pytest.mark.parametrize("module", _governed(MODEL))
@@ -423,7 +478,7 @@ def import_everything(root: Path, xla_flags: str | None) -> dict:
   assert r.returncode == 0, r.stderr[-3000:]
   got = json.loads(r.stdout.strip().splitlines()[-1])
   assert Path(got["package"]).resolve() == (root / PACKAGE / "__init__.py").resolve(), got["package"]
-  assert "mamba_train.model.ssd" in got["modules"] and "mamba_train.interop.load" in got["modules"]
+  assert "mamba_train.ops.ssd" in got["modules"] and "mamba_train.interop.load" in got["modules"]
   return got
 
 
@@ -442,7 +497,7 @@ def test_importing_the_package_changes_nothing(xla_flags):
 # package with violating modules in it.
 
 _PKG_MODULES = frozenset({
-    "mamba_train", "mamba_train.model", "mamba_train.model.ssd", "mamba_train.model.ssd_pallas",
+    "mamba_train", "mamba_train.model", "mamba_train.ops.ssd", "mamba_train.ops.ssd_tpu",
     "mamba_train.model.mamba2", "mamba_train.model.config", "mamba_train.parallel",
     "mamba_train.parallel.sharding", "mamba_train.parallel.mesh", "mamba_train.train",
     "mamba_train.train.step", "mamba_train.data", "mamba_train.data.loader", "mamba_train.workdir",
@@ -457,24 +512,24 @@ def _check(rule: Rule, module: str, source: str, is_package: bool = False) -> li
 
 # (rule, module, source, whether the rule must report it)
 _CASES = [
-    (SSD_IS_PURE, "mamba_train.model.ssd", "import jax.numpy as jnp\nimport math", False),
-    (SSD_IS_PURE, "mamba_train.model.ssd", "from mamba_train.model import config", True),
-    (SSD_IS_PURE, "mamba_train.model.ssd", "from . import config", True),
-    (SSD_IS_PURE, "mamba_train.model.ssd", "import mamba_train", True),
-    (SSD_IS_PURE, "mamba_train.model.ssd", "def f():\n  from mamba_train.parallel import sharding", True),
-    (SSD_IS_PURE, "mamba_train.model.ssd", "from .ssd_pallas import ssd_fused", True),
-    (KERNELS, "mamba_train.model.ssd_pallas", "import jax\nfrom jax.experimental import pallas as pl", False),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from mamba_train.model.ssd import to_chunks", False),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from .ssd import to_chunks, chunk_documents", False),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from mamba_train.model import ssd", False),
-    (KERNELS, "mamba_train.model.ssd_pallas", "import mamba_train.model.ssd as ssd", False),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from mamba_train.model import config", True),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from . import mamba2", True),
-    (KERNELS, "mamba_train.model.ssd_pallas", "from mamba_train.model import ssd, config", True),
-    (KERNELS, "mamba_train.model.ssd_pallas", "import mamba_train", True),
-    (KERNELS, "mamba_train.model.ssd_pallas", "def f():\n  from mamba_train.parallel import sharding", True),
-    (KERNELS, "mamba_train.model.layer_gpu", "from mamba_train.model.layer_math import causal_conv_silu", False),
-    (KERNELS, "mamba_train.model.layer_gpu", "from mamba_train.model import mamba2", True),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "import jax.numpy as jnp\nimport math", False),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "from mamba_train.model import config", True),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "from . import config", True),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "import mamba_train", True),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "def f():\n  from mamba_train.parallel import sharding", True),
+    (SSD_IS_PURE, "mamba_train.ops.ssd", "from .ssd_tpu import ssd_fused", True),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "import jax\nfrom jax.experimental import pallas as pl", False),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from mamba_train.ops.ssd import to_chunks", False),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from .ssd import to_chunks, chunk_documents", False),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from mamba_train.ops import ssd", False),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "import mamba_train.ops.ssd as ssd", False),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from mamba_train.model import config", True),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from . import mamba2", True),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "from mamba_train.model import ssd, config", True),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "import mamba_train", True),
+    (KERNELS, "mamba_train.ops.ssd_tpu", "def f():\n  from mamba_train.parallel import sharding", True),
+    (KERNELS, "mamba_train.ops.layer_gpu", "from mamba_train.ops.layer_math import causal_conv_silu", False),
+    (KERNELS, "mamba_train.ops.layer_gpu", "from mamba_train.model import mamba2", True),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.model.config import Mamba2Config", False),
     (MODEL, "mamba_train.model.mamba2", "from .ssd import ssd_chunked\nfrom . import config", False),
     (MODEL, "mamba_train.model.mamba2", "from mamba_train.parallel import sharding", False),
@@ -545,7 +600,7 @@ def test_rules_govern_only_their_modules():
   assert _check(PARALLEL, "mamba_train.generation", src) == []
   assert _check(SSD_IS_PURE, "mamba_train.model.mamba2", src) == []
   assert _check(KERNELS, "mamba_train.model.mamba2", src) == []
-  assert _check(KERNELS, "mamba_train.model.ssd", "from mamba_train.model import config") == []
+  assert _check(KERNELS, "mamba_train.ops.ssd", "from mamba_train.model import config") == []
   # `train` the top-level script is not the library's mamba_train.train.
   assert _check(NO_ENTRY_POINTS, "mamba_train.generation", src) == []
 
@@ -571,8 +626,8 @@ def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
                   ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
   pkg = tmp_path / PACKAGE
   bad = {
-      "model/ssd.py": ("from mamba_train.model.config import Mamba2Config", SSD_IS_PURE),
-      "model/ssd_pallas.py": ("from mamba_train.model.mamba2 import Mamba2LM", KERNELS),
+      "ops/ssd.py": ("from mamba_train.model.config import Mamba2Config", SSD_IS_PURE),
+      "ops/ssd_tpu.py": ("from mamba_train.model.mamba2 import Mamba2LM", KERNELS),
       "model/bad_layer.py": ("from mamba_train.train.step import build", MODEL),
       "data/bad_source.py": ("from ..model.mamba2 import Mamba2LM", DATA),
       "train/bad_hook.py": ("def f():\n  import train", NO_ENTRY_POINTS),
@@ -599,10 +654,10 @@ def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
 # (etils is not on the list: JAX itself imports etils.epath.)
 _HEAVY = ("mamba_train.workdir", "mamba_train.generation", "mamba_train.interop", "mamba_train.train",
           "mamba_train.data", "mamba_train.metrics", "orbax", "tensorstore", "safetensors", "grain",
-          "gcsfs", "wandb")
+          "gcsfs", "wandb") + _KERNEL_MODULES  # kernels load when the table chooses them
 
 
-@pytest.mark.parametrize("what", ["mamba_train", "mamba_train.model.ssd", "mamba_train.model.mamba2",
+@pytest.mark.parametrize("what", ["mamba_train", "mamba_train.ops.ssd", "mamba_train.model.mamba2",
                                   "mamba_train.model.lm"])
 def test_importing_the_model_loads_no_workdir_generation_or_trainer(what):
   code = (f"import json, sys\nimport {what}\n"

@@ -3,6 +3,8 @@ identical random weights (logits, greedy tokens, export and from_pretrained), th
 grouped-matmul dispatch against a dense every-expert reference (forward and
 gradients), packed documents against each document alone, and the refusals."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.runtime import Runtime
+from mamba_train.ops import experts, experts_gpu, experts_tpu
 
 from helpers import rel, skip_on_known_transformers_bug
 
@@ -223,25 +226,26 @@ def test_megablox_equals_ragged_dot():
 
   def loss(impl):
     def fn(rows, up, down):
-      out = moe_lib.expert_mlp(rows, up, down, sizes, f32, impl)
+      out = impl(rows, up, down, sizes, f32)
       return jnp.sum(jnp.sin(out)), out
     return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True))
 
-  (_, got), g_got = loss("megablox_interpret")(rows, up, down)
-  (_, want), g_want = loss("ragged")(rows, up, down)
+  megablox = functools.partial(experts_tpu.expert_mlp_megablox, interpret=True)
+  (_, got), g_got = loss(megablox)(rows, up, down)
+  (_, want), g_want = loss(experts.expert_mlp_xla)(rows, up, down)
   assert rel(got, want) < 1e-5
   assert not np.any(np.asarray(got[140:])) and not np.any(np.asarray(g_got[0][140:]))
   for name, a, b in zip(("rows", "up", "down"), g_got, g_want):
     assert rel(a, b) < 1e-5, name
   few = jnp.array((5, 0, 7, 12, 0, 0), jnp.int32)
-  swiglu = lambda impl: jax.jit(lambda r: moe_lib.expert_mlp(r, (gate, up), down, few, f32, impl))(rows[:24])
-  assert rel(swiglu("megablox_interpret"), swiglu("ragged")) < 1e-5
-  assert moe_lib.gmm_tiling(2688 * 4, 2688, 1856) == (128, 896, 1856)  # Nano's widths
+  swiglu = lambda impl: jax.jit(lambda r: impl(r, (gate, up), down, few, f32))(rows[:24])
+  assert rel(swiglu(megablox), swiglu(experts.expert_mlp_xla)) < 1e-5
+  assert experts_tpu.gmm_tiling(2688 * 4, 2688, 1856) == (128, 896, 1856)  # Nano's widths
 
 
 def _tokamax_or_skip():
   try:
-    return moe_lib.import_tokamax()
+    return experts_gpu.import_tokamax()
   except ImportError as err:
     print(err)
     pytest.skip(f"tokamax (the gpu extra) absent: pip install -e '.[gpu]' ({err})")
@@ -262,7 +266,7 @@ def test_tokamax_path_equals_ragged_dot(monkeypatch):
 
   _tokamax_or_skip()
   from tokamax._src.ops.ragged_dot import base
-  monkeypatch.setattr(moe_lib, "TOKAMAX_IMPLEMENTATION", base.RaggedDot(vjp=functools.partial(base.vjp)))
+  monkeypatch.setattr(experts_gpu, "TOKAMAX_IMPLEMENTATION", base.RaggedDot(vjp=functools.partial(base.vjp)))
   f32 = jnp.dtype("float32")
   ks = jax.random.split(jax.random.key(6), 4)
   e, w, f = 6, 16, 12
@@ -273,12 +277,12 @@ def test_tokamax_path_equals_ragged_dot(monkeypatch):
 
   def grads(impl):
     def fn(rows, up, gate, down):
-      out = moe_lib.expert_mlp(rows, (gate, up), down, sizes, f32, impl)
+      out = impl(rows, (gate, up), down, sizes, f32)
       return jnp.sum(jnp.sin(out)), out
     return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True))(rows, up, gate, down)
 
-  (_, got), g_got = grads("tokamax")
-  (_, want), g_want = grads("ragged")
+  (_, got), g_got = grads(experts_gpu.expert_mlp_tokamax)
+  (_, want), g_want = grads(experts.expert_mlp_xla)
   assert rel(got, want) < 1e-5
   assert not np.any(np.asarray(got[46:])) and not np.any(np.asarray(g_got[0][46:]))
   for name, a, b in zip(("rows", "up", "gate", "down"), g_got, g_want):
@@ -293,13 +297,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import gpu_devices
 rep = NamedSharding(Mesh(np.array(gpu_devices("h100-1")[2][:1]), ("d",)), P())
 import tokamax
-from mamba_train.model import moe
+from mamba_train.ops import experts_gpu
 from mamba_train.train import aot
 bf = jnp.bfloat16
 m, e, w, f = 256, 8, 128, 64
 S = lambda s, d=bf: jax.ShapeDtypeStruct(s, d, sharding=rep)
 def loss(rows, gate, up, down, sizes):
-  return jnp.sum(jnp.sin(moe.expert_mlp(rows, (gate, up), down, sizes, bf, "tokamax")))
+  return jnp.sum(jnp.sin(experts_gpu.expert_mlp_tokamax(rows, (gate, up), down, sizes, bf)))
 args = (S((m, w)), S((e, w, f)), S((e, w, f)), S((e, f, w)), S((e,), jnp.int32))
 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 with tokamax.config.cross_compile(True):
@@ -311,7 +315,7 @@ calls = [l for l in hlo.splitlines() if "custom-call(" in l and "TritonRaggedDot
 assert len(calls) == 9, len(calls)
 # No other matmul: no cuBLAS GEMM, no dot, so nothing dense over the experts.
 assert "cublas" not in hlo and " dot(" not in hlo, [l for l in hlo.splitlines() if "cublas" in l or " dot(" in l][:3]
-mp = m + moe.TOKAMAX_ROW_PAD
+mp = m + experts_gpu.TOKAMAX_ROW_PAD
 k = aot.kernel_costs(compiled, jaxpr)
 assert k["flops"] == 9 * 2 * mp * w * f, k
 print("compiled", len(calls))
@@ -348,9 +352,10 @@ def test_moe_impl_choice():
   ragged_dot), ragged_dot on CPU; a bad name refused."""
   from mamba_train.model import runtime
   assert Runtime().resolve("tpu").moe_impl == "megablox"
-  assert Runtime().resolve("cpu").moe_impl == "ragged"
-  assert Runtime().resolve("gpu").moe_impl == ("tokamax" if runtime.tokamax_imports() else "ragged")
-  assert Runtime(moe_impl="megablox_interpret").resolve("tpu").moe_impl == "megablox_interpret"
+  assert Runtime().resolve("cpu").moe_impl == "xla"
+  assert Runtime().resolve("gpu").moe_impl == ("tokamax" if runtime.tokamax_imports() else "xla")
+  old = Runtime(moe_impl="megablox_interpret").resolve("tpu")  # an old spelling, read as today's
+  assert (old.moe_impl, old.interpret) == ("megablox", True)
   with pytest.raises(ValueError, match="moe_impl must be one of"):
     Runtime(moe_impl="bogus")
 

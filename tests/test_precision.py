@@ -192,7 +192,7 @@ def test_quantized_training_reaches_bfloat16s_loss(trained, name, precision):
 
 LOW = {jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
 # The recurrence path: the SSD math, dt / A and the norms, and the loss after the head.
-RECURRENCE_FILES = ("mamba_train/model/ssd.py", "mamba_train/model/layer_math.py")
+RECURRENCE_FILES = ("mamba_train/ops/ssd.py", "mamba_train/ops/layer_math.py")
 RECURRENCE_FUNCS = {"_dt_and_A", "rms_norm", "gated_rms_norm", "causal_conv", "zero_state"}
 
 

@@ -217,7 +217,7 @@ def test_long_sequence_against_sequential_recurrence():
   from flax import nnx
 
   from mamba_train import Mamba2LM, Runtime, config_for
-  from mamba_train.model import mamba2, ssd
+  from mamba_train.ops import ssd
 
   l = 65_600
   cfg = config_for("tiny", d_model=16, n_layer=1, d_state=8, headdim=8, chunk_size=64, vocab_size=32)
@@ -235,12 +235,12 @@ def test_long_sequence_against_sequential_recurrence():
       h, final = m.backbone(ids, seq_idx=jnp.asarray(seq))
       return jnp.sum(m.logits(h) * weights), (h, final["ssm"])
 
-    orig = mamba2.ssd_chunked
-    mamba2.ssd_chunked = scan
+    orig = ssd.ssd_chunked  # the table loads the XLA SSD from its module when the model runs
+    ssd.ssd_chunked = scan
     try:
       return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     finally:
-      mamba2.ssd_chunked = orig
+      ssd.ssd_chunked = orig
 
   sequential = lambda x, dt, A, B, C, chunk, *, form, **kw: ssd.ssd_sequential(x, dt, A, B, C, **kw)
   (_, (h, final)), grads = run(ssd.ssd_chunked)

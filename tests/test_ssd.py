@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mamba_train.model import ssd
+from mamba_train.ops import ssd
 
 from helpers import packed_ids, rel, ssd_inputs
 

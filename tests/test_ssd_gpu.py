@@ -1,4 +1,4 @@
-"""The GPU SSD kernels (model/ssd_gpu.py, Pallas Triton) against the XLA form
+"""The GPU SSD kernels (ops/ssd_gpu.py, Pallas Triton) against the XLA form
 (`ssd.ssd_chunked`): in Pallas' interpreter on CPU, forward and every gradient, in
 float32 (1e-5) and in bfloat16 (judged against the float32 run's error), with
 documents (seq_idx), initial states, ragged lengths, 1 and 3 groups, and head and
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mamba_train.model import ssd, ssd_gpu
+from mamba_train.ops import ssd, ssd_gpu
 
 from helpers import ROOT, missing_gpu_wheels, packed_ids, rel, ssd_inputs
 from kernel_checks import assert_model_matches_xla
@@ -95,7 +95,7 @@ _COMPILE = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import gpu_devices
-from mamba_train.model.ssd_gpu import ssd_gpu
+from mamba_train.ops.ssd_gpu import ssd_gpu
 rep = NamedSharding(Mesh(np.array(gpu_devices("h100-1")[2][:1]), ("d",)), P())
 S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
 b, l, h, p, g, n = 1, 256, 8, 64, 1, 128  # the released models' head and state sizes
@@ -108,8 +108,8 @@ compiled = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)))).lower(*arg
 hlo = compiled.as_text()
 for kernel in ("ssd_gpu_fwd_save", "ssd_gpu_bwd"):  # Triton custom calls, compiled by ptxas
   assert kernel in hlo, kernel + " missing"
-# The layer kernels (model/layer_gpu.py) at the 130m layer's channels, with documents.
-from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
+# The layer kernels (ops/layer_gpu.py) at the 130m layer's channels, with documents.
+from mamba_train.ops.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 i, c = 1536, 256
 def layer(x, bc, w, wb, z, gw, seq):
   xs, _ = causal_conv_silu_gpu(x, w, wb, jnp.zeros((b, 3, i), x.dtype), seq)
@@ -126,7 +126,7 @@ print("compiled", compiled.runtime_executable().hlo_modules()[0].name)
 
 
 def test_gpu_kernels_compile_for_h100():
-  """The SSD kernels and the layer kernels (model/layer_gpu.py), forward and
+  """The SSD kernels and the layer kernels (ops/layer_gpu.py), forward and
   backward, through XLA's GPU pipeline, Triton and ptxas for sm_90a,
   with the gpu extra's wheels (no GPU needed): Triton's power-of-two and shared
   memory rules are checked here. Skips, saying why, without those wheels."""

@@ -1,4 +1,4 @@
-"""The fused SSD kernels (model/ssd_pallas.py) against the XLA form (`ssd.ssd_chunked`):
+"""The fused SSD kernels (ops/ssd_tpu.py) against the XLA form (`ssd.ssd_chunked`):
 on CPU in Pallas' interpreter, forward and gradients in float32, with documents
 (seq_idx), initial states, ragged lengths and 1 or 3 groups; the model run by
 them against the model run by XLA; and the kernels compiled for TPU v6e and v5p
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mamba_train.model import ssd, ssd_pallas
+from mamba_train.ops import ssd, ssd_tpu
 
 from helpers import libtpu_compiles, packed_ids, rel, ssd_inputs
 from kernel_checks import assert_model_matches_xla
@@ -36,7 +36,7 @@ def test_fused_matches_xla_forward_and_gradients(l, q, g, h, docs):
   kw = {"seq_idx": packed_ids(l, 2, l)} if docs else {}
   k1, k2 = jax.random.split(jax.random.PRNGKey(l))
   wy, ws = jax.random.normal(k1, x.shape), jax.random.normal(k2, h0.shape)
-  fused = lambda *a, **k: ssd_pallas.ssd_fused(*a, **k, interpret=True)
+  fused = lambda *a, **k: ssd_tpu.ssd_fused(*a, **k, interpret=True)
   xla = lambda *a, **k: ssd.ssd_chunked(*a, **k, form="parallel")
   (v1, (y1, s1)), g1 = _loss(fused, q, kw)(x, dt, A, B, C, D, h0, wy, ws)
   (v2, (y2, s2)), g2 = _loss(xla, q, kw)(x, dt, A, B, C, D, h0, wy, ws)
@@ -74,7 +74,7 @@ def test_one_pass_carries_the_state_across_chunks_and_documents():
 
   grad = lambda fn, seq, *a: jax.value_and_grad(functools.partial(loss, fn, seq), argnums=tuple(range(7)),
                                                  has_aux=True)(*a)
-  one = jax.jit(functools.partial(grad, functools.partial(ssd_pallas.ssd_fused, interpret=True)))
+  one = jax.jit(functools.partial(grad, functools.partial(ssd_tpu.ssd_fused, interpret=True)))
   ref = jax.jit(functools.partial(grad, functools.partial(ssd.ssd_chunked, form="parallel")))
   (_, (y1, s1)), g1 = one(seq, *ins)
   (_, (y3, s3)), g3 = ref(seq, *ins)
@@ -103,7 +103,7 @@ _AOT = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
-from mamba_train.model.ssd_pallas import ssd_fused
+from mamba_train.ops.ssd_tpu import ssd_fused
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mamba_train.model import ssd
+from mamba_train.ops import ssd
 
 from helpers import packed_ids, rel, ssd_inputs
 
@@ -132,7 +132,7 @@ def test_config_and_runtime_with_a_window():
   assert Mamba2Config(ssd_window=256).weight_differences(Mamba2Config(), init=False) == {}
   # The fused kernels have no window: a windowed model runs XLA's form on TPU too.
   rt = Runtime().resolve("tpu")
-  assert rt.ssd_plan(256)[0] == "pallas"
+  assert rt.ssd_plan(256)[0] == "mosaic"
   assert rt.ssd_plan(256, 1024) == ("parallel", rt.parallel_chunk_size)
   assert Runtime().resolve("cpu").ssd_plan(256, 1024) == ("scan", 64)
 

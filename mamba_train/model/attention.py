@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from mamba_train.model import matmul as mm
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
+from mamba_train.ops.attention import attend
+from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -120,103 +122,6 @@ def rotary(x, pos, cfg: Mamba2Config):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def allowed(l: int, s: int, *, seq_idx=None, key_mask=None, q_offset=0):
-  """(b|1, l, s) bool: which keys each query may see. Causal (key position <=
-  query position + q_offset); with seq_idx (b, l = s) only keys of the query's
-  document; with key_mask (b, s) only valid keys. A query always sees its own
-  position, so a padding query's row is never empty (its output is unused)."""
-  qpos = jnp.arange(l)[:, None] + q_offset
-  kpos = jnp.arange(s)[None, :]
-  ok = (kpos <= qpos)[None]
-  if seq_idx is not None:
-    ok = ok & (seq_idx[:, :, None] == seq_idx[:, None, :])
-  if key_mask is not None:
-    ok = ok & (key_mask[:, None, :] | (kpos == qpos)[None])
-  return ok
-
-
-def attend(q, k, v, ok, form: str, cd, scale: float | None = None):
-  """softmax(scale q k^T, keys where `ok`) v; scale 1/sqrt(e) unless given
-  (`Mamba2Config.attn_scale`).
-
-  q (b, l, h, e), k and v (b, s, k, e), ok (b|1, l, s) bool, or None for plain
-  causal attention (l = s) -> (b, l, h, e) float32.
-  form 'xla' is the reference: grouped heads by reshape, scores and softmax in
-  float32. 'dot_product' / 'cudnn' call jax.nn.dot_product_attention; with no
-  mask beyond causality it takes is_causal, cuDNN's fused causal flash path
-  (an explicit mask becomes an l x l bias there).
-  """
-  b, l, h, e = q.shape
-  kv = k.shape[2]
-  scale = 1.0 / math.sqrt(e) if scale is None else scale
-  if form in ("dot_product", "cudnn"):
-    out = jax.nn.dot_product_attention(
-        q.astype(cd), k.astype(cd), v.astype(cd), mask=None if ok is None else ok[:, None],
-        is_causal=ok is None, scale=scale, implementation="cudnn" if form == "cudnn" else None)
-    return out.astype(F32)
-  if ok is None:
-    ok = allowed(l, k.shape[1])
-  qg = q.reshape(b, l, kv, h // kv, e).astype(cd)
-  s = jnp.einsum("blkre,bske->bkrls", qg, k.astype(cd), preferred_element_type=F32) * scale
-  # A finite floor, not -inf: a fully masked row would give NaN, and `allowed`
-  # keeps the diagonal so none is, but a finite value costs nothing.
-  s = jnp.where(ok[:, None, None], s, jnp.finfo(F32).min)
-  p = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum("bkrls,bske->blkre", p.astype(cd), v.astype(cd), preferred_element_type=F32)
-  return out.reshape(b, l, h, e)
-
-
-SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the length is used
-
-
-def splash_fits(l: int) -> bool:
-  return any(l % blk == 0 for blk in SPLASH_BLOCKS)
-
-
-def splash(q, k, v, seq_idx, key_mask, cd, interpret: bool = False, scale: float | None = None):
-  """Causal attention through JAX's Pallas splash kernel (TPU), in the layout and
-  with the result of `attend`. Documents and padding become its segment ids: a
-  query sees keys of its own segment only, and padding (key_mask False) is a
-  segment of its own, so it never reaches a real position. The kernel takes one
-  kv head and its r query heads at a time (its MQA form), mapped over batch and
-  kv heads; under a mesh it runs per shard (batch over data/fsdp, kv heads over
-  tensor) inside shard_map, as a Pallas call cannot be partitioned by XLA."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as sk,
-    splash_attention_mask as sm,
-  )
-  b, l, h, e = q.shape
-  kv = k.shape[2]
-  r = h // kv
-  blk = next(x for x in SPLASH_BLOCKS if l % x == 0)
-  names = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-           "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
-  kernel = sk.make_splash_mqa_single_device(
-      sm.MultiHeadMask([sm.CausalMask((l, l))] * r), interpret=interpret,
-      block_sizes=sk.BlockSizes(**dict.fromkeys(names, blk)))
-  seg = jnp.zeros((b, l), jnp.int32) if seq_idx is None else seq_idx.astype(jnp.int32)
-  if key_mask is not None:
-    seg = jnp.where(key_mask, seg, -1)
-  scale = 1.0 / math.sqrt(e) if scale is None else scale
-  qs = (q * scale).astype(cd).reshape(b, l, kv, r, e).transpose(0, 2, 3, 1, 4)
-  ks, vs = (a.astype(cd).transpose(0, 2, 1, 3) for a in (k, v))  # (b, kv, l, e)
-
-  def run(qs, ks, vs, seg):
-    one = lambda qg, kk, vv, s: kernel(qg, kk, vv, segment_ids=sk.SegmentIds(q=s, kv=s))
-    return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qs, ks, vs, seg)
-
-  active = sharding.active()
-  if active is not None:
-    mesh, rules = active
-    spec = lambda axes, x: sharding.fit_spec(sharding.logical_to_spec(axes, rules), x.shape, mesh)
-    specs = (spec(("batch", "act_kv_heads", None, None, None), qs),
-             spec(("batch", "act_kv_heads", None, None), ks),
-             spec(("batch", "act_kv_heads", None, None), vs), spec(("batch", None), seg))
-    run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
-  out = run(qs, ks, vs, seg)  # (b, kv, r, l, e)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e).astype(F32)
-
-
 def _linear(p, name, x, rt, n_in=1):
   """x times the layer's weight `name` in the runtime's precision, with its adapter."""
   return mm.linear(x, p[name], rt.compute_dtype, rt.matmul_precision, n_in, mm.adapter_of(p, name))
@@ -230,9 +135,10 @@ def _out(p, o, rt):
   return _linear(p, "o_proj", o, rt, n_in=2)
 
 
-def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
+def attention(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops, *, seq_idx=None, mask=None):
   """Causal self-attention over a sequence. u: (b, l, d) float32 (normed).
-  seq_idx (b, l): packed documents; mask (b, l) bool: False on padding.
+  seq_idx (b, l): packed documents; mask (b, l) bool: False on padding. ops: who
+  computes softmax(q k^T) v (`Ops.attend`).
   Returns (b, l, d) float32 and the layer's keys and values {k, v} (b, l, k, e)
   float32, rotary applied: what a decoding cache starts from."""
   cd = jnp.dtype(rt.compute_dtype)
@@ -241,18 +147,12 @@ def attention(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None):
   if cfg.attn_rotary_emb_dim:
     pos = positions(seq_idx, u.shape[1])
     q, k = rotary(q, pos, cfg), rotary(k, pos, cfg)
-  l = u.shape[1]
   # With the length split over devices (the 'sequence' mesh axis), queries stay
   # split and every device gathers all keys and values (an all-gather over the
   # axis, then (l / n) x l scores per device).
-  split = sharding.sequence_split() is not None
-  if split:
+  if sharding.sequence_split() is not None:
     k, v = (sharding.constrain(a, ("batch", None, "act_kv_heads", None)) for a in (k, v))
-  if rt.attention == "splash" and splash_fits(l) and not split:
-    o = splash(q, k, v, seq_idx, mask, cd, rt.pallas_interpret, cfg.attn_scale)
-  else:  # (splash on a length it cannot block, or under a sequence split: the plain form)
-    ok = None if seq_idx is None and mask is None else allowed(l, l, seq_idx=seq_idx, key_mask=mask)
-    o = attend(q, k, v, ok, "xla" if rt.attention == "splash" else rt.attention, cd, cfg.attn_scale)
+  o = ops.attend(q, k, v, seq_idx, mask, cd, cfg.attn_scale)
   return _out(p, o, rt), {"k": k, "v": v}
 
 

@@ -36,7 +36,6 @@ from mamba_train.model.mamba2 import (
   IN_PROJ_NAMES,
   block,
   block_step,
-  fused_decode,
   fused_decode_weights,
   residual,
   rms_norm,
@@ -55,8 +54,8 @@ from mamba_train.model.params import (
   unstack,
 )
 from mamba_train.model.runtime import Runtime
-from mamba_train.model.ssd_gpu import SAVE_NAMES as SSD_GPU_SAVE_NAMES
-from mamba_train.model.ssd_pallas import SAVE_NAMES as SSD_PALLAS_SAVE_NAMES
+from mamba_train.model.select import ops_for
+from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -67,25 +66,25 @@ def _param(value, axes):
   return nnx.Param(value, logical_axes=tuple(axes))
 
 
-_save_names = jax.checkpoint_policies.save_only_these_names
-REMAT_POLICIES = {
-    "full": None,  # recompute everything in the backward pass
-    # The in_proj results (one (b, l, 2i + 2gn) buffer in the compute dtype, and dt):
-    # the backward pass recomputes only what is cheap from them (the conv + SiLU, the
-    # dt softplus, the SSD's forward, the gate and norm), not the pre-norm and the
-    # in_proj matmul with its weight's read.
-    "save_in_proj": _save_names(*IN_PROJ_NAMES),
-    # And the SSD kernels' output and entering states (Pallas on TPU, Triton on
-    # GPUs), so the backward pass does not run the forward kernel again.
-    "save_in_proj_ssd": _save_names(*IN_PROJ_NAMES, *SSD_PALLAS_SAVE_NAMES, *SSD_GPU_SAVE_NAMES),
-    # The GPU SSD kernels' output and entering states too: without them the backward
-    # pass runs the forward kernel again (for 1.3b on 8 H100s, 4 x 2048 a GPU, about
-    # 5% of the step's bytes, for 16 GiB a GPU: docs/bench/gpu.md).
-    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*SSD_GPU_SAVE_NAMES)),
-}
-
+def remat_policy(name: str, ops: Ops):
+  """The `jax.checkpoint` policy of the runtime's remat `name` (runtime.REMAT, not
+  'none'), for a model whose SSD runs as `ops` says."""
+  save = jax.checkpoint_policies.save_only_these_names
+  policies = {
+      "full": None,  # recompute everything in the backward pass
+      # The in_proj results (one (b, l, 2i + 2gn) buffer in the compute dtype, and dt):
+      # the backward pass recomputes only what is cheap from them (the conv + SiLU, the
+      # dt softplus, the SSD's forward, the gate and norm), not the pre-norm and the
+      # in_proj matmul with its weight's read.
+      "save_in_proj": save(*IN_PROJ_NAMES),
+      # And the SSD kernel's output and entering states (Pallas on TPU, Triton on
+      # GPUs), so the backward pass does not run the forward kernel again.
+      "save_in_proj_ssd": save(*IN_PROJ_NAMES, *ops.ssd_save_names),
+      # The matmuls' results, and what `Ops.ssd_saved_with_matmuls` says of the SSD kernel's.
+      "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+          jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save(*ops.ssd_saved_with_matmuls)),
+  }
+  return policies[name]
 
 
 class Mamba2LM(nnx.Module):
@@ -160,33 +159,34 @@ class Mamba2LM(nnx.Module):
   def _kinds(self) -> list[str]:
     return [k for k in KIND_PARAMS if self.config.count(k)]
 
-  def _layer_fns(self, *, seq_idx=None, mask=None, decode=False):
+  def _layer_fns(self, ops: Ops, *, seq_idx=None, mask=None, decode=False):
     """kind -> f(p, h, state) -> (h, state): one residual block of that kind, over
-    a sequence (h (b, l, d)) or, with decode, one position (h (b, d))."""
+    a sequence (h (b, l, d)) or, with decode, one position (h (b, d)), its
+    operations run as `ops` (`select.ops_for`) says."""
     cfg, rt = self.config, self.runtime
     norm = lambda p, h: rms_norm(h, p["norm"], cfg.norm_eps)
     if decode:
       def attn(p, h, st):
         out, st = attn_lib.attention_step(p, norm(p, h), cfg, rt, st)
         return residual(h, out, cfg), st
-      return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st), ATTENTION: attn,
+      return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st, ops), ATTENTION: attn,
               MLP: lambda p, h, st: (residual(h, attn_lib.mlp(p, norm(p, h), cfg, rt), cfg), None),
-              MOE: lambda p, h, st: (residual(h, moe_lib.moe(p, norm(p, h), cfg, rt)[0], cfg), None)}
+              MOE: lambda p, h, st: (residual(h, moe_lib.moe(p, norm(p, h), cfg, rt, ops)[0], cfg), None)}
     act = lambda h: sharding.constrain(h, ("batch", "act_length", "act_embed"))
 
     def mamba(p, h, st):
-      h, st = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=st)
+      h, st = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=st, ops=ops)
       return act(h), st
 
     def attn(p, h, _):
-      out, kv = attn_lib.attention(p, norm(p, h), cfg, rt, seq_idx=seq_idx, mask=mask)
+      out, kv = attn_lib.attention(p, norm(p, h), cfg, rt, ops, seq_idx=seq_idx, mask=mask)
       return act(residual(h, out, cfg)), kv
 
     def mlp(p, h, _):
       return act(residual(h, attn_lib.mlp(p, norm(p, h), cfg, rt), cfg)), None
 
     def moe(p, h, _):  # its router statistics travel as its state (moe.STATS)
-      out, stats = moe_lib.moe(p, norm(p, h), cfg, rt)
+      out, stats = moe_lib.moe(p, norm(p, h), cfg, rt, ops)
       return act(residual(h, out, cfg)), stats
 
     fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe}
@@ -194,12 +194,12 @@ class Mamba2LM(nnx.Module):
       fns = {k: (lambda p, h, st, f=f: f(self._merged_layer(p), h, st)) for k, f in fns.items()}
     return fns
 
-  def _remat(self):
+  def _remat(self, ops: Ops):
     """`pattern.run`'s remat: the runtime's policy, or None for 'none'."""
     policy = self.runtime.remat
     if policy == "none":
       return None
-    return lambda f, prevent_cse: jax.checkpoint(f, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)
+    return lambda f, prevent_cse: jax.checkpoint(f, policy=remat_policy(policy, ops), prevent_cse=prevent_cse)
 
   def _by_kind(self, states) -> dict[str, Any]:
     """A flat states dict -> {kind: its states} (kinds without state: None)."""
@@ -285,9 +285,10 @@ class Mamba2LM(nnx.Module):
     if cfg.count(MAMBA):
       init[MAMBA] = (states if states is not None else
                      jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
-    h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(seq_idx=seq_idx, mask=mask),
+    ops = ops_for(cfg, self.runtime)
+    h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(ops, seq_idx=seq_idx, mask=mask),
                              {k: self._compute_params(k) for k in self._kinds()}, init, h,
-                             unroll=self.runtime.unroll_layers, remat=self._remat())
+                             unroll=self.runtime.unroll_layers, remat=self._remat(ops))
     return h, self._flat(new)
 
   def step(self, input_ids, states, layers=None):
@@ -302,7 +303,8 @@ class Mamba2LM(nnx.Module):
       raise ValueError("decode a model with adapters through `merged()` (generate does)")
     if layers is None:
       layers = {k: self.layer_params(k) for k in self._kinds()}
-    h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(decode=True),
+    ops = ops_for(self.config, self.runtime)
+    h, new = pattern_lib.run(pattern_lib.plan(self.config.pattern), self._layer_fns(ops, decode=True),
                              layers, self._by_kind(states), self.embed(input_ids))
     return h, self._flat(new)
 
@@ -322,8 +324,9 @@ class Mamba2LM(nnx.Module):
 
   def _decode_weights(self, params: dict[str, Array], lead: int) -> dict[str, Array]:
     rt = self.runtime
-    if "in_proj_zx" in params and fused_decode(self.config, rt):
-      return fused_decode_weights(params, rt, lead)
+    ops = ops_for(self.config, rt)
+    if "in_proj_zx" in params and ops.decode is not None:
+      return fused_decode_weights(params, rt, ops, lead)
     return {n: (mm.quantize_weights(a, rt.matmul_precision, 2 if n == "o_proj" else 1, rt.compute_dtype, lead)
                 if n in MATMUL_WEIGHTS else a) for n, a in params.items()}
 
@@ -360,7 +363,7 @@ class Mamba2LM(nnx.Module):
     compile time grows with depth instead (figures: docs/bench/design_notes.md,
     docs/bench/decode_tpu.md).
     """
-    fns = self._layer_fns(decode=True)
+    fns = self._layer_fns(ops_for(self.config, self.runtime), decode=True)
     h, new = self.embed(input_ids), []
     for kind, p, state in zip(self.config.pattern, layers, states):
       h, state = fns[kind](p, h, state)

@@ -15,7 +15,6 @@ g groups, n d_state, k conv kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -25,14 +24,11 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from mamba_train.model import matmul as mm
 from mamba_train.model.config import Mamba2Config
-from mamba_train.model.decode_pallas import mixer_step_fused, norm_in_proj, out_proj_residual, pack_small
-from mamba_train.model.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
-from mamba_train.model.layer_math import causal_conv, causal_conv_silu, gated_rms_norm
-from mamba_train.model.layer_tpu import causal_conv_silu_tpu, gated_rms_norm_tpu
 from mamba_train.model.runtime import Runtime
-from mamba_train.model.ssd import ssd_chunked, ssd_step, ssd_window_step, state_outputs
-from mamba_train.model.ssd_gpu import ssd_gpu
-from mamba_train.model.ssd_pallas import ssd_fused
+from mamba_train.model.select import ops_for
+from mamba_train.ops.layer_math import causal_conv, gated_rms_norm
+from mamba_train.ops.ssd import ssd_step, ssd_window_step
+from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -52,19 +48,20 @@ def _dt_and_A(p, dt_raw, cfg):
   return dt, -jnp.exp(p["A_log"])
 
 
-# Names of the in_proj results a remat policy can save (`lm.REMAT_POLICIES`): z|x|B|C
+# Names of the in_proj results a remat policy can save (`lm.remat_policy`): z|x|B|C
 # (b, l, 2i + 2gn) in the compute dtype, and dt before its softplus (b, l, h) float32.
 IN_PROJ_NAMES = ("mamba_in_proj", "mamba_in_proj_dt")
 
 
-def _project_in(p, u, rt):
+def _project_in(p, u, rt, split: bool = False):
   """z, x, B|C and dt from the block input u. z|x|B|C is one matmul on the weights
   joined inside their cast to the compute dtype (one weight read, one dot), written
   by the GEMM in the compute dtype (float32 accumulation, one rounding); dt is a
   second, small (h columns) matmul with a float32 result, so that the large output
   never crosses HBM in float32 (for 1.3b on H100s its float32 write, reads and
   float32 cotangent were about 1e9 bytes a layer: docs/bench/gpu.md). With an
-  adapter on in_proj (its B spans all five pieces) the five stay one float32 dot."""
+  adapter on in_proj (its B spans all five pieces) the five stay one float32 dot.
+  split (`Ops.split_in_proj`): z, x and B|C as three GEMM outputs instead."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
   if u.ndim == 2:  # one position (decoding)
@@ -72,7 +69,7 @@ def _project_in(p, u, rt):
     return zxr[..., 0, :], zxr[..., 1, :], bc, dt_raw
   d, i, gn = zx.shape[0], zx.shape[2], bcw.shape[2]
   adapter = mm.adapter_of(p, "in_proj")
-  if adapter is None and rt.layer_impl in ("mosaic", "mosaic_interpret"):
+  if adapter is None and split:
     # The TPU layer kernels take z, x and B|C as operands of their own: sliced out of
     # one joined result each would be a copy (XLA's conv and norm fusions read the
     # slices in place, the kernels cannot). Three GEMMs write them whole instead, and
@@ -144,66 +141,38 @@ def window_tail(x, dt, A, B, window: int, seq_idx=None) -> dict[str, Array]:
 _CHUNK_MAJOR = Layout(major_to_minor=(1, 0, 3, 2))
 
 
-def _elementwise(cfg: Mamba2Config, rt: Runtime, split):
-  """(conv, norm): the conv + SiLU (`causal_conv_silu`'s arguments) and the gated
-  RMSNorm (`gated_rms_norm`'s) as `rt.layer_impl` says: the plain forms, or the GPU
-  (Triton) or TPU (Mosaic) kernels, which under a mesh run on each device's batch and
-  channels (`parallel/kernels.py`). A split sequence keeps the plain forms (its conv
-  exchanges a halo inside its own map)."""
-  conv, norm = causal_conv_silu, gated_rms_norm
-  if split is not None:
-    return functools.partial(split.conv, causal_conv_silu), norm
-  kernels = {"triton": (causal_conv_silu_gpu, gated_rms_norm_gpu),
-             "mosaic": (causal_conv_silu_tpu, gated_rms_norm_tpu)}
-  impl = rt.layer_impl.removesuffix("_interpret")
-  if impl in kernels:
-    interpret = rt.layer_impl.endswith("_interpret")
-    conv = functools.partial(kernels[impl][0], interpret=interpret)
-    norm = functools.partial(kernels[impl][1], interpret=interpret)
-    heads = sharding.head_split()
-    if heads is not None:
-      conv = functools.partial(heads.conv, conv)
-      # A group split over devices needs its sum of squares from all of them: the
-      # plain form, whose reduction XLA partitions, unless whole groups are local.
-      norm = (functools.partial(heads.norm, norm) if cfg.ngroups % heads.head_devices == 0
-              else gated_rms_norm)
-  return conv, norm
-
-
-def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None):
+def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, state=None, ops: Ops | None = None):
   """The Mamba-2 mixer over a sequence, run as `rt` (a resolved runtime) says.
 
   u: (b, l, d) float32. seq_idx: (b, l) document ids. mask: (b, l) bool, False on
   padding: there the conv input and dt are zero, so padding cannot touch the
-  state. state: a layer state (see `zero_state`) to continue from.
+  state. state: a layer state (see `zero_state`) to continue from. ops: who runs the
+  conv, the SSD and the norm (`select.ops_for(cfg, rt)` unless given).
   Returns (b, l, d) float32 and the layer state after the last position.
   """
+  ops = ops_for(cfg, rt) if ops is None else ops
   b, l, _ = u.shape
   cd = jnp.dtype(rt.compute_dtype)
-  z, xr, bc, dt_raw = _project_in(p, u, rt)
+  z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj)
   if state is None:
     state = zero_state(cfg, b)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)
   # With the length split over devices (the 'sequence' mesh axis), the conv and
-  # the SSD run per slice and exchange a halo and state summaries (parallel/sequence.py).
-  split = sharding.sequence_split()
-  conv, norm = _elementwise(cfg, rt, split)
-  ssd = (ssd_chunked if split is None
-         else functools.partial(split.ssd, ssd_chunked, state_outputs))
-  x, conv_x = conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
-  bc, conv_bc = conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
+  # the SSD run per slice and exchange a halo and state summaries (parallel/sequence.py;
+  # `ops` wraps them so).
+  x, conv_x = ops.conv(xr, p["conv_x"], p["conv_x_bias"], state["conv_x"], seq_idx)
+  bc, conv_bc = ops.conv(bc, p["conv_bc"], p["conv_bc_bias"], state["conv_bc"], seq_idx)
   dt, A = _dt_and_A(p, dt_raw, cfg)
   if mask is not None:
     dt = jnp.where(mask[..., None], dt, 0.0)
   g, n, h, hp = cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
   x = sharding.constrain(x.reshape(b, l, h, hp), ("batch", "act_length", "act_inner", None))
-  form, chunk = rt.ssd_plan(cfg.chunk_size, cfg.ssd_window)
+  chunk = ops.ssd_chunk
   x = x.astype(cd)
-  fused = form in ("pallas", "interpret")
-  on_gpu = form in ("triton", "triton_interpret")  # the GPU kernels read the natural layout
-  if fused and split is None and l % chunk == 0:
+  chunk_major = ops.ssd_chunk_major and l % chunk == 0
+  if chunk_major:
     # The kernels read x chunk-major with positions minor, (c, b, h, p, q): the
     # conv's fusion writes it so, not (b, l, i) and then a transposed copy.
     x = with_layout_constraint(x.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h, hp)
@@ -211,101 +180,79 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ssd_kw = dict(D=p["D"], initial_state=state.get("ssm"), seq_idx=seq_idx)
   if cfg.ssd_window:
     ssd_kw["window"] = cfg.ssd_window
-  if fused or on_gpu:
-    # XLA cannot partition a Pallas call: under a mesh it runs per device's batch and heads.
-    kernel = (functools.partial(ssd_fused, interpret=form == "interpret") if fused
-              else functools.partial(ssd_gpu, interpret=form == "triton_interpret"))
-    heads = sharding.head_split()
-    kernel = kernel if heads is None else functools.partial(heads.ssd, kernel)
-    # A split sequence runs the kernels per slice from a zero state and adds what the
-    # entering state gives in XLA (parallel/sequence.py), as it does for the XLA SSD.
-    if split is not None:
-      kernel = functools.partial(split.ssd, kernel, state_outputs, kernel=True)
-    y, ssm = kernel(*ssd_args, **ssd_kw)
-  else:
-    y, ssm = ssd(*ssd_args, **ssd_kw, form=form)
+  y, ssm = ops.ssd(*ssd_args, **ssd_kw)
   y = y.reshape(b, l, h * hp)
-  if fused and split is None and l % chunk == 0:
+  if chunk_major:
     y = with_layout_constraint(y.reshape(b, l // chunk, chunk, h * hp), _CHUNK_MAJOR).reshape(b, l, h * hp)
-  if fused:
+  if ops.ssd_y_positions_minor:
     # The kernel writes y positions-minor; turned channels-minor here, in y's
     # dtype, the gate, norm and out_proj read it as they read z. Left to XLA, it
     # widens y to float32 and transposes and retiles that (3 float32 copies).
     y = with_layout_constraint(y, Layout(major_to_minor=(0, 1, 2)))
-  out = _project_out(p, y, z, cfg, rt, norm)
+  out = _project_out(p, y, z, cfg, rt, ops.norm)
   if cfg.ssd_window:
     return out, {"conv_x": conv_x, "conv_bc": conv_bc,
                  **window_tail(x, dt, A, ssd_args[3], cfg.ssd_window, seq_idx)}
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
-def fused_decode(cfg: Mamba2Config, rt: Runtime) -> bool:
-  """Whether `mixer_step` and `block_step` run the fused kernels (`decode_pallas`) as
-  `rt.decode_impl` asks: not for a windowed layer (its state is a window of inputs,
-  not the kernel's (h, p, n) state), nor under a mesh (XLA cannot partition a
-  Pallas call, and the plain step's sharding is the rules table's); those take the
-  plain step."""
-  return rt.decode_impl in ("pallas", "interpret") and not cfg.ssd_window and sharding.active() is None
-
-
-def fused_decode_weights(p, rt: Runtime, lead: int = 0) -> dict[str, Array]:
-  """A Mamba-2 layer's weights as the fused step reads them (`fused_decode`), made
+def fused_decode_weights(p, rt: Runtime, ops: Ops, lead: int = 0) -> dict[str, Array]:
+  """A Mamba-2 layer's weights as the fused step reads them (`ops.decode`), made
   once before a decode loop (`Mamba2LM.decode_layers`; `lead` stacked axes): in_proj
   joined into one (d, 2i + 2g*n + h) matmul weight, so a token is one dot, not
-  three, and the small parameters packed into one array (`decode_pallas.pack_small`);
+  three, and the small parameters packed into one array (`decode_tpu.pack_small`);
   both matmul weights in the compute dtype or quantized as `_decode_weights` does
   (per output channel, so joining changes no value). In the compute dtype, in_proj
   is stored transposed, (2i + 2g*n + h, d), as its kernel reads it
-  (`decode_pallas.norm_in_proj`). The pre-norm's weight rides along as (1, d)."""
+  (`decode_tpu.norm_in_proj`). The pre-norm's weight rides along as (1, d)."""
   zx = p["in_proj_zx"]
   pre, d = zx.shape[:lead], zx.shape[lead]
   w = jnp.concatenate([zx.reshape(*pre, d, -1), p["in_proj_bc"].reshape(*pre, d, -1), p["in_proj_dt"]], -1)
   q = lambda w: mm.quantize_weights(w, rt.matmul_precision, 1, rt.compute_dtype, lead)
-  if rt.matmul_precision == "default":  # read by `decode_pallas.norm_in_proj`: (W, d), a row per output
+  if rt.matmul_precision == "default":  # read by `decode_tpu.norm_in_proj`: (W, d), a row per output
     w_in = jnp.swapaxes(w, -1, -2).astype(rt.compute_dtype)
   else:  # quantized: XLA's matvec dequantizes it (`_fused_step`)
     w_in = q(w)
   norm = p["norm"].reshape(*pre, 1, d)  # as the kernel reads it, so no step reshapes it
-  return {"norm": norm, "in_proj": w_in, "small": pack_small(p), "out_proj": q(p["out_proj"])}
+  return {"norm": norm, "in_proj": w_in, "small": ops.decode.pack_small(p), "out_proj": q(p["out_proj"])}
 
 
-def _fused_step(p, x, cfg: Mamba2Config, rt: Runtime, state, block: bool):
-  """The fused step (`fused_decode`) of a mixer (x: its input u) or, with block, of
+def _fused_step(p, x, cfg: Mamba2Config, rt: Runtime, ops: Ops, state, block: bool):
+  """The fused step (`ops.decode`) of a mixer (x: its input u) or, with block, of
   the whole pre-norm residual block (x: the residual stream h): three TPU kernels,
   in_proj (after the pre-norm), the step between the matmuls, and out_proj (with
   the residual add), the two projections streaming their weight from HBM in column
-  tiles (`decode_pallas.norm_in_proj`, `out_proj_residual`). Quantized weights
+  tiles (`decode_tpu.norm_in_proj`, `out_proj_residual`). Quantized weights
   (matmul_precision int8 / fp8) take XLA's dequantizing matvecs around the step
   kernel instead: the projection kernels read plain weights."""
   if "small" not in p:  # weights not made for it before the loop: joined here, every step
-    p = fused_decode_weights(p, rt)
-  cd, prec, interpret = rt.compute_dtype, rt.matmul_precision, rt.decode_impl == "interpret"
-  # Weights and states held in HBM for the kernels' own DMAs, except in a layer scan,
-  # where they are XLA's slices of the stacked ones (`decode_pallas.in_hbm`).
-  kw = dict(compute_dtype=cd, interpret=interpret, hbm=rt.decode_layers != "scan")
+    p = fused_decode_weights(p, rt, ops)
+  cd, prec, kernels = rt.compute_dtype, rt.matmul_precision, ops.decode
   plain = isinstance(p["in_proj"], jax.Array) and isinstance(p["out_proj"], jax.Array)
   if plain:
-    proj = norm_in_proj(x, p["in_proj"], p["norm"] if block else None, eps=cfg.norm_eps, **kw)
+    proj = kernels.norm_in_proj(x, p["in_proj"], p["norm"] if block else None, eps=cfg.norm_eps)
   else:
     proj = mm.linear(rms_norm(x, p["norm"], cfg.norm_eps) if block else x, p["in_proj"], cd, prec)
-  y, conv_x, conv_bc, ssm = mixer_step_fused(
+  y, conv_x, conv_bc, ssm = kernels.step(
       proj, state["conv_x"], state["conv_bc"], state["ssm"], p["small"], ngroups=cfg.ngroups, eps=cfg.norm_eps,
-      dt_limit=cfg.dt_limit, **kw)
+      dt_limit=cfg.dt_limit)
   if plain:
-    out = out_proj_residual(y, p["out_proj"], x if block else None, residual_multiplier=cfg.residual_multiplier,
-                            **kw)
+    out = kernels.out_proj_residual(y, p["out_proj"], x if block else None,
+                                    residual_multiplier=cfg.residual_multiplier)
   else:
     out = mm.linear(y, p["out_proj"], cd, prec)
     out = residual(x, out, cfg) if block else out
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
-def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state):
+def mixer_step(p, u, cfg: Mamba2Config, rt: Runtime, state, ops: Ops | None = None):
   """One position through the mixer, for decoding. u: (b, d). Returns (b, d), new state.
-  p: the layer's parameters, or (the fused step) `fused_decode_weights` of them."""
+  p: the layer's parameters, or (the fused step, `ops.decode`) `fused_decode_weights`
+  of them."""
+  ops = ops_for(cfg, rt) if ops is None else ops
   b = u.shape[0]
-  if fused_decode(cfg, rt):
-    return _fused_step(p, u, cfg, rt, state, block=False)
+  if ops.decode is not None:
+    return _fused_step(p, u, cfg, rt, ops, state, block=False)
   z, xr, bc, dt_raw = _project_in(p, u, rt)
   x, conv_x = causal_conv(xr[:, None], p["conv_x"], p["conv_x_bias"], state["conv_x"])
   bc, conv_bc = causal_conv(bc[:, None], p["conv_bc"], p["conv_bc_bias"], state["conv_bc"])
@@ -330,15 +277,17 @@ def residual(h, out, cfg: Mamba2Config):
 
 
 def block(p, h, cfg, rt, **kw):
-  """Pre-norm residual block: h + mixer(rmsnorm(h)); the residual stays float32."""
+  """Pre-norm residual block: h + mixer(rmsnorm(h)); the residual stays float32.
+  kw: `mixer`'s (seq_idx, mask, state, ops)."""
   out, state = mixer(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, **kw)
   return residual(h, out, cfg), state
 
 
-def block_step(p, h, cfg, rt, state):
+def block_step(p, h, cfg, rt, state, ops: Ops | None = None):
   """`block` for one position (h: (b, d)), from and to a layer state."""
-  if fused_decode(cfg, rt):  # the pre-norm and the residual inside the projection kernels
-    return _fused_step(p, h, cfg, rt, state, block=True)
-  out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, state)
+  ops = ops_for(cfg, rt) if ops is None else ops
+  if ops.decode is not None:  # the pre-norm and the residual inside the projection kernels
+    return _fused_step(p, h, cfg, rt, ops, state, block=True)
+  out, state = mixer_step(p, rms_norm(h, p["norm"], cfg.norm_eps), cfg, rt, state, ops)
   return residual(h, out, cfg), state
 

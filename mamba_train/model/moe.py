@@ -27,16 +27,10 @@ function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
 experts' tokens), so the program asks for T k rows of work whatever E. Who runs
-them is `Runtime.moe_impl`. ragged_dot is XLA's own op: it differentiates and runs
-on every backend, but each backend lowers it its own way (read from compiled
-programs, docs/bench/moe.md): v5p keeps a grouped-matmul kernel; libtpu 0.0.52 on
-v6e and XLA's GPU compiler turn it into a product over every local expert, the
-number of local experts times the grouped work. On TPU ('auto') the experts run
-instead through megablox, JAX's Pallas grouped matmul (forward and backward stay
-grouped: gmm and tgmm); on NVIDIA GPUs through tokamax's ragged dot (Pallas Triton
-kernels, grouped forward and backward) where tokamax is installed, else ragged_dot.
-`experts_dense` (every expert on every token, masked) is the reference it is tested
-against.
+them is `Runtime.moe_impl`, chosen in `ops/table.py`: XLA's ragged_dot
+(`ops/experts.py`), megablox on TPUs (`ops/experts_tpu.py`), tokamax's ragged dot
+on NVIDIA GPUs (`ops/experts_gpu.py`). `experts_dense` (every expert on every
+token, masked) is the reference it is tested against.
 With the 'expert' mesh axis the experts are split over devices and tokens
 travel to them by all-to-all (parallel/experts.py).
 
@@ -57,19 +51,16 @@ expert hidden units, s shared-expert hidden units, e experts, k experts per toke
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-try:  # JAX's Pallas TPU grouped matmul; an experimental path that may move
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-except ImportError:  # pragma: no cover
-  megablox = None
-
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
+from mamba_train.ops.experts import act
+from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
 
 F32 = jnp.float32
@@ -195,14 +186,6 @@ def router_stats(experts, scores, cfg: Mamba2Config) -> dict[str, Array]:
 # The experts.
 
 
-def _relu2(x):
-  return jnp.square(jax.nn.relu(x))
-
-
-def _act(hid, gate_hid):
-  """The experts' activation: relu(h)^2, or with a gate (swiglu) silu(gate) * h; float32."""
-  return _relu2(hid) if gate_hid is None else jax.nn.silu(gate_hid) * hid
-
 
 def capacity(length: int, cfg: Mamba2Config, factor: float) -> int:
   """The assignments one expert takes from a sequence of `length` tokens at
@@ -237,13 +220,13 @@ def within_capacity_reference(experts, cap: int, n_experts: int):
   return (jnp.sum(seen * hot, axis=-1) < cap).reshape(b, l, k)
 
 
-def experts_ragged(x, experts, weights, up, down, cd, keep=None, impl: str = "ragged"):
+def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep=None):
   """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) by grouped matmuls.
 
   x (t, w); experts, weights (t, k); up (e, w, f), or (gate, up) both (e, w, f)
   for swiglu experts; down (e, f, w); all already in the compute dtype `cd`;
   keep (t, k) bool or None: False drops the assignment (past its expert's
-  capacity); impl: who runs the grouped matmuls (`expert_mlp`). Returns (t, w)
+  capacity); expert_mlp: who runs the grouped matmuls (`Ops.expert_mlp`). Returns (t, w)
   float32. The t k (token, expert) pairs are sorted
   by expert (a stable sort: ties keep token order; dropped ones last, past every
   group, where no expert meets them), each pair's token row gathered, both
@@ -255,170 +238,9 @@ def experts_ragged(x, experts, weights, up, down, cd, keep=None, impl: str = "ra
   order = jnp.argsort(flat, stable=True)
   token = order // k
   sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
-  rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd, impl)
+  rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
   w = jnp.take(weights.reshape(-1), order)
   return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
-
-
-def _gmm_tm(m: int) -> int:
-  """megablox's row tile for m rows: 128, or m rounded up to 16 (a bfloat16 sublane
-  tile) below that. Each expert's first and last tiles run whole, so up to E tiles of
-  waste; a small tile keeps that small beside T k rows."""
-  return 128 if m >= 128 else -(-m // 16) * 16
-
-
-def _gmm_tile(d: int) -> int:
-  """A contraction / output tile for a dimension d: d itself up to 1024; else the
-  largest multiple of 128 up to 1024 that divides d (2688 = 21 x 128 -> 896); else d
-  itself up to 4096 (a block the full dimension wide needs no 128 multiple: 1856);
-  else 512, whose ragged last tile megablox masks."""
-  if d <= 1024:
-    return d
-  for t in range(1024, 127, -128):
-    if d % t == 0:
-      return t
-  return d if d <= 4096 else 512
-
-
-def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-  """megablox's (tm, tk, tn) for an (m, k) x (e, k, n) problem. A function, not a
-  tuple: its backward calls gmm and tgmm on the transposed problems, each of which
-  asks it again for its own shape."""
-  return _gmm_tm(m), _gmm_tile(k), _gmm_tile(n)
-
-
-def _grouped(rows, up, gate, down, sizes, cd, gmm, pad: int):
-  """`expert_mlp` by a grouped-matmul kernel gmm(a, w) -> float32 that, like
-  megablox's and tokamax's, leaves rows past sum(sizes) unwritten (whatever memory
-  held, forward, and for the lhs gradient backward): each product's output is zeroed
-  there, and its input too, which zeroes the unwritten gradient rows on the way
-  back. The rows are padded to `pad` more (megablox: to its row tile; tokamax: a row
-  block past the end, which its kernel reads unmasked), padding being such rows."""
-  m = rows.shape[0]
-  valid = (jnp.arange(m + pad) < jnp.sum(sizes))[:, None]
-
-  def masked(a, w):
-    out = gmm(jnp.where(valid, a, jnp.zeros((), a.dtype)), w)
-    return jnp.where(valid, out, 0.0)
-
-  rows = jnp.pad(rows, ((0, pad), (0, 0)))
-  hid = _act(masked(rows, up), None if gate is None else masked(rows, gate))
-  return masked(hid.astype(cd), down)[:m]
-
-
-def _megablox(rows, up, gate, down, sizes, cd, interpret: bool):
-  """`expert_mlp` by megablox's grouped matmul, whose rows must be a multiple of its
-  row tile."""
-  if megablox is None:
-    raise ImportError("moe_impl='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this "
-                      "jax lacks; use moe_impl='ragged'")
-  m = rows.shape[0]
-  gmm = lambda a, w: megablox.gmm(a, w, sizes, preferred_element_type=F32, tiling=gmm_tiling,
-                                  interpret=interpret)
-  return _grouped(rows, up, gate, down, sizes, cd, gmm, -(-m // _gmm_tm(m)) * _gmm_tm(m) - m)
-
-
-def import_tokamax():
-  """tokamax, imported on first use (it is the optional `gpu` extra; CPU and TPU
-  runs never import it), or an ImportError that says how to get it or do without."""
-  try:
-    import tokamax  # pylint: disable=import-outside-toplevel
-  except Exception as err:  # noqa: BLE001 - a missing or broken (another jax) install alike
-    raise ImportError(f"moe_impl='tokamax' needs tokamax (pip install 'mamba_train[gpu]'), which does not "
-                      f"import here ({type(err).__name__}: {err}); use moe_impl='ragged'") from err
-  return tokamax
-
-
-# Which of tokamax's implementations `moe_impl='tokamax'` runs; None: `_tokamax_implementation`.
-TOKAMAX_IMPLEMENTATION = None
-
-
-def _tokamax_implementation():
-  """'triton' where tokamax registered it, else 'mosaic'. tokamax 0.0.12 (the last for
-  Python 3.11, jax 0.10) has it in Pallas Triton, always registered; from 0.0.17 (jax
-  0.11+) it is a jax_triton kernel, registered only with tokamax's `cuda` extra
-  (triton, jax-triton), and without it Mosaic GPU (sm_80+) is tokamax's GPU kernel.
-  Asked for by name either way: tokamax's own default order ends in XLA's
-  ragged_dot, which it would take silently, the dense lowering this replaces."""
-  try:
-    from tokamax._src.ops.ragged_dot import api  # pylint: disable=import-outside-toplevel
-    registered = api.IMPLEMENTATIONS
-  except (ImportError, AttributeError):  # another layout: ask for triton, which names itself if absent
-    return "triton"
-  return "triton" if "triton" in registered else "mosaic"
-
-# tokamax's Triton ragged dot reads a block of up to 128 rows from each group's start
-# without a bounds check on rows (its store is masked): this many rows past the last
-# keep the reads of a group ending near the last row inside the array.
-TOKAMAX_ROW_PAD = 128
-
-
-@jax.custom_vjp
-def _no_grad_for_empty(w, sizes):
-  """w, whose gradient is zeroed for the groups with no rows. tokamax 0.0.12's Triton
-  weight gradient (`_ragged_contracting_dim_dot_kernel`) runs its masked last step
-  even for an empty group, at rows lo - block .. lo, so an empty expert would get a
-  gradient from the rows before it (read from its source; no GPU here to show it).
-  The identity forward costs nothing; backward a select over the gradient."""
-  del sizes
-  return w
-
-
-def _no_grad_fwd(w, sizes):
-  return w, sizes
-
-
-def _no_grad_bwd(sizes, g):
-  return jnp.where((sizes > 0)[:, None, None], g, jnp.zeros((), g.dtype)), None
-
-
-_no_grad_for_empty.defvjp(_no_grad_fwd, _no_grad_bwd)
-
-
-def _tokamax(rows, up, gate, down, sizes, cd):
-  """`expert_mlp` by tokamax's ragged dot, its Triton kernels (any NVIDIA GPU from
-  sm_80; forward a grouped matmul, backward the same kernel on the transposed
-  weights for the rows and a ragged contraction per group for the weights;
-  `_tokamax_implementation`). Triton before tokamax's Mosaic GPU kernel, its own
-  first choice: that one's configuration is chosen from the live device's compute
-  capability, so an ahead-of-time compile on a host without the GPU is refused
-  (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
-  forward and backward: an ahead-of-time compile lowers under
-  `tokamax.config.cross_compile(True)` (train/aot.py)."""
-  tokamax = import_tokamax()
-  impl = TOKAMAX_IMPLEMENTATION or _tokamax_implementation()
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if not flags.FLAGS.is_parsed():
-    # tokamax reads its options as absl flags, and with none parsed it parses
-    # sys.argv, which outside an absl program (pytest, a notebook) holds foreign
-    # flags and raises: its options then keep their defaults.
-    flags.FLAGS.mark_as_parsed()
-  # Results in the compute dtype (float32 accumulation inside): the gradients flowing
-  # back into the backward kernels are then in it too, and a bfloat16 run's backward
-  # products run at the bfloat16 rate, not at float32's with bfloat16 weights.
-  gmm = lambda a, w: tokamax.ragged_dot(a, _no_grad_for_empty(w, sizes), sizes, preferred_element_type=cd,
-                                        implementation=impl).astype(F32)
-
-  return _grouped(rows, up, gate, down, sizes, cd, gmm, TOKAMAX_ROW_PAD)
-
-
-def expert_mlp(rows, up, down, sizes, cd, impl: str = "ragged"):
-  """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
-  rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
-  f), or (gate, up) for swiglu. impl: `Runtime.moe_impl`, resolved ('ragged',
-  'megablox', 'megablox_interpret' or 'tokamax')."""
-  gate, up = up if isinstance(up, tuple) else (None, up)
-  sizes = sizes.astype(jnp.int32)
-  if impl in ("megablox", "megablox_interpret"):
-    return _megablox(rows, up, gate, down, sizes, cd, interpret=impl == "megablox_interpret")
-  if impl == "tokamax":
-    return _tokamax(rows, up, gate, down, sizes, cd)
-  if impl != "ragged":
-    raise ValueError(f"moe_impl {impl!r} is not resolved to 'ragged' / 'megablox' / 'tokamax': "
-                     "call Runtime.resolve(backend) first")
-  ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
-  hid = _act(ragged(rows, up), None if gate is None else ragged(rows, gate))
-  return ragged(hid.astype(cd), down)
 
 
 def experts_dense(x, experts, weights, up, down, cd):
@@ -427,16 +249,16 @@ def experts_dense(x, experts, weights, up, down, cd):
   result as `experts_ragged`; e times the work, for tests."""
   gate, up = up if isinstance(up, tuple) else (None, up)
   hidden = lambda w: jnp.einsum("tw,ewf->tef", x.astype(cd), w, preferred_element_type=F32)
-  hid = _act(hidden(up), None if gate is None else hidden(gate))
+  hid = act(hidden(up), None if gate is None else hidden(gate))
   out = jnp.einsum("tef,efw->tew", hid.astype(cd), down, preferred_element_type=F32)
   dense = jnp.zeros(out.shape[:2], F32).at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
   return jnp.einsum("tew,te->tw", out, dense)
 
 
-def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
+def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops, *, dense: bool = False):
   """The layer's function (no residual): u (..., d) float32 (normed) -> (..., d)
-  float32, and its router statistics (`router_stats`). dense: the reference
-  dispatch (`experts_dense`)."""
+  float32, and its router statistics (`router_stats`). ops: who runs the grouped
+  matmuls (`Ops.expert_mlp`). dense: the reference dispatch (`experts_dense`)."""
   cd = jnp.dtype(rt.compute_dtype)
   lead = u.shape[:-1]
   x = u.reshape(-1, u.shape[-1])
@@ -458,18 +280,17 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, *, dense: bool = False):
   if dense:
     y = experts_dense(xe, experts, weights if keep is None else jnp.where(keep, weights, 0.0), up, down, cd)
   elif split is None:
-    y = experts_ragged(xe, experts, weights, up, down, cd, keep, rt.moe_impl)
+    y = experts_ragged(xe, experts, weights, up, down, cd, ops.expert_mlp, keep)
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
-    mlp = functools.partial(expert_mlp, impl=rt.moe_impl)
-    y, keep = split.experts(mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity, check_vma=rt.moe_impl == "ragged")
+    y, keep = split.experts(ops.expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
+                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma)
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])
   if cfg.moe_shared_expert_intermediate_size:
     gate = mm(x, p["shared_gate"]) if "shared_gate" in p else None
-    y = y + mm(_act(mm(x, p["shared_up"]), gate), p["shared_down"])
+    y = y + mm(act(mm(x, p["shared_up"]), gate), p["shared_down"])
   stats = router_stats(experts, scores, cfg)
   stats["moe_dropped"] = jnp.zeros((), F32) if keep is None else jnp.sum(~keep).astype(F32)
   return y.reshape(*lead, -1), stats

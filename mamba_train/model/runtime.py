@@ -17,53 +17,42 @@ from __future__ import annotations
 import dataclasses
 
 from mamba_train.model.config import FrozenFields
+from mamba_train.ops import table
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # The projections' and LM head's arithmetic (`model/matmul.py` says what each does
 # and what stays float32): 'default' the compute dtype, 'fp8', 'int8'.
 MATMUL_PRECISIONS = ("default", "fp8", "int8")
-# What a layer's backward pass recomputes (`lm.REMAT_POLICIES` says what each
+# What a layer's backward pass recomputes (`lm.remat_policy` says what each
 # saves): 'none', 'full', 'save_matmuls', 'save_in_proj', 'save_in_proj_ssd', or
 # 'auto' (`default_remat`, for the large configs, where activations must shrink).
 REMAT = ("auto", "none", "full", "save_matmuls", "save_in_proj", "save_in_proj_ssd")
 SSD_FORMS = ("auto", "scan", "parallel")
-# How attention layers compute softmax(q k^T) v (`attention.attend`): 'xla', the
-# plain einsum form (the reference, and the CPU choice); 'dot_product',
-# jax.nn.dot_product_attention with XLA's implementation; 'cudnn', the same call
-# with cuDNN's fused flash attention (GPU, bfloat16 only); 'splash', JAX's Pallas
-# splash attention kernel (TPU; lengths that are not a multiple of 128 take the
-# plain form); 'auto' picks per backend.
-ATTENTION_FORMS = ("auto", "xla", "dot_product", "cudnn", "splash")
 
+# Who runs each operation: an implementation of the selection table (`ops/table.py`,
+# which says what each is, where it runs and what it supports), or 'auto' (the
+# backend's choice, `default_*` below). Named for the compiler or library that runs
+# it: 'xla', 'mosaic' (Pallas TPU kernels), 'triton' (Pallas Triton kernels, NVIDIA
+# GPUs), and outside libraries by name ('megablox', 'tokamax', 'splash', 'cudnn').
+SSD_IMPLS = ("auto",) + table.names("ssd_impl")
+LAYER_IMPLS = ("auto",) + table.names("layer_impl")  # the conv + SiLU and the gated RMSNorm
+DECODE_IMPLS = ("auto",) + table.names("decode_impl")  # a Mamba-2 layer's decoding step between its matmuls
+MOE_IMPLS = ("auto",) + table.names("moe_impl")  # the routed experts' grouped matmuls
+ATTENTION_FORMS = ("auto",) + table.names("attention")  # softmax(q k^T) v in attention layers
+IMPL_FIELDS = {"ssd_impl": SSD_IMPLS, "layer_impl": LAYER_IMPLS, "decode_impl": DECODE_IMPLS,
+               "moe_impl": MOE_IMPLS, "attention": ATTENTION_FORMS}
 
-def default_attention(backend: str, compute_dtype: str) -> str:
-  """cuDNN's flash attention on GPUs when the matmuls run in bfloat16 (it takes no
-  float32); Pallas splash attention on TPUs; the plain XLA form elsewhere."""
-  if backend == "tpu":
-    return "splash"
-  return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
-SSD_IMPLS = ("auto", "xla", "pallas", "interpret", "triton", "triton_interpret")
-# Who computes a Mamba-2 layer's elementwise chain around its matmuls (the conv +
-# SiLU, the gated RMSNorm): 'xla' (the plain forms of `layer_math`), 'triton' (the
-# GPU kernels of `layer_gpu`), 'mosaic' (the TPU kernels of `layer_tpu`),
-# 'triton_interpret' / 'mosaic_interpret' (those in Pallas' interpreter, for tests),
-# or 'auto' (`default_layer_impl`). A field apart from ssd_impl: the kernels
-# do not depend on the SSD's, a run (and benchmarks/gpu.sh) can time either with the
-# same SSD, and a TPU lowering can join as its own value.
-LAYER_IMPLS = ("auto", "xla", "triton", "triton_interpret", "mosaic", "mosaic_interpret")
-# Who runs the routed experts' grouped matmuls (`moe.expert_mlp`): 'ragged'
-# (`jax.lax.ragged_dot`, every backend), 'megablox' (JAX's Pallas TPU grouped
-# matmul), 'megablox_interpret' (that kernel in Pallas' interpreter, for tests),
-# 'tokamax' (tokamax's ragged dot, its Pallas Triton kernels: NVIDIA GPUs, the
-# optional `gpu` extra), or 'auto' (`default_moe_impl`).
-MOE_IMPLS = ("auto", "ragged", "megablox", "megablox_interpret", "tokamax")
-# Who computes a Mamba-2 layer's decoding step (pre-norm and in_proj; the conv-state
-# shift, conv + SiLU, dt, the SSD step, gate and norm; out_proj and the residual):
-# 'xla' (the plain `mamba2.block_step`), 'pallas' (three TPU kernels a layer,
-# `decode_pallas`), 'interpret' (those kernels in Pallas' interpreter, for tests),
-# or 'auto' (`default_decode_impl`). Windowed layers and decoding under a mesh take
-# the plain step whatever it says (`mamba2.fused_decode`).
-DECODE_IMPLS = ("auto", "xla", "pallas", "interpret")
+# Old spellings, still read (a run's saved config.json, users' command lines), each
+# named once in the README: field -> {old value: (its name now, whether it asked for
+# Pallas' interpreter)}; and the field `pallas_interpret`, now `interpret`.
+ALIASES = {
+    "ssd_impl": {"pallas": ("mosaic", False), "interpret": ("mosaic", True), "triton_interpret": ("triton", True)},
+    "layer_impl": {"mosaic_interpret": ("mosaic", True), "triton_interpret": ("triton", True)},
+    "decode_impl": {"pallas": ("mosaic", False), "interpret": ("mosaic", True)},
+    "moe_impl": {"ragged": ("xla", False), "megablox_interpret": ("megablox", True)},
+}
+FIELD_ALIASES = {"pallas_interpret": "interpret"}
+
 # How a decode loop runs the layers each token: 'unrolled' (one copy of the step
 # per layer over per-layer weights), 'scan' (a `lax.scan` over the stacked
 # weights), or 'auto' (`DEFAULT_DECODE_LAYERS`).
@@ -74,6 +63,12 @@ DECODE_LAYERS = ("auto", "unrolled", "scan")
 DEFAULT_DECODE_LAYERS = "unrolled"
 
 
+def default_attention(backend: str, compute_dtype: str) -> str:
+  """cuDNN's flash attention on GPUs when the matmuls run in bfloat16 (it takes no
+  float32); Pallas splash attention on TPUs; the plain XLA form elsewhere."""
+  if backend == "tpu":
+    return "splash"
+  return "cudnn" if backend in ("gpu", "cuda") and compute_dtype == "bfloat16" else "xla"
 def default_form(backend: str) -> str:
   """The SSD form for a backend: 'scan' on CPU, where memory traffic dominates and
   each chunk's (t, s) terms stay in cache; 'parallel' on the matrix units of GPUs
@@ -82,12 +77,12 @@ def default_form(backend: str) -> str:
 
 
 def default_impl(backend: str) -> str:
-  """The SSD implementation for a backend: the Pallas kernels of `ssd_pallas` on TPUs
-  and those of `ssd_gpu` (Pallas Triton) on NVIDIA GPUs, where they keep each chunk's
+  """The SSD implementation for a backend: the Pallas kernels of `ops/ssd_tpu.py` on TPUs
+  and those of `ops/ssd_gpu.py` (Pallas Triton) on NVIDIA GPUs, where they keep each chunk's
   (t, s) terms out of HBM; the plain-JAX `ssd.ssd_chunked` on CPU (XLA:CPU keeps
   those terms in cache; Pallas runs there only in its interpreter)."""
   if backend == "tpu":
-    return "pallas"
+    return "mosaic"
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
@@ -113,7 +108,7 @@ def default_decode_impl(backend: str) -> str:
   """The fused step on TPUs, where the plain step is about 50 launches a layer and
   batch-1 decoding is launch-bound, the fused one 3 (docs/bench/decode_tpu.md); the
   plain step elsewhere (the fused kernels are Mosaic's, TPU only)."""
-  return "pallas" if backend == "tpu" else "xla"
+  return "mosaic" if backend == "tpu" else "xla"
 
 
 def default_remat(backend: str) -> str:
@@ -139,12 +134,12 @@ def default_moe_impl(backend: str) -> str:
   every local expert (docs/bench/moe.md) and megablox's kernel stays grouped;
   tokamax's grouped matmul on NVIDIA GPUs when it imports, as XLA:GPU rewrites
   ragged_dot into a dense product over every local expert too (docs/bench/moe.md),
-  else ragged_dot; ragged_dot on CPU."""
+  else XLA's ragged_dot; XLA's on CPU."""
   if backend == "tpu":
     return "megablox"
   if backend in ("gpu", "cuda") and tokamax_imports():
     return "tokamax"
-  return "ragged"
+  return "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,14 +165,12 @@ class Runtime(FrozenFields):
   parallel_chunk_size: int = 128
   # How attention layers run (ATTENTION_FORMS); hybrids only.
   attention: str = "auto"
-  # Run Pallas kernels (splash attention) in interpret mode: on a CPU, for tests.
-  pallas_interpret: bool = False
-  # Who computes the SSD: 'xla' (`ssd.ssd_chunked`, in `ssd_form`), 'pallas' (the
-  # fused TPU kernels of `ssd_pallas`, at parallel_chunk_size), 'triton' (the GPU
-  # kernels of `ssd_gpu`, Pallas Triton, at most parallel_chunk_size),
-  # 'interpret' / 'triton_interpret' (those kernels in Pallas' interpreter: any
-  # backend, slow; for tests), or 'auto' (`default_impl` of the backend the
-  # runtime is resolved for: pallas on TPU, triton on GPU, xla on CPU).
+  # Run every Pallas kernel that runs in Pallas' interpreter: any backend, slow; for
+  # tests on a CPU.
+  interpret: bool = False
+  # Who computes the SSD (SSD_IMPLS): 'xla' (`ssd.ssd_chunked`, in `ssd_form`),
+  # 'mosaic' (the TPU kernels, at parallel_chunk_size), 'triton' (the GPU kernels, at
+  # most parallel_chunk_size), or 'auto' (`default_impl`).
   ssd_impl: str = "auto"
   # Who computes the conv + SiLU and the gated RMSNorm (LAYER_IMPLS).
   layer_impl: str = "auto"
@@ -197,6 +190,14 @@ class Runtime(FrozenFields):
   moe_impl: str = "auto"
 
   def __post_init__(self):
+    # Old spellings (ALIASES) become today's names: a value that asked for Pallas'
+    # interpreter sets `interpret`.
+    for field, old in ALIASES.items():
+      if getattr(self, field) in old:
+        name, interpret = old[getattr(self, field)]
+        object.__setattr__(self, field, name)
+        if interpret:
+          object.__setattr__(self, "interpret", True)
     problems = []
     if self.compute_dtype not in COMPUTE_DTYPES:
       problems.append(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
@@ -211,21 +212,17 @@ class Runtime(FrozenFields):
     elif self.attention == "cudnn" and self.compute_dtype != "bfloat16":
       problems.append("attention='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash "
                       "attention takes no float32); use 'dot_product' or 'xla' in float32")
-    if self.ssd_impl not in SSD_IMPLS:
-      problems.append(f"ssd_impl must be one of {SSD_IMPLS}, got {self.ssd_impl!r}")
-    if self.layer_impl not in LAYER_IMPLS:
-      problems.append(f"layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
-    if self.moe_impl not in MOE_IMPLS:
-      problems.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-    if self.decode_impl not in DECODE_IMPLS:
-      problems.append(f"decode_impl must be one of {DECODE_IMPLS}, got {self.decode_impl!r}")
+    for field, names in IMPL_FIELDS.items():
+      if field != "attention" and getattr(self, field) not in names:
+        problems.append(f"{field} must be one of {names}, got {getattr(self, field)!r}")
     if self.decode_layers not in DECODE_LAYERS:
       problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     cf = self.moe_capacity_factor
     if not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf < 0:
       problems.append(f"moe_capacity_factor must be 0 (dropless) or a number > 0, got {cf!r}")
-    if not isinstance(self.unroll_layers, bool):
-      problems.append(f"unroll_layers must be true or false, got {self.unroll_layers!r}")
+    for name in ("unroll_layers", "interpret"):
+      if not isinstance(getattr(self, name), bool):
+        problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
     for name in ("scan_chunk_size", "parallel_chunk_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -257,17 +254,17 @@ class Runtime(FrozenFields):
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))
 
+  @classmethod
+  def from_dict(cls, d: dict) -> "Runtime":
+    """As `FrozenFields.from_dict`, reading old field names too (FIELD_ALIASES): a
+    true old one turns its new one on."""
+    d = dict(d)
+    for old, new in FIELD_ALIASES.items():
+      if old in d:
+        d[new] = bool(d.pop(old)) or bool(d.get(new, False))
+    return super().from_dict(d)
+
   def ssd_plan(self, chunk_size: int, window: int = 0) -> tuple[str, int]:
-    """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`: how is
-    `ssd_form` when XLA runs it, else `ssd_impl` ('pallas' or 'interpret', whose
-    kernels run at most parallel_chunk_size). A windowed model (`window` > 0)
-    runs XLA whatever `ssd_impl` says: the fused kernels have no window yet, so
-    it takes XLA's 'parallel' form in their place."""
-    if "auto" in (self.ssd_form, self.ssd_impl):
-      raise ValueError("ssd_form / ssd_impl 'auto' is not resolved: call Runtime.resolve(backend) first")
-    if window and self.ssd_impl != "xla":
-      return "parallel", min(chunk_size, self.parallel_chunk_size)
-    if self.ssd_impl != "xla":
-      return self.ssd_impl, min(chunk_size, self.parallel_chunk_size)
-    cap = self.scan_chunk_size if self.ssd_form == "scan" else self.parallel_chunk_size
-    return self.ssd_form, min(chunk_size, cap)
+    """(how, chunk) the SSD runs with for a model whose chunk is `chunk_size`
+    (`table.ssd_plan`: `ssd_form` when XLA runs it, else `ssd_impl`)."""
+    return table.ssd_plan(self, chunk_size, window)

@@ -39,7 +39,7 @@ class HeadSplit:
   def ssd(self, kernel: Callable, x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None,
           seq_idx=None):
     """`kernel(x, dt, A, B, C, chunk_size, D=..., initial_state=..., seq_idx=...)`
-    (`ssd_pallas.ssd_fused` or `ssd_gpu.ssd_gpu` with its options) on each device's part of the batch and
+    (`ssd_tpu.ssd_fused` or `ssd_gpu.ssd_gpu` with its options) on each device's part of the batch and
     heads, with the same arguments and results as `ssd.ssd_chunked`."""
     g = B.shape[2]
     if g > 1 and g % self.head_devices:

@@ -139,6 +139,24 @@ def expert_split() -> ExpertSplit | None:
                      hidden if axes_size(mesh, hidden) > 1 else None)
 
 
+def kv_head_map():
+  """How a Pallas attention kernel (splash) runs under the active rules: a function
+  (run, q, k, v, seg) -> run(q, k, v, seg) on each device's batch (data, fsdp) and
+  key/value heads (tensor) in shard_map, as XLA cannot partition a Pallas call; None
+  outside `use_rules`. q: (b, kv, r, l, e); k, v: (b, kv, l, e); seg: (b, l)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+
+  def per_shard(run, q, k, v, seg):
+    spec = lambda axes, x: fit_spec(logical_to_spec(axes, rules), x.shape, mesh)
+    specs = (spec(("batch", "act_kv_heads", None, None, None), q), spec(("batch", "act_kv_heads", None, None), k),
+             spec(("batch", "act_kv_heads", None, None), v), spec(("batch", None), seg))
+    return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(q, k, v, seg)
+
+  return per_shard
+
+
 def head_split() -> HeadSplit | None:
   """How the active rules split a Pallas kernel's batch and heads ('batch' and
   'act_inner'; parallel/kernels.py): a `HeadSplit`, or None outside `use_rules`

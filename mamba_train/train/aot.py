@@ -31,8 +31,9 @@ from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
 from mamba_train import metrics
-from mamba_train.model import lora as lora_lib, moe as moe_lib
+from mamba_train.model import lora as lora_lib
 from mamba_train.model.params import weight_names
+from mamba_train.ops import table
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
 from mamba_train.train import run_config
@@ -293,14 +294,6 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   return out
 
 
-def _cross_compile(runtime):
-  """tokamax (the GPU experts, `moe_impl='tokamax'`) refuses to lower unless the
-  default device is a GPU; a compile for GPUs the host lacks says it means to."""
-  if runtime.moe_impl == "tokamax":
-    return moe_lib.import_tokamax().config.cross_compile(True)
-  return contextlib.nullcontext()
-
-
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
@@ -310,7 +303,7 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              reference=reference)
-  with _cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
+  with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
     return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer)
 
 

@@ -60,7 +60,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mamba_train.model.ssd import chunk_documents, to_chunks
+from mamba_train.ops.ssd import chunk_documents, to_chunks
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -1,7 +1,7 @@
 """The chunked SSD as Pallas kernels for NVIDIA GPUs (the Triton backend).
 
 Same function, arguments and numerical rules as `ssd.ssd_chunked` (the reference)
-and `ssd_pallas.ssd_fused` (the TPU kernels): float32 decays, segment sums as sums
+and `ssd_tpu.ssd_fused` (the TPU kernels): float32 decays, segment sums as sums
 of the terms they cover (a masked 0/1 matmul at HIGHEST, never differences of
 running sums), matmuls in the dtype of x with float32 accumulation. Letters as in
 `ssd.py`; t/s/k are positions inside a chunk.

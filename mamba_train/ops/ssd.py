@@ -75,7 +75,7 @@ def _pad_to_chunks(x, pad, value=0):
 
 def to_chunks(x, dt, A, B, C, chunk_size: int, initial_state=None, *, positions_minor: bool = False):
   """The scan's inputs in the chunk-major, head-major layout that `ssd_chunked` and
-  the kernels of `ssd_pallas` share.
+  the kernels of `ssd_tpu` share.
 
   Padded to whole chunks with dt = 0 and x = 0: decay exp(0) = 1 and no input, so
   padded positions cannot change the state. Returns xc (c, b, g, r, s, p), or

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mamba_train.model.layer_math import causal_conv_silu, dsilu, pad_axis
+from mamba_train.ops.layer_math import causal_conv_silu, dsilu, pad_axis
 
 _F32 = jnp.float32
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mamba_train.model.layer_math import causal_conv_silu, dsilu, pad_axis
+from mamba_train.ops.layer_math import causal_conv_silu, dsilu, pad_axis
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -1,0 +1,61 @@
+"""The routed experts' grouped matmuls, plain: rows sorted by expert through
+`jax.lax.ragged_dot`, XLA's own op, which differentiates and runs on every backend
+(each lowers it its own way: docs/bench/moe.md). The kernels beside it take the same
+arguments: megablox's (JAX's Pallas TPU grouped matmul, `experts_tpu.py`) and
+tokamax's ragged dot (Pallas Triton, NVIDIA GPUs, `experts_gpu.py`); which runs is
+decided in `table.py`.
+
+Shapes: m rows (token, expert) pairs sorted by expert, w expert width, f expert
+hidden units, e experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def _relu2(x):
+  return jnp.square(jax.nn.relu(x))
+
+
+def act(hid, gate_hid):
+  """The experts' activation: relu(h)^2, or with a gate (swiglu) silu(gate) * h; float32."""
+  return _relu2(hid) if gate_hid is None else jax.nn.silu(gate_hid) * hid
+
+
+def split_gate(up):
+  """(gate, up): up is (e, w, f), or (gate, up) for swiglu experts."""
+  return up if isinstance(up, tuple) else (None, up)
+
+
+def grouped(rows, up, gate, down, sizes, cd, gmm, pad: int):
+  """`expert_mlp_xla` by a grouped-matmul kernel gmm(a, w) -> float32 that, like
+  megablox's and tokamax's, leaves rows past sum(sizes) unwritten (whatever memory
+  held, forward, and for the lhs gradient backward): each product's output is zeroed
+  there, and its input too, which zeroes the unwritten gradient rows on the way
+  back. The rows are padded to `pad` more (megablox: to its row tile; tokamax: a row
+  block past the end, which its kernel reads unmasked), padding being such rows."""
+  m = rows.shape[0]
+  valid = (jnp.arange(m + pad) < jnp.sum(sizes))[:, None]
+
+  def masked(a, w):
+    out = gmm(jnp.where(valid, a, jnp.zeros((), a.dtype)), w)
+    return jnp.where(valid, out, 0.0)
+
+  rows = jnp.pad(rows, ((0, pad), (0, 0)))
+  hid = act(masked(rows, up), None if gate is None else masked(rows, gate))
+  return masked(hid.astype(cd), down)[:m]
+
+
+def expert_mlp_xla(rows, up, down, sizes, cd):
+  """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
+  rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
+  f), or (gate, up) for swiglu; up and down in the compute dtype `cd`."""
+  gate, up = split_gate(up)
+  sizes = sizes.astype(jnp.int32)
+  ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
+  hid = act(ragged(rows, up), None if gate is None else ragged(rows, gate))
+  return ragged(hid.astype(cd), down)
