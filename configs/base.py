@@ -8,6 +8,7 @@ scripts read them), and the config is locked, so a misspelt key is an error.
 import ml_collections
 
 from mamba_train import Mamba2Config, Runtime, config_for
+from mamba_train.model.runtime import FIELD_ALIASES
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -37,23 +38,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())
 
   # --- how the model runs (mamba_train/model/runtime.py); changes no weight ---
-  # compute_dtype: float32 | bfloat16 (the matmuls; the rest stays float32)
-  # remat: none | full | save_matmuls | save_in_proj | save_in_proj_ssd | auto (what the backward pass recomputes)
-  # ssd_form: auto (scan on CPU, parallel elsewhere) | scan | parallel
-  # ssd_impl: auto (pallas on TPU, triton on GPU, xla on CPU) | xla | pallas | interpret | triton
-  #   | triton_interpret (pallas: the fused SSD kernels, ops/ssd_tpu.py; triton: ops/ssd_gpu.py;
-  #   *interpret: them in Pallas' interpreter)
-  # layer_impl: auto (triton on GPU, xla elsewhere) | xla | triton | triton_interpret |
-  #   mosaic | mosaic_interpret (the conv + SiLU and gated RMSNorm kernels of ops/layer_gpu.py
-  #   (Triton) or ops/layer_tpu.py (Mosaic), or the plain forms of ops/layer_math.py)
-  # unroll_layers: false | true (an unrolled layer loop: slower compiles; exact XLA cost counts)
-  # scan_chunk_size / parallel_chunk_size: caps on the SSD chunk of each form
-  # attention: auto | xla | dot_product | cudnn (hybrids' attention layers)
-  # moe_impl: auto (megablox on TPU, tokamax on GPUs where it imports, else ragged) | ragged | megablox |
-  #   megablox_interpret | tokamax (who runs the MoE experts' grouped matmuls: jax.lax.ragged_dot,
-  #   JAX's Pallas megablox kernel, or tokamax's ragged dot, the `gpu` extra)
-  # decode_layers: auto (unrolled) | unrolled | scan (how generate's decode loop runs the layers)
-  c.runtime = ml_collections.ConfigDict(Runtime().to_dict())
+  # Each field's values and what `auto` picks: the README's "config.runtime" section; who
+  # runs each operation (ssd_impl, layer_impl, decode_impl, moe_impl, attention, interpret):
+  # the selection table, mamba_train/ops/table.py (the README shows it).
+  # pallas_interpret: the old name of `interpret`, kept so that command lines naming it still run.
+  c.runtime = ml_collections.ConfigDict({**Runtime().to_dict(), **dict.fromkeys(FIELD_ALIASES, False)})
 
   # --- optimizer (mamba_train/train/optim.py) ---
   c.optim = ml_collections.ConfigDict(dict(

@@ -209,3 +209,33 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   model = nnx.eval_shape(lambda: Mamba2LM(config_for("tiny", chunk_size=chunk), rngs=nnx.Rngs(0)))
   assert model.runtime.ssd_plan(chunk) == want
+
+
+def test_readme_shows_the_selection_table_and_every_old_spelling():
+  """The README's table of implementations is the selection table's own (`table.markdown`),
+  and it names every old spelling the runtime still reads."""
+  from helpers import ROOT
+  from mamba_train.model.runtime import ALIASES, FIELD_ALIASES, Runtime
+  from mamba_train.ops import table
+  readme = (ROOT / "README.md").read_text()
+  assert table.markdown() in readme
+  for field, old in ALIASES.items():
+    for value, (name, interpret) in old.items():
+      assert f"`{value}`" in readme, (field, value)
+      rt = Runtime(**{field: value})
+      assert (getattr(rt, field), rt.interpret) == (name, interpret)
+  for old, new in FIELD_ALIASES.items():
+    assert f"`runtime.{old}`" in readme
+    assert Runtime.from_dict({old: True}).interpret
+
+
+def test_old_runtime_spellings_run_from_the_command_line_and_a_saved_config():
+  """`--config.runtime.pallas_interpret=true` and old implementation names still build the runtime."""
+  from configs import base
+  from mamba_train.train import run_config
+  c = base.get_config()
+  c.runtime.pallas_interpret = True
+  c.runtime.ssd_impl = "triton_interpret"
+  c.runtime.moe_impl = "ragged"
+  rt = run_config.runtime(c)
+  assert (rt.interpret, rt.ssd_impl, rt.moe_impl) == (True, "triton", "xla")
