@@ -214,9 +214,10 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
 def test_readme_shows_the_selection_table_and_every_old_spelling():
   """The README's table of implementations is the selection table's own (`table.markdown`),
   and it names every old spelling the runtime still reads."""
-  from helpers import ROOT
   from mamba_train.model.runtime import ALIASES, FIELD_ALIASES, Runtime
   from mamba_train.ops import table
+
+  from helpers import ROOT
   readme = (ROOT / "README.md").read_text()
   assert table.markdown() in readme
   for field, old in ALIASES.items():

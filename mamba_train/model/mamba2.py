@@ -58,8 +58,8 @@ def _project_in(p, u, rt, split: bool = False):
   joined inside their cast to the compute dtype (one weight read, one dot), written
   by the GEMM in the compute dtype (float32 accumulation, one rounding); dt is a
   second, small (h columns) matmul with a float32 result, so that the large output
-  never crosses HBM in float32 (for 1.3b on H100s its float32 write, reads and
-  float32 cotangent were about 1e9 bytes a layer: docs/bench/gpu.md). With an
+  never crosses HBM in float32 (its float32 write, reads and cotangent were the
+  largest bytes of a GPU layer: docs/bench/gpu.md). With an
   adapter on in_proj (its B spans all five pieces) the five stay one float32 dot.
   split (`Ops.split_in_proj`): z, x and B|C as three GEMM outputs instead."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision

@@ -62,6 +62,10 @@ DECODE_LAYERS = ("auto", "unrolled", "scan")
 # unrolled step moves no more bytes than the scan (docs/bench/decode_tpu.md).
 DEFAULT_DECODE_LAYERS = "unrolled"
 
+# Every field with a fixed set of values, and the set.
+CHOICES = {"compute_dtype": COMPUTE_DTYPES, "matmul_precision": MATMUL_PRECISIONS, "remat": REMAT,
+           "ssd_form": SSD_FORMS, "decode_layers": DECODE_LAYERS, **IMPL_FIELDS}
+
 
 def default_attention(backend: str, compute_dtype: str) -> str:
   """cuDNN's flash attention on GPUs when the matmuls run in bfloat16 (it takes no
@@ -130,7 +134,7 @@ REMAT_TPU = "save_in_proj"
 
 
 def default_moe_impl(backend: str) -> str:
-  """megablox on TPUs, where libtpu 0.0.52 lowers ragged_dot on v6e to a product over
+  """megablox on TPUs, where libtpu lowers ragged_dot on v6e to a product over
   every local expert (docs/bench/moe.md) and megablox's kernel stays grouped;
   tokamax's grouped matmul on NVIDIA GPUs when it imports, as XLA:GPU rewrites
   ragged_dot into a dense product over every local expert too (docs/bench/moe.md),
@@ -198,25 +202,11 @@ class Runtime(FrozenFields):
         object.__setattr__(self, field, name)
         if interpret:
           object.__setattr__(self, "interpret", True)
-    problems = []
-    if self.compute_dtype not in COMPUTE_DTYPES:
-      problems.append(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
-    if self.matmul_precision not in MATMUL_PRECISIONS:
-      problems.append(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
-    if self.remat not in REMAT:
-      problems.append(f"remat must be one of {REMAT}, got {self.remat!r}")
-    if self.ssd_form not in SSD_FORMS:
-      problems.append(f"ssd_form must be one of {SSD_FORMS}, got {self.ssd_form!r}")
-    if self.attention not in ATTENTION_FORMS:
-      problems.append(f"attention must be one of {ATTENTION_FORMS}, got {self.attention!r}")
-    elif self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+    problems = [f"{field} must be one of {names}, got {getattr(self, field)!r}"
+                for field, names in CHOICES.items() if getattr(self, field) not in names]
+    if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
       problems.append("attention='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash "
                       "attention takes no float32); use 'dot_product' or 'xla' in float32")
-    for field, names in IMPL_FIELDS.items():
-      if field != "attention" and getattr(self, field) not in names:
-        problems.append(f"{field} must be one of {names}, got {getattr(self, field)!r}")
-    if self.decode_layers not in DECODE_LAYERS:
-      problems.append(f"decode_layers must be one of {DECODE_LAYERS}, got {self.decode_layers!r}")
     cf = self.moe_capacity_factor
     if not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf < 0:
       problems.append(f"moe_capacity_factor must be 0 (dropless) or a number > 0, got {cf!r}")

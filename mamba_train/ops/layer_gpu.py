@@ -14,8 +14,7 @@ Why kernels: XLA splits each chain into several fusions whose float32 intermedia
 cross HBM, and keeps some of them for the backward pass. Here each kernel reads its
 inputs once and writes its outputs once; the backward recomputes what the forward did
 not keep (the pre-activation, the row's RMS) from the same inputs instead of storing
-it. For 1.3b on 8 H100s under full remat they take a layer from about 8.0e9 to 6.9e9 bytes;
-at 130m without remat they cut the step's memory from 24.7 to 9.7 GiB a GPU
+it: fewer bytes a layer in XLA's count, and a much smaller step's memory without remat
 (docs/bench/gpu.md). The kernels' boundaries are the
 layer's: in_proj | conv + SiLU | SSD | gate + norm | out_proj, the boundaries a Mosaic
 TPU lowering would keep (where it might fuse further into the SSD kernel instead).

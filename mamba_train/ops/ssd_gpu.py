@@ -8,7 +8,7 @@ running sums), matmuls in the dtype of x with float32 accumulation. Letters as i
 
 Why Triton and not Mosaic GPU: the Triton backend lowers the same kernel for
 Ampere and Hopper (wgmma on sm_90 comes from Triton's own pipeline) and its API is
-the same in jax 0.10.2, 0.11.x and 0.12, where Mosaic GPU's changes between
+the same in every jax this project supports, where Mosaic GPU's changes between
 releases; Mosaic GPU reaches TMA and warp specialisation, which these kernels, one
 head per program with its state in registers, do not need to be correct or
 counted (docs/bench/gpu.md).
