@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from mamba_train.model import matmul as mm
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
+from mamba_train.model.select import ops_for
 from mamba_train.ops.attention import attend
 from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
@@ -135,12 +136,13 @@ def _out(p, o, rt):
   return _linear(p, "o_proj", o, rt, n_in=2)
 
 
-def attention(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops, *, seq_idx=None, mask=None):
+def attention(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, seq_idx=None, mask=None):
   """Causal self-attention over a sequence. u: (b, l, d) float32 (normed).
   seq_idx (b, l): packed documents; mask (b, l) bool: False on padding. ops: who
-  computes softmax(q k^T) v (`Ops.attend`).
+  computes softmax(q k^T) v (`Ops.attend`; `select.ops_for(cfg, rt)` unless given).
   Returns (b, l, d) float32 and the layer's keys and values {k, v} (b, l, k, e)
   float32, rotary applied: what a decoding cache starts from."""
+  ops = ops_for(cfg, rt) if ops is None else ops
   cd = jnp.dtype(rt.compute_dtype)
   q, k, v = _qkv(p, u, rt)
   q = sharding.constrain(q, ("batch", "act_length", "act_heads", None))

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
+from mamba_train.model.select import ops_for
 from mamba_train.ops.experts import act
 from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
@@ -255,10 +256,12 @@ def experts_dense(x, experts, weights, up, down, cd):
   return jnp.einsum("tew,te->tw", out, dense)
 
 
-def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops, *, dense: bool = False):
+def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: bool = False):
   """The layer's function (no residual): u (..., d) float32 (normed) -> (..., d)
   float32, and its router statistics (`router_stats`). ops: who runs the grouped
-  matmuls (`Ops.expert_mlp`). dense: the reference dispatch (`experts_dense`)."""
+  matmuls (`Ops.expert_mlp`; `select.ops_for(cfg, rt)` unless given). dense: the
+  reference dispatch (`experts_dense`)."""
+  ops = ops_for(cfg, rt) if ops is None and not dense else ops
   cd = jnp.dtype(rt.compute_dtype)
   lead = u.shape[:-1]
   x = u.reshape(-1, u.shape[-1])

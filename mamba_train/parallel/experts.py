@@ -13,7 +13,7 @@ the batch like a data axis):
   2. one all-to-all swaps the buffers: each device now holds, from every device,
      the rows for its own experts;
   3. it runs its experts on them as grouped matmuls (the math passed in:
-     `moe.expert_mlp`, `jax.lax.ragged_dot`), rows sorted by local expert;
+     `Ops.expert_mlp`, by default `jax.lax.ragged_dot`), rows sorted by local expert;
   4. a second all-to-all returns the rows, which are weighted and added onto
      their tokens.
 
