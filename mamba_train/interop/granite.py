@@ -17,22 +17,9 @@ import math
 
 import numpy as np
 
+from mamba_train.interop import tables
 from mamba_train.interop.files import SAFETENSORS, json_float
-from mamba_train.interop.tables import (
-  ATTN_TABLE,
-  IDENTITY,
-  MAMBA_TABLE,
-  SWAP_LAST,
-  TRANSPOSE,
-  Codec,
-  Layout,
-  Shapes,
-  Slot,
-  Table,
-  attn_shapes,
-  mamba_shapes,
-  renamed,
-)
+from mamba_train.interop.tables import IDENTITY, SWAP_LAST, TRANSPOSE, Codec, renamed
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 
 
@@ -46,9 +33,9 @@ def _split_halves(axis):  # [gate; up] joined on `axis` of (..., 2f, d) -> gate,
 # Granite's mixers are transformers' Mamba-2 and attention layers under its names.
 _MAMBA_NAMES = {"norm.weight": "input_layernorm.weight", "mixer.": "mamba."}
 _ATTN_NAMES = {"norm.weight": "input_layernorm.weight", "mixer.": "self_attn."}
-GRANITE_TABLES: dict[str, Table] = {
-    MAMBA: renamed(MAMBA_TABLE, _MAMBA_NAMES),
-    ATTENTION: renamed(ATTN_TABLE, _ATTN_NAMES),
+GRANITE_TABLES: dict[str, tables.Table] = {
+    MAMBA: renamed(tables.MAMBA_TABLE, _MAMBA_NAMES),
+    ATTENTION: renamed(tables.ATTN_TABLE, _ATTN_NAMES),
     MOE: {
         "post_attention_layernorm.weight": (("norm",), IDENTITY),
         "block_sparse_moe.router.weight": (("router",), TRANSPOSE),
@@ -82,7 +69,7 @@ def _from_files(sd: dict, cfg: Mamba2Config) -> dict:
   return {_granite_name(k): v for k, v in sd.items()}
 
 
-def _slots(cfg: Mamba2Config) -> list[Slot]:
+def _slots(cfg: Mamba2Config) -> list[tables.Slot]:
   # A mixer starts each of its layers; the MoE or MLP after it shares its index.
   slots, layer = [], -1
   for k in cfg.pattern:
@@ -91,7 +78,7 @@ def _slots(cfg: Mamba2Config) -> list[Slot]:
   return slots
 
 
-def _ffn_shapes(cfg: Mamba2Config, kind: str) -> Shapes:
+def _ffn_shapes(cfg: Mamba2Config, kind: str) -> tables.Shapes:
   d, e, f = cfg.d_model, cfg.n_routed_experts, cfg.moe_intermediate_size
   s = cfg.moe_shared_expert_intermediate_size if kind == MOE else cfg.d_intermediate
   out = {"post_attention_layernorm.weight": (d,), "shared_mlp.input_linear.weight": (2 * s, d),
@@ -102,11 +89,11 @@ def _ffn_shapes(cfg: Mamba2Config, kind: str) -> Shapes:
   return out
 
 
-SHAPES = {MAMBA: lambda cfg: renamed(mamba_shapes(cfg), _MAMBA_NAMES),
-          ATTENTION: lambda cfg: renamed(attn_shapes(cfg), _ATTN_NAMES),
+SHAPES = {MAMBA: lambda cfg: renamed(tables.mamba_shapes(cfg), _MAMBA_NAMES),
+          ATTENTION: lambda cfg: renamed(tables.attn_shapes(cfg), _ATTN_NAMES),
           MOE: lambda cfg: _ffn_shapes(cfg, MOE), MLP: lambda cfg: _ffn_shapes(cfg, MLP)}
 
-# GraniteMoeHybrid's names of its mixers (transformers 5 and the released files).
+# GraniteMoeHybrid's names of its mixers (transformers' names and the released files').
 GRANITE_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
@@ -181,7 +168,7 @@ def granite_only_problems(cfg: Mamba2Config, target: str) -> list[str]:
   return [f"{p}: {target} has no such layer (GraniteMoeHybrid export is not built)" for p in out]
 
 
-LAYOUT = Layout(
+LAYOUT = tables.Layout(
     name="granite", recognizes=lambda outside: outside.get("model_type") == "granitemoehybrid",
     config_to_ours=granite_config_to_ours, write_config=None, weights=SAFETENSORS, top=TOP,
     slots=_slots, shapes=SHAPES, from_files=_from_files)

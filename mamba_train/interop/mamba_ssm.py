@@ -11,22 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from mamba_train.interop import tables
 from mamba_train.interop.files import TORCH_BIN, json_float
 from mamba_train.interop.granite import granite_only_problems
-from mamba_train.interop.tables import (
-  IDENTITY,
-  LAYER_PREFIX,
-  MAMBA_TABLE,
-  TRANSPOSE,
-  Codec,
-  Layout,
-  Shapes,
-  Slot,
-  Table,
-  attn_head_dim,
-  mamba_shapes,
-  out_heads_codec,
-)
+from mamba_train.interop.tables import IDENTITY, TRANSPOSE, Codec, attn_head_dim, out_heads_codec
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 
 TOP = {"backbone.embedding.weight": "embedding", "backbone.norm_f.weight": "norm_f",
@@ -52,26 +40,26 @@ def _join_fc1(ws, cfg):
   return np.concatenate([ws[0].T, ws[1].T], axis=0)
 
 
-ATTN_TABLE: Table = {
+ATTN_TABLE: tables.Table = {
     "norm.weight": (("norm",), IDENTITY),
     "mixer.in_proj.weight": (("q_proj", "k_proj", "v_proj"), Codec(_split_qkv, _join_qkv)),
     "mixer.out_proj.weight": (("o_proj",), out_heads_codec(attn_head_dim)),
 }
-MLP_TABLE: Table = {
+MLP_TABLE: tables.Table = {
     "norm2.weight": (("norm",), IDENTITY),
     "mlp.fc1.weight": (("up_proj", "gate_proj"), Codec(_split_fc1, _join_fc1)),
     "mlp.fc2.weight": (("down_proj",), TRANSPOSE),
 }
-MAMBA_SSM_TABLES = {MAMBA: MAMBA_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE}
+MAMBA_SSM_TABLES = {MAMBA: tables.MAMBA_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE}
 
 
-def _attn_shapes(cfg: Mamba2Config) -> Shapes:
+def _attn_shapes(cfg: Mamba2Config) -> tables.Shapes:
   d = cfg.d_model
   he, kve = cfg.attn_num_heads * cfg.attn_head_dim, cfg.n_kv_heads * cfg.attn_head_dim
   return {"norm.weight": (d,), "mixer.in_proj.weight": (he + 2 * kve, d), "mixer.out_proj.weight": (d, he)}
 
 
-def _mlp_shapes(cfg: Mamba2Config) -> Shapes:
+def _mlp_shapes(cfg: Mamba2Config) -> tables.Shapes:
   d, f = cfg.d_model, cfg.d_intermediate
   return {"norm2.weight": (d,), "mlp.fc1.weight": (2 * f, d), "mlp.fc2.weight": (d, f)}
 
@@ -99,12 +87,12 @@ def _refuse_pattern(cfg: Mamba2Config) -> None:
     raise ValueError(f"Cannot represent this model in the mamba_ssm layout: {problem}")
 
 
-def _slots(cfg: Mamba2Config) -> list[Slot]:
+def _slots(cfg: Mamba2Config) -> list[tables.Slot]:
   _refuse_pattern(cfg)
   slots, block = [], -1
   for k in cfg.pattern:
     block += k != MLP
-    slots.append((k, f"{LAYER_PREFIX}{block}.", MAMBA_SSM_TABLES[k]))
+    slots.append((k, f"{tables.LAYER_PREFIX}{block}.", MAMBA_SSM_TABLES[k]))
   return slots
 
 
@@ -197,8 +185,8 @@ def _write_config(cfg: Mamba2Config, **_) -> dict:
   return ours_to_mamba_ssm_config(cfg)
 
 
-LAYOUT = Layout(
+LAYOUT = tables.Layout(
     name="mamba_ssm", recognizes=lambda outside: "ssm_cfg" in outside or "d_model" in outside,
     config_to_ours=mamba_ssm_config_to_ours, write_config=_write_config, weights=TORCH_BIN,
-    top=TOP, slots=_slots, shapes={MAMBA: mamba_shapes, ATTENTION: _attn_shapes, MLP: _mlp_shapes},
+    top=TOP, slots=_slots, shapes={MAMBA: tables.mamba_shapes, ATTENTION: _attn_shapes, MLP: _mlp_shapes},
     tied_head="alias", padded_vocab=True)

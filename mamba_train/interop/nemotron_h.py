@@ -13,27 +13,15 @@ import re
 
 import numpy as np
 
+from mamba_train.interop import tables
 from mamba_train.interop.files import JSON_INFINITY, SAFETENSORS
 from mamba_train.interop.granite import granite_only_problems
 from mamba_train.interop.hf_mamba2 import TOP
-from mamba_train.interop.tables import (
-  ATTN_TABLE,
-  IDENTITY,
-  LAYER_PREFIX,
-  MAMBA_TABLE,
-  SWAP_LAST,
-  TRANSPOSE,
-  Layout,
-  Shapes,
-  Slot,
-  Table,
-  attn_shapes,
-  mamba_shapes,
-)
+from mamba_train.interop.tables import IDENTITY, SWAP_LAST, TRANSPOSE
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
 
-MLP_TABLE: Table = {
+MLP_TABLE: tables.Table = {
     "norm.weight": (("norm",), IDENTITY),
     "mixer.up_proj.weight": (("up_proj",), TRANSPOSE),
     "mixer.down_proj.weight": (("down_proj",), TRANSPOSE),
@@ -43,7 +31,7 @@ MLP_TABLE: Table = {
 # (`mixer.experts.{j}.up_proj.weight`), joined and split by `_join_experts` and
 # `_split_experts`. Rows whose parameters the config lacks (no latent projection,
 # no shared expert) are left out (`_moe_table`).
-MOE_TABLE: Table = {
+MOE_TABLE: tables.Table = {
     "norm.weight": (("norm",), IDENTITY),
     "mixer.gate.weight": (("router",), TRANSPOSE),
     "mixer.gate.e_score_correction_bias": ((moe_lib.BIAS,), IDENTITY),
@@ -63,7 +51,7 @@ _EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight
 _STACKED = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 
 
-def _moe_table(cfg: Mamba2Config) -> Table:
+def _moe_table(cfg: Mamba2Config) -> tables.Table:
   have = moe_lib.shapes(cfg)
   return {s: row for s, row in MOE_TABLE.items() if all(n in have for n in row[0])}
 
@@ -103,25 +91,25 @@ def _from_files(sd: dict, cfg: Mamba2Config) -> dict:
   return _join_experts(sd, cfg) if MOE in cfg.pattern else sd
 
 
-def _slots(cfg: Mamba2Config) -> list[Slot]:
-  tables = {MAMBA: MAMBA_TABLE, ATTENTION: ATTN_TABLE, MLP: MLP_TABLE,
-            MOE: _moe_table(cfg) if MOE in cfg.pattern else MOE_TABLE}
-  return [(k, f"{LAYER_PREFIX}{i}.", tables[k]) for i, k in enumerate(cfg.pattern)]
+def _slots(cfg: Mamba2Config) -> list[tables.Slot]:
+  by_kind = {MAMBA: tables.MAMBA_TABLE, ATTENTION: tables.ATTN_TABLE, MLP: MLP_TABLE,
+             MOE: _moe_table(cfg) if MOE in cfg.pattern else MOE_TABLE}
+  return [(k, f"{tables.LAYER_PREFIX}{i}.", by_kind[k]) for i, k in enumerate(cfg.pattern)]
 
 
-def _mlp_shapes(cfg: Mamba2Config) -> Shapes:
+def _mlp_shapes(cfg: Mamba2Config) -> tables.Shapes:
   d, f = cfg.d_model, cfg.d_intermediate
   return {"norm.weight": (d,), "mixer.up_proj.weight": (f, d), "mixer.down_proj.weight": (d, f)}
 
 
-def _moe_shapes(cfg: Mamba2Config) -> Shapes:
+def _moe_shapes(cfg: Mamba2Config) -> tables.Shapes:
   """Our shapes through each row's codec (all transposes)."""
   ours = moe_lib.shapes(cfg)
   flip = lambda shp: shp if len(shp) == 1 else shp[:-2] + (shp[-1], shp[-2])
   return {s: flip(ours[names[0]]) for s, (names, _) in _moe_table(cfg).items()}
 
 
-# NemotronH's names of the layer kinds (transformers 5 and the older ones).
+# NemotronH's names of the layer kinds (transformers' present names and its older ones).
 NEMOTRON_H_KINDS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
                     "attention": ATTENTION, "mlp": MLP, "moe": MOE}
 NEMOTRON_H_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -233,10 +221,10 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
   }
 
 
-LAYOUT = Layout(
+LAYOUT = tables.Layout(
     name="nemotron_h", recognizes=lambda outside: outside.get("model_type") == "nemotron_h",
     config_to_ours=nemotron_h_config_to_ours, write_config=ours_to_nemotron_h_config,
     weights=SAFETENSORS, top=TOP, slots=_slots,
-    shapes={MAMBA: mamba_shapes, ATTENTION: attn_shapes, MLP: _mlp_shapes, MOE: _moe_shapes},
+    shapes={MAMBA: tables.mamba_shapes, ATTENTION: tables.attn_shapes, MLP: _mlp_shapes, MOE: _moe_shapes},
     tied_head="write", from_files=_from_files, to_files=_split_experts,
     float32_suffixes=FLOAT32_SUFFIXES)
