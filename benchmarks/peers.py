@@ -2,7 +2,7 @@
 transformers' PyTorch Mamba2 (its CPU path) and the pure-JAX mamba2-jax. Both are
 optional (`pip install -e '.[bench]'`); without them the benchmarks run ours only.
 
-Both are built from `mamba_train.interop.convert.ours_to_hf_config`, the one
+Both are built from `mamba_train.interop.hf_mamba2.ours_to_hf_config`, the one
 place that knows transformers' config keys (mamba2-jax takes the same names), at
 the chunk our model runs with (`Runtime.ssd_plan`: 64 on CPU), which is also
 their fastest forward+backward on a CPU (see the ssd chunk sweep).
@@ -15,7 +15,7 @@ import dataclasses
 from flax import nnx
 
 from benchmarks.common import CORES, log, median_time
-from mamba_train.interop.convert import ours_to_hf_config
+from mamba_train.interop.hf_mamba2 import ours_to_hf_config
 
 
 def have_torch() -> bool:

@@ -84,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
       mixture_schedule="",  # new weights from a step on: "9000:0.5,0.5;12000:0.2,0.8"
   ))
 
-  # --- lm-evaluation-harness during training (mamba_train/eval_harness.py) ---
+  # --- lm-evaluation-harness during training (mamba_train/interop/eval_harness.py) ---
   c.harness = ml_collections.ConfigDict(dict(
       tasks="",  # comma-separated task names ('' = off), logged as harness/<task>/<metric>
       every=0,  # steps between runs (0 = off)

@@ -15,7 +15,7 @@ auto:N), --max_batch_size, --output_path and --log_samples mean what they mean t
 files under --output_path.
 
 On several devices or processes the weights are replicated on every device and
-each scoring forward splits its rows over them (mamba_train/eval_harness.py):
+each scoring forward splits its rows over them (mamba_train/interop/eval_harness.py):
 --batch_size is then per device, as in lm-eval's data-parallel runs. Start every
 process of a job alike, with --coordinator_address, --num_processes and
 --process_id as train.py takes them (detected on a TPU pod, SLURM or Open MPI);
@@ -75,8 +75,8 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
 
   import mamba_train  # pylint: disable=import-outside-toplevel
-  from mamba_train import eval_harness  # pylint: disable=import-outside-toplevel
   from mamba_train.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from mamba_train.interop import eval_harness  # pylint: disable=import-outside-toplevel
   from mamba_train.workdir import storage  # pylint: disable=import-outside-toplevel
   manager = eval_harness.task_manager(_INCLUDE.value, _TASKS.value)
   try:

@@ -127,7 +127,7 @@ def theirs(setup):
   """lm-eval's own hf backend on the exported weights, every task."""
   import lm_eval.evaluator  # the submodule: lm_eval imports it lazily
 
-  from mamba_train import eval_harness
+  from mamba_train.interop import eval_harness
   _, hf, tasks, _ = setup
   with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):  # runs pip
     return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
@@ -137,8 +137,8 @@ def theirs(setup):
 
 @pytest.fixture(scope="module")
 def ours(setup):
-  from mamba_train import eval_harness
   from mamba_train.data.tokenizer import load_tokenizer
+  from mamba_train.interop import eval_harness
   model, hf, tasks, _ = setup
   # One batch holds all five prompts: one program per width to compile.
   lm = eval_harness.HarnessLM(model, load_tokenizer(os.path.join(hf, "tokenizer.json")), batch_size=8)
@@ -152,7 +152,7 @@ def _by_doc(samples):
 
 def _assert_same_results(flat, theirs, rtol):
   """Our flat harness/<task>/<metric> row against lm-eval's hf results."""
-  from mamba_train import eval_harness
+  from mamba_train.interop import eval_harness
   expected = eval_harness.flat_metrics(theirs)  # the same keys, lm-eval's values
   assert sorted(flat) == sorted(expected) and expected
   for key, value in expected.items():
@@ -163,7 +163,7 @@ def _assert_same_results(flat, theirs, rtol):
 
 
 def test_same_scores_and_generations_as_lm_evals_hf_backend(background, ours, theirs):
-  from mamba_train import eval_harness
+  from mamba_train.interop import eval_harness
   _, ours = ours
   for task in NAMES:
     a, b = _by_doc(ours["samples"][task]), _by_doc(theirs["samples"][task])
@@ -259,7 +259,7 @@ def test_token_bytes_join_to_the_decoded_text():
 
 
 def test_batch_size_as_lm_eval_reads_it(setup, ours, monkeypatch):
-  from mamba_train import eval_harness
+  from mamba_train.interop import eval_harness
   for bad in ("big", "0", "-2", "auto:0", "auto:x", "auto8"):
     with pytest.raises(ValueError, match="as lm-eval reads it"):
       eval_harness.parse_batch_size(bad)
@@ -345,7 +345,7 @@ def test_eval_script_writes_lm_evals_files_and_unknown_tasks_are_refused(backgro
   assert len(open(samples[0]).readlines()) == 3  # --limit 3
   # Unknown names are refused before any weight loads, with what was found (the script
   # calls this; indexing lm-eval's own tasks too would take 20 s here).
-  from mamba_train import eval_harness
+  from mamba_train.interop import eval_harness
   with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['tiny_mcq'\].*Found: tiny_gen, tiny_mc, tiny_ppl"):
     eval_harness.check_tasks(["tiny_mc", "tiny_mcq"], eval_harness.task_manager(tasks, ["tiny_mc"]))
 

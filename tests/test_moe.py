@@ -138,7 +138,7 @@ def test_eval_harness_scores_as_transformers(tmp_path):
   from the logits. Rows are padded after the continuation, where no padding token
   can reach an earlier position (nor, counted in token order, take its capacity)."""
   from mamba_train.data.tokenizer import load_tokenizer
-  from mamba_train.eval_harness import HarnessLM
+  from mamba_train.interop.eval_harness import HarnessLM
   ours = Mamba2LM(MOE_CFG.replace(vocab_size=257), rngs=nnx.Rngs(4))
   save_hf(ours, tmp_path / "hf")
   ref = NemotronHForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -1,3 +1,4 @@
-"""Interop: the outside layouts (transformers' Mamba2ForCausalLM and mamba_ssm's
-released checkpoints). Only this package knows their weight names, config keys
-and file names."""
+"""Interop: the outside layouts (transformers' Mamba2ForCausalLM, NemotronH and
+GraniteMoeHybrid, mamba_ssm's released checkpoints), one module each, and
+lm-evaluation-harness's model interface. Only this package knows their weight
+names, config keys and file names. Importing it imports none of them (nor lm_eval)."""

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from mamba_train.errors import UserError
-from mamba_train.interop import convert
+from mamba_train.interop import convert, files
 from mamba_train.model.lm import Mamba2LM
 from mamba_train.workdir import storage
 
@@ -96,11 +96,10 @@ def _atomic_dir(out: Path, overwrite: bool):
       shutil.rmtree(tmp)
 
 
-def _cast(sd: dict, dtype: str) -> dict:
+def _cast(sd: dict, dtype: str, keep_float32: tuple[str, ...]) -> dict:
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-  # The router stays float32 (as transformers keeps it: convert.FLOAT32_SUFFIXES).
-  keep = lambda k: k.endswith(convert.FLOAT32_SUFFIXES)
+  keep = lambda k: k.endswith(keep_float32)  # as the outside model keeps them (the router)
   return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(np.float32 if keep(k) else DTYPES[dtype]))
           for k, v in sd.items()}
 
@@ -108,51 +107,42 @@ def _cast(sd: dict, dtype: str) -> dict:
 def _tokenizer_files(dst: Path, tokenizer_file: Path, eos_token: str | None):
   """tokenizer.json plus the small files AutoTokenizer looks for."""
   shutil.copy(tokenizer_file, dst / "tokenizer.json")
-  for name, contents in convert.hf_tokenizer_files(eos_token).items():
+  for name, contents in files.hf_tokenizer_files(eos_token).items():
     (dst / name).write_text(json.dumps(contents, indent=2))
+
+
+def _save(model: Mamba2LM, out, layout: str, *, dtype: str, overwrite: bool,
+          eos_token_id: int | None = None, tokenizer=None) -> Path:
+  """`model` written in `layout` (a row of convert.LAYOUTS) into `out`.
+  tokenizer: (tokenizer.json's path, its EOS token) or None."""
+  row, cfg = convert.LAYOUTS[layout], model.config
+  row.weights.writable()
+  rows = None if row.padded_vocab else cfg.vocab_size
+  # Config first: it refuses what the outside model cannot express, before any work.
+  outside_cfg = row.write_config(cfg, vocab_rows=rows, eos_token_id=eos_token_id,
+                                 bos_token_id=eos_token_id, pad_token_id=eos_token_id, dtype=dtype)
+  sd = _cast(convert.params_to_state_dict(model.params(), cfg, layout, vocab_rows=rows), dtype,
+             row.float32_suffixes)
+  with _atomic_dir(Path(out), overwrite) as tmp:
+    row.weights.write(sd, tmp, convert.tied_aliases(cfg, layout))
+    (tmp / files.CONFIG_FILE).write_text(json.dumps(outside_cfg, indent=2))
+    if tokenizer:
+      _tokenizer_files(tmp, *tokenizer)
+  return Path(out)
 
 
 def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None,
             eos_token: str | None = None, eos_token_id: int | None = None,
             overwrite: bool = False) -> Path:
-  from safetensors.numpy import save_file
+  refuse_window(model.config, "transformers")
   cfg = model.config
-  refuse_window(cfg, "transformers")
-  hybrid = cfg.pattern != "M" * cfg.n_layer
-  layout = "nemotron_h" if hybrid else "hf"
-  to_config = convert.ours_to_nemotron_h_config if hybrid else convert.ours_to_hf_config
-  # Config first: it refuses what the outside model cannot express, before any work.
-  hf_cfg = to_config(cfg, vocab_rows=cfg.vocab_size, eos_token_id=eos_token_id,
-                     bos_token_id=eos_token_id, pad_token_id=eos_token_id, dtype=dtype)
-  # The true vocabulary: transformers then never samples a padding row.
-  sd = _cast(convert.params_to_state_dict(model.params(), cfg, layout, vocab_rows=cfg.vocab_size), dtype)
-  with _atomic_dir(Path(out), overwrite) as tmp:
-    save_file(sd, str(tmp / convert.HF_WEIGHTS), metadata={"format": "pt"})
-    (tmp / convert.CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
-    if tokenizer_file:
-      _tokenizer_files(tmp, Path(tokenizer_file), eos_token)
-  return Path(out)
+  # A pure Mamba-2 model as Mamba2ForCausalLM; a hybrid as NemotronH. The true
+  # vocabulary: transformers then never samples a padding row.
+  layout = "hf" if cfg.pattern == "M" * cfg.n_layer else "nemotron_h"
+  return _save(model, out, layout, dtype=dtype, overwrite=overwrite, eos_token_id=eos_token_id,
+               tokenizer=(Path(tokenizer_file), eos_token) if tokenizer_file else None)
 
 
 def save_mamba_ssm(model: Mamba2LM, out, *, dtype: str = "float32", overwrite: bool = False) -> Path:
   refuse_window(model.config, "mamba_ssm")
-  try:
-    import torch
-  except ImportError as e:
-    raise ImportError("Writing pytorch_model.bin needs PyTorch: pip install -e '.[test]' "
-                      "(the CPU build torch==2.13.0)") from e
-  cfg = model.config
-  ssm_cfg = convert.ours_to_mamba_ssm_config(cfg)  # refuses a pattern mamba_ssm cannot hold
-  sd = _cast(convert.params_to_state_dict(model.params(), cfg, "mamba_ssm"), dtype)
-  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-  tensors = {}
-  for k, v in sd.items():
-    t = torch.from_numpy(np.asarray(v, np.float32)) if dtype == "bfloat16" else torch.from_numpy(v)
-    tensors[k] = t.to(torch_dtype).contiguous()
-  # Tied names share one tensor, as in the released checkpoints.
-  for alias, source in convert.tied_aliases(cfg, "mamba_ssm").items():
-    tensors[alias] = tensors[source]
-  with _atomic_dir(Path(out), overwrite) as tmp:
-    torch.save(tensors, tmp / convert.MAMBA_SSM_WEIGHTS)
-    (tmp / convert.CONFIG_FILE).write_text(json.dumps(ssm_cfg, indent=2))
-  return Path(out)
+  return _save(model, out, "mamba_ssm", dtype=dtype, overwrite=overwrite)

@@ -16,16 +16,13 @@ Each may be local or on a gs:// bucket (`mamba_train.workdir.storage`).
 
 from __future__ import annotations
 
-import io
-import json
 import os
 
 import jax
-import numpy as np
 from etils import epath
 from flax import nnx
 
-from mamba_train.interop import convert
+from mamba_train.interop import convert, files
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import NOT_IN_WEIGHTS, Mamba2Config
 from mamba_train.model.lm import Mamba2LM
@@ -35,48 +32,19 @@ from mamba_train.workdir import checkpoint, storage
 
 
 def detect_layout(path: epath.Path) -> str:
-  cfg_file = path / convert.CONFIG_FILE
+  cfg_file = path / files.CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(f"{path} does not exist")
   if checkpoint.find_step_dir(path) is not None:
     return "checkpoint"
   if path.is_dir() and cfg_file.exists():
-    layout = convert.config_layout(convert.read_json(cfg_file))
+    layout = convert.config_layout(files.read_json(cfg_file))
     if layout is not None:
       return layout
   raise ValueError(
       f"{path} is not a model directory this library knows: expected a training workdir or "
       f"checkpoint step (checkpoints/<step>/state), a transformers Mamba2, NemotronH or GraniteMoeHybrid "
       f"directory (config.json + model.safetensors) or a mamba_ssm one (config.json + pytorch_model.bin)")
-
-
-def read_safetensors(path: epath.Path) -> dict[str, np.ndarray]:
-  from safetensors.numpy import load, load_file
-  index = path / convert.HF_WEIGHTS_INDEX
-  if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-  elif (path / convert.HF_WEIGHTS).exists():
-    files = [convert.HF_WEIGHTS]
-  else:
-    raise FileNotFoundError(f"{path} has no model.safetensors (nor a sharded index): "
-                            f"save the model with save_pretrained(..., safe_serialization=True)")
-  sd = {}
-  for f in files:
-    sd.update(load((path / f).read_bytes()) if storage.is_remote(path) else load_file(str(path / f)))
-  return sd
-
-
-def read_torch_bin(file: epath.Path) -> dict[str, np.ndarray]:
-  try:
-    import torch
-  except ImportError as e:
-    raise ImportError(f"Reading {file} needs PyTorch: pip install -e '.[test]' "
-                      f"(which installs the CPU build torch==2.13.0)") from e
-  if not file.exists():
-    raise FileNotFoundError(f"{file} is missing")
-  src = io.BytesIO(file.read_bytes()) if storage.is_remote(file) else str(file)
-  sd = torch.load(src, map_location="cpu", weights_only=True)
-  return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()}
 
 
 def _configs(cfg: Mamba2Config, runtime: Runtime | None, overrides: dict):
@@ -92,32 +60,12 @@ def _configs(cfg: Mamba2Config, runtime: Runtime | None, overrides: dict):
   return cfg.replace(**arch), rt
 
 
-def load_hf(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  cfg, rt = _configs(convert.hf_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
-                     runtime, overrides)
-  params = convert.state_dict_to_params(read_safetensors(path), cfg, "hf")
-  return Mamba2LM.from_params(cfg, params, rt)
-
-
-def load_nemotron_h(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  cfg, rt = _configs(convert.nemotron_h_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
-                     runtime, overrides)
-  params = convert.state_dict_to_params(read_safetensors(path), cfg, "nemotron_h")
-  return Mamba2LM.from_params(cfg, params, rt)
-
-
-def load_granite(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  cfg, rt = _configs(convert.granite_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
-                     runtime, overrides)
-  params = convert.state_dict_to_params(read_safetensors(path), cfg, "granite")
-  return Mamba2LM.from_params(cfg, params, rt)
-
-
-def load_mamba_ssm(path: epath.Path, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
-  cfg, rt = _configs(convert.mamba_ssm_config_to_ours(convert.read_json(path / convert.CONFIG_FILE)),
-                     runtime, overrides)
-  params = convert.state_dict_to_params(read_torch_bin(path / convert.MAMBA_SSM_WEIGHTS), cfg,
-                                        "mamba_ssm")
+def load_outside(path: epath.Path, layout: str, runtime: Runtime | None = None,
+                 **overrides) -> Mamba2LM:
+  """A model from a directory in one of the outside layouts (`convert.LAYOUTS`)."""
+  row = convert.LAYOUTS[layout]
+  cfg, rt = _configs(row.config_to_ours(files.read_json(path / files.CONFIG_FILE)), runtime, overrides)
+  params = convert.state_dict_to_params(row.weights.read(path), cfg, layout)
   return Mamba2LM.from_params(cfg, params, rt)
 
 
@@ -162,5 +110,6 @@ def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overri
   """
   path = storage.path(path)
   layout = detect_layout(path)
-  return {"hf": load_hf, "nemotron_h": load_nemotron_h, "granite": load_granite, "mamba_ssm": load_mamba_ssm,
-          "checkpoint": load_checkpoint}[layout](path, runtime, **overrides)
+  if layout == "checkpoint":
+    return load_checkpoint(path, runtime, **overrides)
+  return load_outside(path, layout, runtime, **overrides)

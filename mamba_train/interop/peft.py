@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from mamba_train.errors import UserError
-from mamba_train.interop import convert
 from mamba_train.interop.export import _atomic_dir
+from mamba_train.interop.tables import LAYER_PREFIX
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.params import KIND_PARAMS
@@ -60,7 +60,7 @@ def adapter_state_dict(model: Mamba2LM) -> dict[str, np.ndarray]:
     for target, ab in per_target.items():
       a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
       for j, i in enumerate(layer_of[stack_kind[stack]]):
-        sd.update(_pair(f"{convert.LAYER_PREFIX}{i}.{MODULES[target]}", a[j], b[j]))
+        sd.update(_pair(f"{LAYER_PREFIX}{i}.{MODULES[target]}", a[j], b[j]))
   return sd
 
 

@@ -368,13 +368,13 @@ def make_harness(plan: Plan, tokenizer_path: str, mesh=None):
   In a multi-process job every process calls it: the parameters are sharded over
   the processes, so no process can run the model's forward alone, and lm-eval builds
   the same requests in the same order everywhere, so all run the same programs (see
-  mamba_train/eval_harness.py), each data-parallel replica of `mesh` (the run's)
+  mamba_train/interop/eval_harness.py), each data-parallel replica of `mesh` (the run's)
   scoring its share of the rows. Only process 0's writer writes."""
   h = plan.config.harness
   if not (h.tasks and h.every > 0):
     return None
   try:
-    from mamba_train import eval_harness
+    from mamba_train.interop import eval_harness
   except ImportError as e:
     raise ConfigError(f"config.harness.tasks needs lm-eval ({e}): "
                       "pip install -e '.[eval]'") from None
