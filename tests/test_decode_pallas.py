@@ -23,6 +23,7 @@ from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.mamba2 import block_step, mixer_step, zero_state
 from mamba_train.model.params import _block_uniform_shapes, init_block_params
 from mamba_train.model.runtime import Runtime
+from mamba_train.model.select import ops_for
 from mamba_train.ops import decode_tpu
 
 from helpers import libtpu_compiles, rel
@@ -79,7 +80,7 @@ def test_fused_block_step_matches_plain_block_step(g, b, limit, mult):
   fused_rt, plain_rt = (Runtime(decode_impl=impl).resolve("cpu") for impl in ("interpret", "xla"))
 
   def all_three(p, h, state):
-    made = mamba2.fused_decode_weights(p, fused_rt)
+    made = mamba2.fused_decode_weights(p, fused_rt, ops_for(cfg, fused_rt))
     return (block_step(made, h, cfg, fused_rt, state), block_step(p, h, cfg, fused_rt, state),
             block_step(p, h, cfg, plain_rt, state))
   with mock.patch.object(decode_tpu, "_TILE_BYTES", 1):
