@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks import roofline
 from benchmarks.common import F32, compile_fn, log, median_time
 from mamba_train.ops import layer_gpu, layer_math
-from mamba_train.train import aot
+from mamba_train.tools import hlo
 
 # (name, b, l, d_inner, ngroups * d_state): a layer of each model at 4 x 2048 a GPU.
 SHAPES = [("130m", 4, 2048, 1536, 128), ("1.3b", 4, 2048, 4096, 128)]
@@ -96,7 +96,7 @@ def bench(args) -> list[dict]:
         sec = median_time(lambda compiled=compiled: compiled(*inputs), args.repeats)
         # The kernels' own byte estimates (the same work for both forms): what a
         # fused chain has to move at least.
-        est = aot.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
+        est = hlo.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
         moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
         timed[(impl, mode)] = sec
         rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
