@@ -15,17 +15,14 @@ run's copy bandwidth, and the kernels' speed over XLA's.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, compile_fn, log, median_time
+from benchmarks.common import F32, compile_fn, kernels_main, log, median_time, rel_error
 from mamba_train.ops import layer_gpu, layer_math
 from mamba_train.tools import hlo
 
@@ -63,20 +60,15 @@ def _fns(impl, cot):
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 8)))
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 def check(shape, dtype) -> dict:
   """The kernels against the plain forms on this device: outputs and every gradient,
   relative to the largest entry."""
   _, b, l, i, gn = shape
   args, cot = _inputs(b, l, i, gn, dtype, seed=1)
   (kf, kb), (xf, xb) = _fns("kernels", cot), _fns("xla", cot)
-  out = {f"out{j}": _rel(a, r) for j, (a, r) in enumerate(zip(kf(*args), xf(*args)))}
+  out = {f"out{j}": rel_error(a, r) for j, (a, r) in enumerate(zip(kf(*args), xf(*args)))}
   names = "x bc z w_x b_x w_bc b_bc norm_w".split()
-  out.update({"d" + n: _rel(a, r) for n, a, r in zip(names, kb(*args), xb(*args))})
+  out.update({"d" + n: rel_error(a, r) for n, a, r in zip(names, kb(*args), xb(*args))})
   return out
 
 
@@ -112,38 +104,20 @@ def bench(args) -> list[dict]:
   return rows
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_layer", description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default=None, help="write results.json and results.md here")
-  ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--dry_run", action="store_true", help="small shapes; on CPU the kernels run interpreted")
-  args = ap.parse_args(argv)
-  accel = jax.default_backend() != "cpu"
-  args.roofline_n, args.roofline_mib = (8192, 2048) if accel else (512, 16)
-  if not accel and not args.dry_run:
-    ap.error("no GPU here: use --dry_run (small shapes, the kernels in Pallas' interpreter)")
-  shape = (DRY_SHAPES if args.dry_run else SHAPES)[0]
-  errors = {dt: check(shape, jnp.dtype(dt)) for dt in ("float32", args.dtype)}
-  for dt, e in errors.items():
-    log(f"  layer kernels vs plain forms on {jax.devices()[0].device_kind}, {shape[0]} shape, {dt}: "
-        + ", ".join(f"{k} {v:.1e}" for k, v in e.items()))
-  rows = bench(args)
+def table(rows: list[dict]) -> list[str]:
   lines = ["| shape | impl | mode | tokens/s | kernels' bytes / s | of copy bandwidth | compile s | kernels / xla |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
                  f"{r['kernel_bytes'] / r['seconds'] / 1e9:,.0f} GB/s | {100 * r['frac_copy_bandwidth']:.0f}% | "
                  f"{r['compile_s']:.2g} | " + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
-  print("\n".join(lines))
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
-                 "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-      f.write("\n".join(lines) + "\n")
-  return rows, errors
+  return lines
+
+
+def main(argv=None):
+  return kernels_main(argv, prog="python -m benchmarks.gpu_layer", description=__doc__.split("\n")[0],
+                      shapes=SHAPES, dry_shapes=DRY_SHAPES, check=check,
+                      checked="layer kernels vs plain forms", bench=bench, table=table)
 
 
 if __name__ == "__main__":

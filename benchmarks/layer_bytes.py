@@ -43,6 +43,7 @@ from mamba_train.tools.hlo import top_ops
 from mamba_train.train.state import with_shardings
 from mamba_train.train.step import loss_sums
 
+
 def _on(sharding, tree):
   return with_shardings(tree, jax.tree.map(lambda _: sharding, tree))
 

@@ -22,10 +22,10 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
-from mamba_train.tools import window_search  # noqa: E402
 from mamba_train.data import prepare  # noqa: E402
 from mamba_train.data.loader import make_eval_loader, validate_for_model  # noqa: E402
 from mamba_train.errors import UserError  # noqa: E402
+from mamba_train.tools import window_search  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Workdir, checkpoint, transformers or mamba_ssm dir.",
                              required=True)
