@@ -141,6 +141,25 @@ def rel_error(a, b) -> float:
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+def time_forms(fns: Callable, inputs, repeats: int):
+  """(impl, mode, seconds, compile info) of the plain form ('xla') then the kernels,
+  each forward ('fwd') and forward+backward ('fwd+bwd'); `fns(impl)` -> the two
+  jitted functions of `inputs`. Each compiled, then timed (`median_time`)."""
+  for impl in ("xla", "kernels"):
+    fwd, bwd = fns(impl)
+    for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
+      compiled, info = compile_fn(fn, *inputs)
+      yield impl, mode, median_time(lambda compiled=compiled: compiled(*inputs), repeats), info
+
+
+def add_speedups(rows: list[dict], shape: str) -> None:
+  """Each row of `shape` gets the kernels' speed over the plain form's in its mode."""
+  timed = {(r["impl"], r["mode"]): r["seconds"] for r in rows if r["shape"] == shape}
+  for r in rows:
+    if r["shape"] == shape:
+      r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+
+
 def kernels_main(argv, *, prog: str, description: str, shapes, dry_shapes, check: Callable,
                  checked: str, bench: Callable, table: Callable, trace: Callable | None = None):
   """A GPU kernels benchmark's command line: on the device, `check(shape, dtype)`'s

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, compile_fn, kernels_main, log, median_time, rel_error
+from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
 from mamba_train.ops import layer_gpu, layer_math
 from mamba_train.tools import hlo
 
@@ -80,27 +80,19 @@ def bench(args) -> list[dict]:
     name, b, l, i, gn = shape
     inputs, cot = _inputs(b, l, i, gn, dtype)
     tokens = b * l
-    timed = {}
-    for impl in ("xla", "kernels"):
-      fwd, bwd = _fns(impl, cot)
-      for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
-        compiled, info = compile_fn(fn, *inputs)
-        sec = median_time(lambda compiled=compiled: compiled(*inputs), args.repeats)
-        # The kernels' own byte estimates (the same work for both forms): what a
-        # fused chain has to move at least.
-        est = hlo.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
-        moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
-        timed[(impl, mode)] = sec
-        rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
-                     "seq_len": l, "d_inner": i, "dtype": args.dtype, "seconds": sec,
-                     "tokens_per_s": tokens / sec, "kernel_bytes": moved,
-                     "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
-        log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
-            f"the kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
-            f"compile {info['compile_s']:.1f} s")
-    for r in rows:
-      if r["shape"] == name:
-        r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, cot), inputs, args.repeats):
+      # The kernels' own byte estimates (the same work for both forms): what a
+      # fused chain has to move at least.
+      est = hlo.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
+      moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
+      rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
+                   "seq_len": l, "d_inner": i, "dtype": args.dtype, "seconds": sec,
+                   "tokens_per_s": tokens / sec, "kernel_bytes": moved,
+                   "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
+      log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
+          f"the kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
+          f"compile {info['compile_s']:.1f} s")
+    add_speedups(rows, name)
   return rows
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, compile_fn, kernels_main, log, median_time, rel_error
+from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
 from mamba_train.metrics import ssd_flops_per_token
 from mamba_train.ops import ssd, ssd_gpu
 
@@ -81,26 +81,17 @@ def bench(args) -> list[dict]:
     name, b, l, h, p, g, n = shape
     inputs, cot = _inputs(b, l, h, p, g, n, dtype)
     tokens = b * l
-    timed = {}
-    for impl in ("xla", "kernels"):
-      chunk = XLA_CHUNK
-      fwd, bwd = _fns(impl, chunk, cot)
-      for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
-        compiled, info = compile_fn(fn, *inputs)
-        sec = median_time(lambda compiled=compiled: compiled(*inputs), args.repeats)
-        q = ssd_gpu.kernel_chunk(chunk) if impl == "kernels" else chunk
-        fl = ssd_flops_per_token(h, p, n, g, q, l, "parallel") * (3 if mode == "fwd+bwd" else 1) * tokens
-        timed[(impl, mode)] = sec
-        rows.append({"bench": "gpu_ssd", "shape": name, "impl": impl, "mode": mode, "chunk": q,
-                     "batch": b, "seq_len": l, "heads": h, "dtype": args.dtype, "seconds": sec,
-                     "tokens_per_s": tokens / sec, "gflops": fl / sec / 1e9,
-                     "frac_matmul_peak": fl / sec / rf["matmul_flops"], **info})
-        log(f"  {name} {impl:8s} {mode:8s} chunk {q}: {tokens / sec:12.0f} tok/s, "
-            f"{fl / sec / 1e9:8.1f} GFLOP/s, {100 * fl / sec / rf['matmul_flops']:.1f}% of matmul, "
-            f"compile {info['compile_s']:.1f} s")
-    for r in rows:
-      if r["shape"] == name:
-        r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, XLA_CHUNK, cot), inputs, args.repeats):
+      q = ssd_gpu.kernel_chunk(XLA_CHUNK) if impl == "kernels" else XLA_CHUNK
+      fl = ssd_flops_per_token(h, p, n, g, q, l, "parallel") * (3 if mode == "fwd+bwd" else 1) * tokens
+      rows.append({"bench": "gpu_ssd", "shape": name, "impl": impl, "mode": mode, "chunk": q,
+                   "batch": b, "seq_len": l, "heads": h, "dtype": args.dtype, "seconds": sec,
+                   "tokens_per_s": tokens / sec, "gflops": fl / sec / 1e9,
+                   "frac_matmul_peak": fl / sec / rf["matmul_flops"], **info})
+      log(f"  {name} {impl:8s} {mode:8s} chunk {q}: {tokens / sec:12.0f} tok/s, "
+          f"{fl / sec / 1e9:8.1f} GFLOP/s, {100 * fl / sec / rf['matmul_flops']:.1f}% of matmul, "
+          f"compile {info['compile_s']:.1f} s")
+    add_speedups(rows, name)
   return rows
 
 
