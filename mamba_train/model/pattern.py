@@ -86,7 +86,7 @@ def run(pl: ScanPlan, fns: dict[str, Callable], params: dict[str, Any], states: 
   optimise the body; in straight-line code (a run of one layer, an unrolled scan)
   XLA would merge the backward's recomputation with the forward's ops, keeping
   the forward's activations alive (the memory remat exists to save) and dropping
-  the recompute from the counts (`train/aot.py` counts every layer from unrolled
+  the recompute from the counts (`tools/aot.py` counts every layer from unrolled
   programs), so there it is `prevent_cse=True`.
   """
   wrap = (lambda fn, looped: fn) if remat is None else (lambda fn, looped: remat(fn, not looped))
