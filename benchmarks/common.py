@@ -11,6 +11,8 @@ and into the run config the train step is built from.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 from typing import Any, Callable
@@ -127,3 +129,72 @@ def random_batch(cfg: Mamba2Config, batch: int, seq_len: int, seed: int = 0) -> 
   out = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "seq_idx": np.zeros((batch, seq_len), np.int32),
          "loss_mask": np.ones((batch, seq_len), np.float32)}
   return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------
+# Pallas GPU kernels against the plain forms they replace (gpu_ssd, gpu_layer).
+
+
+def rel_error(a, b) -> float:
+  """The largest difference of a from b, relative to b's largest entry (float64)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def time_forms(fns: Callable, inputs, repeats: int):
+  """(impl, mode, seconds, compile info) of the plain form ('xla') then the kernels,
+  each forward ('fwd') and forward+backward ('fwd+bwd'); `fns(impl)` -> the two
+  jitted functions of `inputs`. Each compiled, then timed (`median_time`)."""
+  for impl in ("xla", "kernels"):
+    fwd, bwd = fns(impl)
+    for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
+      compiled, info = compile_fn(fn, *inputs)
+      yield impl, mode, median_time(lambda compiled=compiled: compiled(*inputs), repeats), info
+
+
+def add_speedups(rows: list[dict], shape: str) -> None:
+  """Each row of `shape` gets the kernels' speed over the plain form's in its mode."""
+  timed = {(r["impl"], r["mode"]): r["seconds"] for r in rows if r["shape"] == shape}
+  for r in rows:
+    if r["shape"] == shape:
+      r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+
+
+def kernels_main(argv, *, prog: str, description: str, shapes, dry_shapes, check: Callable,
+                 checked: str, bench: Callable, table: Callable, trace: Callable | None = None):
+  """A GPU kernels benchmark's command line: on the device, `check(shape, dtype)`'s
+  errors of the kernels against the plain forms (the first shape, float32 and
+  --dtype) logged as `checked` on <device>; then `bench(args)`'s rows, timed, with
+  `trace(args, dir)` after them where the benchmark takes --trace; `table(rows)`'s
+  markdown lines printed, and with --out written with the rows and errors as
+  results.json. --dry_run: `dry_shapes`, the kernels in Pallas' interpreter on a CPU."""
+  ap = argparse.ArgumentParser(prog=prog, description=description)
+  ap.add_argument("--out", default=None, help="write results.json and results.md here")
+  if trace is not None:
+    ap.add_argument("--trace", default=None, help="write a jax.profiler trace here")
+  ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--dry_run", action="store_true", help="small shapes; on CPU the kernels run interpreted")
+  args = ap.parse_args(argv)
+  accel = jax.default_backend() != "cpu"
+  args.roofline_n, args.roofline_mib = (8192, 2048) if accel else (512, 16)
+  if not accel and not args.dry_run:
+    ap.error("no GPU here: use --dry_run (small shapes, the kernels in Pallas' interpreter)")
+  shape = (dry_shapes if args.dry_run else shapes)[0]
+  errors = {dt: check(shape, jnp.dtype(dt)) for dt in ("float32", args.dtype)}
+  for dt, e in errors.items():
+    log(f"  {checked} on {jax.devices()[0].device_kind}, {shape[0]} shape, {dt}: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in e.items()))
+  rows = bench(args)
+  if trace is not None and args.trace:
+    trace(args, args.trace)
+  lines = table(rows)
+  print("\n".join(lines))
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
+                 "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+  return rows, errors

@@ -6,11 +6,11 @@ grouped by what they come from (the op_name JAX writes into the HLO), largest fi
   python -m benchmarks.gpu_bytes --size 130m --batch 32 --top 25 --layer   # one layer's share alone
 
 An op's bytes are its operands' plus its result's sizes as the optimised HLO prints
-them, the rule XLA's cost analysis counts a fusion by (`layer_bytes.top_ops`); a
+them, the rule XLA's cost analysis counts a fusion by (`tools/hlo.py`); a
 Pallas kernel's are its cost estimate's (XLA counts the custom call as nothing).
 The embedding, LM head, loss and optimizer of the whole model are in the one-layer
 step too; --layer prints one layer's share alone instead (two layers unrolled less
-one layer, group by group, as `aot.every_layer_cost` counts it).
+one layer, group by group, as `tools/aot.py`'s `every_layer_cost` counts it).
 `scripts/aot_compile.py` gives the every-layer totals. Figures: docs/bench/gpu.md.
 """
 
@@ -20,11 +20,11 @@ import argparse
 import collections
 import re
 
-from benchmarks.layer_bytes import _FREE, _INSTR, _SHAPE, _size
 from configs import base
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices
-from mamba_train.train import aot, run_config
+from mamba_train.tools import hlo
+from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -39,26 +39,15 @@ def _where(op_name: str) -> str:
   return "/".join(parts[-2:]) if parts else "(unnamed)"
 
 
-def grouped_bytes(hlo: str) -> list[tuple[float, str, int]]:
+def grouped_bytes(text: str) -> list[tuple[float, str, int]]:
   """[(bytes, label, ops)] of the non-fused computations' ops, largest first."""
-  sizes, groups, fused = {}, collections.defaultdict(lambda: [0.0, 0]), False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace():
-      fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
+  groups = collections.defaultdict(lambda: [0.0, 0])
+  for op in hlo.ops(text):
+    if op.kind == "custom-call":  # kernels: their estimates, added by the caller
       continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, shape, kind, rest = m.groups()
-    res = sum(_size(*s) for s in _SHAPE.findall(shape))
-    sizes[name] = res
-    if fused or kind in _FREE or kind == "custom-call":  # kernels: their estimates, added by the caller
-      continue
-    args = rest.split("), ")[0]
-    ops = sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
-    op = _OP_NAME.search(line)
-    g = groups[_where(op.group(1)) if op else kind]
-    g[0] += res + ops
+    name = _OP_NAME.search(op.line)
+    g = groups[_where(name.group(1)) if name else op.kind]
+    g[0] += op.bytes
     g[1] += 1
   return sorted(((b, k, n) for k, (b, n) in groups.items()), reverse=True)
 
@@ -84,9 +73,9 @@ def main(argv=None):
     p = plan.replace(model=plan.model.replace(n_layer=n_layer), runtime=plan.runtime.replace(unroll_layers=unroll))
     built = build(p, mesh, init=False)
     compiled = built.train_step.lower(built.state, batch).compile()
-    kernels = aot.kernel_costs(compiled, built.train_step.trace(built.state, batch).jaxpr)["bytes accessed"]
+    kernels = hlo.kernel_costs(compiled, built.train_step.trace(built.state, batch).jaxpr)["bytes accessed"]
     groups = {k: (b, n) for b, k, n in grouped_bytes(compiled.as_text())}
-    return aot.xla_cost(compiled, "gpu").get("bytes accessed", 0.0), kernels, groups
+    return hlo.xla_cost(compiled, "gpu").get("bytes accessed", 0.0), kernels, groups
 
   xla, kernels, groups = count(1, False)
   what = "one layer"

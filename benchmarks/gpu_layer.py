@@ -15,19 +15,16 @@ run's copy bandwidth, and the kernels' speed over XLA's.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, compile_fn, log, median_time
+from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
 from mamba_train.ops import layer_gpu, layer_math
-from mamba_train.train import aot
+from mamba_train.tools import hlo
 
 # (name, b, l, d_inner, ngroups * d_state): a layer of each model at 4 x 2048 a GPU.
 SHAPES = [("130m", 4, 2048, 1536, 128), ("1.3b", 4, 2048, 4096, 128)]
@@ -63,20 +60,15 @@ def _fns(impl, cot):
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 8)))
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 def check(shape, dtype) -> dict:
   """The kernels against the plain forms on this device: outputs and every gradient,
   relative to the largest entry."""
   _, b, l, i, gn = shape
   args, cot = _inputs(b, l, i, gn, dtype, seed=1)
   (kf, kb), (xf, xb) = _fns("kernels", cot), _fns("xla", cot)
-  out = {f"out{j}": _rel(a, r) for j, (a, r) in enumerate(zip(kf(*args), xf(*args)))}
+  out = {f"out{j}": rel_error(a, r) for j, (a, r) in enumerate(zip(kf(*args), xf(*args)))}
   names = "x bc z w_x b_x w_bc b_bc norm_w".split()
-  out.update({"d" + n: _rel(a, r) for n, a, r in zip(names, kb(*args), xb(*args))})
+  out.update({"d" + n: rel_error(a, r) for n, a, r in zip(names, kb(*args), xb(*args))})
   return out
 
 
@@ -88,62 +80,36 @@ def bench(args) -> list[dict]:
     name, b, l, i, gn = shape
     inputs, cot = _inputs(b, l, i, gn, dtype)
     tokens = b * l
-    timed = {}
-    for impl in ("xla", "kernels"):
-      fwd, bwd = _fns(impl, cot)
-      for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
-        compiled, info = compile_fn(fn, *inputs)
-        sec = median_time(lambda compiled=compiled: compiled(*inputs), args.repeats)
-        # The kernels' own byte estimates (the same work for both forms): what a
-        # fused chain has to move at least.
-        est = aot.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
-        moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
-        timed[(impl, mode)] = sec
-        rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
-                     "seq_len": l, "d_inner": i, "dtype": args.dtype, "seconds": sec,
-                     "tokens_per_s": tokens / sec, "kernel_bytes": moved,
-                     "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
-        log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
-            f"the kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
-            f"compile {info['compile_s']:.1f} s")
-    for r in rows:
-      if r["shape"] == name:
-        r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, cot), inputs, args.repeats):
+      # The kernels' own byte estimates (the same work for both forms): what a
+      # fused chain has to move at least.
+      est = hlo.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
+      moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
+      rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
+                   "seq_len": l, "d_inner": i, "dtype": args.dtype, "seconds": sec,
+                   "tokens_per_s": tokens / sec, "kernel_bytes": moved,
+                   "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
+      log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
+          f"the kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
+          f"compile {info['compile_s']:.1f} s")
+    add_speedups(rows, name)
   return rows
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_layer", description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default=None, help="write results.json and results.md here")
-  ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--dry_run", action="store_true", help="small shapes; on CPU the kernels run interpreted")
-  args = ap.parse_args(argv)
-  accel = jax.default_backend() != "cpu"
-  args.roofline_n, args.roofline_mib = (8192, 2048) if accel else (512, 16)
-  if not accel and not args.dry_run:
-    ap.error("no GPU here: use --dry_run (small shapes, the kernels in Pallas' interpreter)")
-  shape = (DRY_SHAPES if args.dry_run else SHAPES)[0]
-  errors = {dt: check(shape, jnp.dtype(dt)) for dt in ("float32", args.dtype)}
-  for dt, e in errors.items():
-    log(f"  layer kernels vs plain forms on {jax.devices()[0].device_kind}, {shape[0]} shape, {dt}: "
-        + ", ".join(f"{k} {v:.1e}" for k, v in e.items()))
-  rows = bench(args)
+def table(rows: list[dict]) -> list[str]:
   lines = ["| shape | impl | mode | tokens/s | kernels' bytes / s | of copy bandwidth | compile s | kernels / xla |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
                  f"{r['kernel_bytes'] / r['seconds'] / 1e9:,.0f} GB/s | {100 * r['frac_copy_bandwidth']:.0f}% | "
                  f"{r['compile_s']:.2g} | " + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
-  print("\n".join(lines))
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
-                 "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-      f.write("\n".join(lines) + "\n")
-  return rows, errors
+  return lines
+
+
+def main(argv=None):
+  return kernels_main(argv, prog="python -m benchmarks.gpu_layer", description=__doc__.split("\n")[0],
+                      shapes=SHAPES, dry_shapes=DRY_SHAPES, check=check,
+                      checked="layer kernels vs plain forms", bench=bench, table=table)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,14 @@ kernel and one XLA forward+backward at the 1.3b shape.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, compile_fn, log, median_time
+from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
 from mamba_train.metrics import ssd_flops_per_token
 from mamba_train.ops import ssd, ssd_gpu
 
@@ -61,11 +58,6 @@ def _fns(impl, chunk, cot):
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=tuple(range(6))))
 
 
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 def check(shape, dtype) -> dict:
   """The kernels against the XLA form on this device: forward and every gradient,
   relative to the largest entry. bfloat16 inputs: both forms round; the float32
@@ -75,9 +67,9 @@ def check(shape, dtype) -> dict:
   out = {}
   kf, kb = _fns("kernels", XLA_CHUNK, cot)
   xf, xb = _fns("xla", XLA_CHUNK, cot)
-  out["y"] = _rel(kf(*args), xf(*args))
+  out["y"] = rel_error(kf(*args), xf(*args))
   for name, a, r in zip("x dt A B C D".split(), kb(*args), xb(*args)):
-    out["d" + name] = _rel(a, r)
+    out["d" + name] = rel_error(a, r)
   return out
 
 
@@ -89,26 +81,17 @@ def bench(args) -> list[dict]:
     name, b, l, h, p, g, n = shape
     inputs, cot = _inputs(b, l, h, p, g, n, dtype)
     tokens = b * l
-    timed = {}
-    for impl in ("xla", "kernels"):
-      chunk = XLA_CHUNK
-      fwd, bwd = _fns(impl, chunk, cot)
-      for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
-        compiled, info = compile_fn(fn, *inputs)
-        sec = median_time(lambda compiled=compiled: compiled(*inputs), args.repeats)
-        q = ssd_gpu.kernel_chunk(chunk) if impl == "kernels" else chunk
-        fl = ssd_flops_per_token(h, p, n, g, q, l, "parallel") * (3 if mode == "fwd+bwd" else 1) * tokens
-        timed[(impl, mode)] = sec
-        rows.append({"bench": "gpu_ssd", "shape": name, "impl": impl, "mode": mode, "chunk": q,
-                     "batch": b, "seq_len": l, "heads": h, "dtype": args.dtype, "seconds": sec,
-                     "tokens_per_s": tokens / sec, "gflops": fl / sec / 1e9,
-                     "frac_matmul_peak": fl / sec / rf["matmul_flops"], **info})
-        log(f"  {name} {impl:8s} {mode:8s} chunk {q}: {tokens / sec:12.0f} tok/s, "
-            f"{fl / sec / 1e9:8.1f} GFLOP/s, {100 * fl / sec / rf['matmul_flops']:.1f}% of matmul, "
-            f"compile {info['compile_s']:.1f} s")
-    for r in rows:
-      if r["shape"] == name:
-        r["kernels_speedup"] = timed[("xla", r["mode"])] / timed[("kernels", r["mode"])]
+    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, XLA_CHUNK, cot), inputs, args.repeats):
+      q = ssd_gpu.kernel_chunk(XLA_CHUNK) if impl == "kernels" else XLA_CHUNK
+      fl = ssd_flops_per_token(h, p, n, g, q, l, "parallel") * (3 if mode == "fwd+bwd" else 1) * tokens
+      rows.append({"bench": "gpu_ssd", "shape": name, "impl": impl, "mode": mode, "chunk": q,
+                   "batch": b, "seq_len": l, "heads": h, "dtype": args.dtype, "seconds": sec,
+                   "tokens_per_s": tokens / sec, "gflops": fl / sec / 1e9,
+                   "frac_matmul_peak": fl / sec / rf["matmul_flops"], **info})
+      log(f"  {name} {impl:8s} {mode:8s} chunk {q}: {tokens / sec:12.0f} tok/s, "
+          f"{fl / sec / 1e9:8.1f} GFLOP/s, {100 * fl / sec / rf['matmul_flops']:.1f}% of matmul, "
+          f"compile {info['compile_s']:.1f} s")
+    add_speedups(rows, name)
   return rows
 
 
@@ -124,41 +107,20 @@ def trace(args, out_dir: str) -> None:
   log(f"  jax.profiler trace of the {name} SSD forward+backward (kernels, then XLA): {out_dir}")
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_ssd", description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default=None, help="write results.json and results.md here")
-  ap.add_argument("--trace", default=None, help="write a jax.profiler trace here")
-  ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--dry_run", action="store_true", help="small shapes; on CPU the kernels run interpreted")
-  args = ap.parse_args(argv)
-  accel = jax.default_backend() != "cpu"
-  args.roofline_n, args.roofline_mib = (8192, 2048) if accel else (512, 16)
-  if not accel and not args.dry_run:
-    ap.error("no GPU here: use --dry_run (small shapes, the kernels in Pallas' interpreter)")
-  shape = (DRY_SHAPES if args.dry_run else SHAPES)[0]
-  errors = {dt: check(shape, jnp.dtype(dt)) for dt in ("float32", args.dtype)}
-  for dt, e in errors.items():
-    log(f"  kernels vs XLA on {jax.devices()[0].device_kind}, {shape[0]} shape, {dt}: "
-        + ", ".join(f"{k} {v:.1e}" for k, v in e.items()))
-  rows = bench(args)
-  if args.trace:
-    trace(args, args.trace)
+def table(rows: list[dict]) -> list[str]:
   lines = ["| shape | impl | mode | chunk | tokens/s | GFLOP/s | of matmul peak | compile s | kernels / xla |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['chunk']} | {r['tokens_per_s']:,.0f} | "
                  f"{r['gflops']:,.0f} | {100 * r['frac_matmul_peak']:.1f}% | {r['compile_s']:.2g} | "
                  + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
-  print("\n".join(lines))
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
-                 "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-      f.write("\n".join(lines) + "\n")
-  return rows, errors
+  return lines
+
+
+def main(argv=None):
+  return kernels_main(argv, prog="python -m benchmarks.gpu_ssd", description=__doc__.split("\n")[0],
+                      shapes=SHAPES, dry_shapes=DRY_SHAPES, check=check, checked="kernels vs XLA",
+                      bench=bench, table=table, trace=trace)
 
 
 if __name__ == "__main__":

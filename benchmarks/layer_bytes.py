@@ -9,8 +9,9 @@ fusions by bytes.
       --remat auto --layer_impl mosaic   # a v6e-256 chip's share of the 512 x 2048 step
 
 A fusion's bytes are its operands' plus its result's sizes as the optimised HLO
-prints them (an upper bound where XLA reads only a slice of an operand); XLA's
-own total (`cost_analysis`) is printed beside them. Figures: docs/bench/tpu_ssd.md.
+prints them (an upper bound where XLA reads only a slice of an operand;
+`mamba_train/tools/hlo.py` reads them); XLA's own total (`cost_analysis`) is
+printed beside them. Figures: docs/bench/tpu_ssd.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ _DUMP = tempfile.mkdtemp(prefix="layer_bytes_")
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={_DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_"
 
 import argparse
-import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -40,44 +39,9 @@ from mamba_train.model.lm import Mamba2LM
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices
+from mamba_train.tools.hlo import top_ops
 from mamba_train.train.state import with_shardings
 from mamba_train.train.step import loss_sums
-
-_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-          "s8": 1, "u8": 1, "pred": 1, "s64": 8, "u64": 8}
-_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-# Ops that move no bytes of their own (views, tuples, control flow).
-_FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "while", "call",
-         "conditional", "copy-done", "async-done", "after-all", "partition-id", "replica-id"}
-
-
-def _size(dtype, dims):
-  return _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-
-
-def top_ops(hlo: str, n: int):
-  """[(bytes, name, kind, result shape)] of the ops of every non-fused computation,
-  largest first; an op's bytes are its result's plus its operands' sizes (fusion
-  bodies are skipped: what they hold stays on chip)."""
-  sizes, rows, fused = {}, [], False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace():
-      fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, shape, kind, rest = m.groups()
-    res = sum(_size(*s) for s in _SHAPE.findall(shape))
-    sizes[name] = res
-    if fused or kind in _FREE:
-      continue
-    args = rest.split("), ")[0]
-    ops = sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
-    rows.append((res + ops, name, kind, " ".join(f"{t}[{d}]" for t, d in _SHAPE.findall(shape))))
-  rows.sort(reverse=True)
-  return rows[:n]
 
 
 def _on(sharding, tree):

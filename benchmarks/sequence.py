@@ -12,7 +12,7 @@ step is timed at the lengths up to --time_max_len; the simulated devices share
 this machine's cores, so tokens/s shows the cost of the exchange, not a speed-up.
 
 --part tpu compiles the 1.3b and 2.7b train steps for TPU slices on this CPU
-(`mamba_train.train.aot.compile_train_step`, which scripts/aot_compile.py runs) at
+(`mamba_train.tools.aot.compile_train_step`, which scripts/aot_compile.py runs) at
 32k, 64k and 128k tokens, one sequence per data x fsdp group, doubling `mesh.sequence` from 1 until the step
 fits the chip's HBM. XLA's cost analysis counts the scanned layer body once, so
 the roofline uses the model's FLOP count (`metrics.train_flops_per_token`).
@@ -114,7 +114,7 @@ def tpu_part(args):
   sys.path.insert(0, root)
   from configs import base  # noqa: E402
   from mamba_train.parallel.topology import tpu_devices  # noqa: E402
-  from mamba_train.train import aot  # noqa: E402
+  from mamba_train.tools import aot  # noqa: E402
   print("| model | slice | length | sequence | mesh (data, fsdp, sequence, tensor) | batch | "
         "GiB/chip (HBM) | step s at roofline | MFU at roofline | compile s |")
   print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")

@@ -18,7 +18,7 @@ are XLA's HLO cost analysis of the optimised GPU module plus the Pallas kernels'
 own cost estimates (XLA counts a custom call as nothing there); nothing is
 autotuned without a GPU, so the roofline is the measure, not the binary's speed.
 
-The compile and its report are `mamba_train.train.aot.compile_train_step`: the
+The compile and its report are `mamba_train.tools.aot.compile_train_step`: the
 trainer's own train step, with the run's mesh over the slice's devices, the runtime
 resolved for TPU, and the state and batch shardings it trains with; the state and
 batch are abstract (shapes and shardings only), so nothing is allocated. Reported:
@@ -44,7 +44,8 @@ from ml_collections import config_flags  # noqa: E402
 from configs import base  # noqa: E402
 from mamba_train import metrics  # noqa: E402
 from mamba_train.parallel.topology import is_gpu_topology  # noqa: E402
-from mamba_train.train import aot, run_config  # noqa: E402
+from mamba_train.tools import aot  # noqa: E402
+from mamba_train.train import run_config  # noqa: E402
 
 GIB = metrics.GIB
 

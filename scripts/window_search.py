@@ -1,5 +1,5 @@
 """The smallest SSD window W at which a trained model's validation loss stays within
-a tolerance of the exact model's, overall and per layer (mamba_train/window_search.py).
+a tolerance of the exact model's, overall and per layer (mamba_train/tools/window_search.py).
 
   python scripts/window_search.py --model=runs/tiny --data=data/default --seq_len=4096
   python scripts/window_search.py --model=/path/to/hf_dir --data=data/web \
@@ -22,10 +22,10 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
-from mamba_train import window_search  # noqa: E402
 from mamba_train.data import prepare  # noqa: E402
 from mamba_train.data.loader import make_eval_loader, validate_for_model  # noqa: E402
 from mamba_train.errors import UserError  # noqa: E402
+from mamba_train.tools import window_search  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Workdir, checkpoint, transformers or mamba_ssm dir.",
                              required=True)

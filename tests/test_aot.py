@@ -1,4 +1,4 @@
-"""scripts/aot_compile.py, mamba_train/train/aot.py and mamba_train/parallel/topology.py:
+"""scripts/aot_compile.py, mamba_train/tools/aot.py and mamba_train/parallel/topology.py:
 TPU slice and GPU host names, and the real train step compiled for a TPU slice
 (libtpu from PyPI) and for H100s (the CUDA plugin and ptxas: the `gpu` extra), both
 in the `test` extra, on this CPU, its memory report, and the refusal of a config
@@ -137,7 +137,8 @@ def test_every_layer_cost_counts_each_layer():
 
   from configs import base
   from mamba_train.parallel.mesh import make_mesh
-  from mamba_train.train import aot, run_config
+  from mamba_train.tools import aot
+  from mamba_train.train import run_config
   c = base.get_config()
   c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8)
   c.seq_len, c.batch_size = 8, 1
@@ -154,7 +155,8 @@ import json, jax
 from configs import base
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices
-from mamba_train.train import aot, run_config
+from mamba_train.tools import aot
+from mamba_train.train import run_config
 devices = tpu_devices("v6e:1x1")[2]
 mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices[:1])
 out = {}
@@ -197,7 +199,8 @@ def test_hybrid_every_layer_cost_counts_each_kind(lora_rank):
 
   from configs import base
   from mamba_train.parallel.mesh import make_mesh
-  from mamba_train.train import aot, run_config
+  from mamba_train.tools import aot
+  from mamba_train.train import run_config
   c = base.get_config()
   # (Mamba-2 and attention: an MoE layer's train step alone compiles for tens of seconds here.)
   c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8,
@@ -216,7 +219,7 @@ def test_long_length_asks_for_more_sequence_parallelism():
   # The advice alone (no compile): 300 GiB of activations per device against a
   # 95 GiB chip holding 10 GiB of state needs the sequence split 4 ways more.
   from configs import base
-  from mamba_train.train import aot
+  from mamba_train.tools import aot
   c = base.get_config()
   c.seq_len = 131072
   G = 2**30

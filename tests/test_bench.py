@@ -46,3 +46,33 @@ def test_compiled_module_counts():
 
   c3, c5, c9 = looped(3), looped(5), looped(9)
   assert c5 > c3 and c9 - c5 == 2 * (c5 - c3)
+
+
+def test_hlo_op_bytes():
+  """`tools/hlo.py`, the one HLO reader of the AOT report and the byte benchmarks
+  (`layer_bytes`, `gpu_bytes`): an op's bytes are its result's plus its operands',
+  a fusion's body and the ops that move nothing (parameters, tuples) are not
+  counted, and element sizes follow the type's bits."""
+  import jax
+  import jax.numpy as jnp
+
+  from mamba_train.tools import hlo
+  x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+  text = jax.jit(lambda a: jnp.sin(a) * 2.0).lower(x).compile().as_text()
+  ((b, _, kind, result),) = hlo.top_ops(text, 5)
+  assert (b, kind, result) == (8000, "fusion", "f32[1000]")
+  assert [e for e, _ in hlo.shapes("(bf16[2], pred[3], f8e4m3fn[4], s64[], c64[1], s4[8])")] == [2, 1, 1, 8, 8, 1]
+  assert hlo.shape_bytes("(f32[2,3]{1,0}, s32[])") == 28
+  text = "\n".join([
+      "%fused_computation (p: f32[4]) -> f32[4] {",
+      "  %p = f32[4]{0} parameter(0)",
+      "  ROOT %e = f32[4]{0} exponential(%p)",
+      "}",
+      "ENTRY %main (a: f32[4], b: bf16[8]) -> (f32[4], f32[8]) {",
+      "  %a = f32[4]{0} parameter(0)",
+      "  %b = bf16[8]{0} parameter(1)",
+      "  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
+      "  %c = f32[8]{0} convert(%b)",
+      "  ROOT %t = (f32[4]{0}, f32[8]{0}) tuple(%f, %c)",
+      "}"])
+  assert [(op.name, op.kind, op.bytes) for op in hlo.ops(text)] == [("f", "fusion", 32), ("c", "convert", 48)]

@@ -249,7 +249,14 @@ LEAVES = Rule(
     governs=lambda m: m in (ERRORS_MODULE, f"{PACKAGE}.metrics"),
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
 
-RULES = (SSD_IS_PURE, KERNELS, TABLE, ONLY_TABLE_IMPORTS_KERNELS, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL, LEAVES)
+TOOLS = Rule(
+    "tools", "nothing of the library imports mamba_train.tools (programs over the library that "
+    "measure or search: scripts/ and benchmarks/ call them)",
+    governs=lambda m: ours(m) and not within(m, "mamba_train.tools"),
+    broken_by=lambda t: within(t, "mamba_train.tools"))
+
+RULES = (SSD_IS_PURE, KERNELS, TABLE, ONLY_TABLE_IMPORTS_KERNELS, MODEL, DATA, NO_ENTRY_POINTS, PARALLEL, LEAVES,
+         TOOLS)
 
 
 def outside_names(module: Module) -> list[str]:
@@ -275,7 +282,8 @@ def _governed(rule: Rule) -> list[str]:
 
 def test_the_layout_is_where_the_rules_expect_it():
   for name in ("mamba_train.ops.ssd", "mamba_train.model", "mamba_train.data",
-               "mamba_train.parallel", "mamba_train.interop", "mamba_train.train"):
+               "mamba_train.parallel", "mamba_train.interop", "mamba_train.train",
+               "mamba_train.tools"):
     assert name in MODULES, f"{name} is missing: update the rules in this file with the layout"
 
 
@@ -347,6 +355,11 @@ def test_parallel_knows_no_higher_layer(module):
 @pytest.mark.parametrize("module", _governed(LEAVES))
 def test_errors_and_metrics_import_nothing_of_the_package(module):
   assert LEAVES.violations(MODULES[module]) == []
+
+
+@pytest.mark.parametrize("module", _governed(TOOLS))
+def test_no_library_module_imports_the_tools(module):
+  assert TOOLS.violations(MODULES[module]) == []
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -502,7 +515,8 @@ _PKG_MODULES = frozenset({
     "mamba_train.parallel.sharding", "mamba_train.parallel.mesh", "mamba_train.train",
     "mamba_train.train.step", "mamba_train.data", "mamba_train.data.loader", "mamba_train.workdir",
     "mamba_train.workdir.checkpoint", "mamba_train.workdir.storage", "mamba_train.metrics",
-    "mamba_train.errors", "mamba_train.generation", "mamba_train.interop", "mamba_train.interop.convert"})
+    "mamba_train.errors", "mamba_train.generation", "mamba_train.interop", "mamba_train.interop.convert",
+    "mamba_train.tools", "mamba_train.tools.aot", "mamba_train.tools.hlo"})
 
 
 def _check(rule: Rule, module: str, source: str, is_package: bool = False) -> list[str]:
@@ -579,6 +593,16 @@ _CASES = [
     (PARALLEL, "mamba_train.parallel.mesh", "from ..interop import convert", True),
     (PARALLEL, "mamba_train.parallel.mesh", "import mamba_train.workdir.checkpoint", True),
     (PARALLEL, "mamba_train.parallel.distributed", "from mamba_train.errors import RunFailure", False),
+    (TOOLS, "mamba_train.tools.aot", "from mamba_train.train.step import build\nfrom . import hlo", False),
+    (TOOLS, "mamba_train.tools.aot", "from mamba_train.model.config import Mamba2Config", False),
+    (TOOLS, "mamba_train.tools.aot", "from mamba_train.parallel.mesh import make_mesh", False),
+    (TOOLS, "mamba_train.train.step", "from mamba_train.train import run_config", False),
+    (TOOLS, "mamba_train.train.step", "from mamba_train.tools import aot", True),
+    (TOOLS, "mamba_train.train.step", "def f():\n  from ..tools.hlo import xla_cost", True),
+    (TOOLS, "mamba_train.model.mamba2", "import mamba_train.tools.hlo", True),
+    (TOOLS, "mamba_train.workdir.checkpoint", "from mamba_train import tools", True),
+    (TOOLS, "mamba_train.interop", "from ..tools import aot", True, True),
+    (TOOLS, "mamba_train.generation", "importlib.import_module('mamba_train.tools.aot')", True),
 ]
 
 
@@ -601,6 +625,7 @@ def test_rules_govern_only_their_modules():
   assert _check(SSD_IS_PURE, "mamba_train.model.mamba2", src) == []
   assert _check(KERNELS, "mamba_train.model.mamba2", src) == []
   assert _check(KERNELS, "mamba_train.ops.ssd", "from mamba_train.model import config") == []
+  assert _check(TOOLS, "mamba_train.tools.window_search", "from mamba_train.tools import hlo") == []
   # `train` the top-level script is not the library's mamba_train.train.
   assert _check(NO_ENTRY_POINTS, "mamba_train.generation", src) == []
 
@@ -633,6 +658,7 @@ def test_rules_catch_violations_written_into_a_copy_of_the_package(tmp_path):
       "train/bad_hook.py": ("def f():\n  import train", NO_ENTRY_POINTS),
       "parallel/bad_rules.py": ("from mamba_train.workdir.checkpoint import Checkpointer", PARALLEL),
       "metrics.py": ("from mamba_train.workdir import record", LEAVES),
+      "train/loop.py": ("def f():\n  from mamba_train.tools import aot", TOOLS),
   }
   for rel, (line, _) in bad.items():
     with open(pkg / rel, "a") as f:

@@ -298,7 +298,7 @@ from mamba_train.parallel.topology import gpu_devices
 rep = NamedSharding(Mesh(np.array(gpu_devices("h100-1")[2][:1]), ("d",)), P())
 import tokamax
 from mamba_train.ops import experts_gpu
-from mamba_train.train import aot
+from mamba_train.tools.hlo import kernel_costs
 bf = jnp.bfloat16
 m, e, w, f = 256, 8, 128, 64
 S = lambda s, d=bf: jax.ShapeDtypeStruct(s, d, sharding=rep)
@@ -316,7 +316,7 @@ assert len(calls) == 9, len(calls)
 # No other matmul: no cuBLAS GEMM, no dot, so nothing dense over the experts.
 assert "cublas" not in hlo and " dot(" not in hlo, [l for l in hlo.splitlines() if "cublas" in l or " dot(" in l][:3]
 mp = m + experts_gpu.TOKAMAX_ROW_PAD
-k = aot.kernel_costs(compiled, jaxpr)
+k = kernel_costs(compiled, jaxpr)
 assert k["flops"] == 9 * 2 * mp * w * f, k
 print("compiled", len(calls))
 """
@@ -326,7 +326,7 @@ def test_tokamax_experts_compile_for_h100():
   """The experts through tokamax (gate, up, down; forward and both gradients) for
   sm_90a with the gpu extra's wheels (no GPU needed): nine tokamax Triton custom
   calls and no other matmul in the optimised module (XLA:GPU's rewrite of
-  ragged_dot into a dense all-experts dot is gone), and `aot.kernel_costs` counting
+  ragged_dot into a dense all-experts dot is gone), and `hlo.kernel_costs` counting
   each at 2 m k n."""
   import os
   import subprocess

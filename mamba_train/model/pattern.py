@@ -39,7 +39,8 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ScanPlan:
+  """A pattern as scans: its period, repeated, cut into runs of one kind."""
   period: str  # the shortest repeating unit
   repeats: int  # len(pattern) / len(period)
   runs: tuple[Run, ...]  # the period cut into runs of one kind
@@ -48,7 +49,7 @@ class Plan:
     return self.period.count(kind)
 
 
-def plan(pattern: str) -> Plan:
+def plan(pattern: str) -> ScanPlan:
   n = len(pattern)
   p = next(p for p in range(1, n + 1) if n % p == 0 and pattern == pattern[:p] * (n // p))
   period, runs, seen = pattern[:p], [], {}
@@ -61,14 +62,14 @@ def plan(pattern: str) -> Plan:
     runs.append(Run(kind, seen.get(kind, 0), j - i))
     seen[kind] = seen.get(kind, 0) + j - i
     i = j
-  return Plan(period, n // p, tuple(runs))
+  return ScanPlan(period, n // p, tuple(runs))
 
 
 def _slice(tree, start, length):
   return jax.tree.map(lambda a: a[start:start + length], tree)
 
 
-def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h,
+def run(pl: ScanPlan, fns: dict[str, Callable], params: dict[str, Any], states: dict[str, Any], h,
         unroll: bool = False, remat: Callable | None = None):
   """Apply every layer in pattern order (every scan unrolled when `unroll`: XLA's
   cost analysis then counts each layer, not one loop body).
@@ -85,7 +86,7 @@ def run(pl: Plan, fns: dict[str, Callable], params: dict[str, Any], states: dict
   optimise the body; in straight-line code (a run of one layer, an unrolled scan)
   XLA would merge the backward's recomputation with the forward's ops, keeping
   the forward's activations alive (the memory remat exists to save) and dropping
-  the recompute from the counts (`train/aot.py` counts every layer from unrolled
+  the recompute from the counts (`tools/aot.py` counts every layer from unrolled
   programs), so there it is `prevent_cse=True`.
   """
   wrap = (lambda fn, looped: fn) if remat is None else (lambda fn, looped: remat(fn, not looped))

@@ -79,7 +79,7 @@ def expert_mlp_tokamax(rows, up, down, sizes, cd):
   capability, so an ahead-of-time compile on a host without the GPU is refused
   (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
   forward and backward: an ahead-of-time compile lowers under
-  `tokamax.config.cross_compile(True)` (train/aot.py)."""
+  `tokamax.config.cross_compile(True)` (tools/aot.py)."""
   tokamax = import_tokamax()
   gate, up = split_gate(up)
   sizes = sizes.astype(jnp.int32)

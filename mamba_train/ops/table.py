@@ -175,7 +175,7 @@ class Ops:
 @dataclasses.dataclass(frozen=True)
 class Mesh:
   """What the active mesh asks of the kernels (None and False: one device). heads:
-  a `parallel.kernels.HeadSplit` (a Pallas call per device's batch and heads);
+  a `parallel.heads.HeadSplit` (a Pallas call per device's batch and heads);
   sequence: a `parallel.sequence.SequenceSplit` (the length split over devices);
   kv_heads: `parallel.sharding.kv_head_map()`; active: any mesh at all."""
   heads: Any = None

@@ -271,8 +271,8 @@ def _exit_on_peer_lost(reason: str) -> None:
 class PeerWatch:
   """A heartbeat of our own: a thread that writes this process's counter into the
   coordination service's key-value store every `period` seconds and reads its peers';
-  a peer whose counter has not moved for `timeout` seconds (measured here: no clocks
-  compared), or a service unreachable as long, calls `on_lost(reason)`. A process that
+  a peer whose counter has not moved for `timeout` seconds (on this process's own clock:
+  no clocks compared), or a service unreachable as long, calls `on_lost(reason)`. A process that
   ends normally writes "done" first (atexit, before JAX's own shutdown), so that the
   others do not mistake the end of a run for a death."""
 

@@ -91,7 +91,7 @@ class SequenceSplit:
     (`ssd.state_outputs`): what the entering state adds, by the same math as
     between chunks. With a `window`, the slices exchange the inputs the window
     reaches back to instead (`_windowed`). `kernel`: `scan` is a Pallas kernel (in
-    its own map over batch and heads, `parallel/kernels.py`), whose results carry
+    its own map over batch and heads, `parallel/heads.py`), whose results carry
     no varying-axes types, so this map runs with check_vma off."""
     b, l, h, p = x.shape
     n = B.shape[-1]

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mamba_train.parallel.experts import ExpertSplit
-from mamba_train.parallel.kernels import HeadSplit
+from mamba_train.parallel.heads import HeadSplit
 from mamba_train.parallel.sequence import SequenceSplit
 
 # The sequence axis sits next to tensor: after it, the fastest links. Its traffic
@@ -159,7 +159,7 @@ def kv_head_map():
 
 def head_split() -> HeadSplit | None:
   """How the active rules split a Pallas kernel's batch and heads ('batch' and
-  'act_inner'; parallel/kernels.py): a `HeadSplit`, or None outside `use_rules`
+  'act_inner'; parallel/heads.py): a `HeadSplit`, or None outside `use_rules`
   (the kernel runs as on one device)."""
   if not _ACTIVE:
     return None

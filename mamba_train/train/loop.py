@@ -3,7 +3,8 @@ checkpoints and metrics out.
 
 `train` reads top to bottom in sections: config (the workdir, its lock and the
 resume check), mesh, data, model and optimizer (sharded), checkpoint and resume,
-step function, hooks and loop. Periodic work hangs on the loop as hooks
+step function, hooks, loop; the longer parts of a section are the functions below
+it (`build_state`, `resume`, `log_hook`, `eval_hook`, `close`). Periodic work hangs on the loop as hooks
 (train/hooks.py); what the loop does about a loss spike (`RollBack`) and which
 states it saves (`guarded_save`) are its policy, below it.
 """
@@ -59,7 +60,7 @@ def train(plan: Plan, workdir: str = "", *, force_resume: bool = False) -> None:
 def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_lib.Goodput) -> None:
 
   # ===== config =====
-  config, model_cfg = plan.config, plan.model
+  config = plan.config
   is_main = jax.process_index() == 0
   # A workdir that holds checkpoints of another model is refused before anything is written
   # (a LoRA run's base is checked once it is loaded, below, before config.json is written).
@@ -77,43 +78,12 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   harness = make_harness(plan, inputs.tokenizer_path(sources), mesh)  # task names checked before compiling
 
   # ===== model and optimizer, sharded =====
-  params = load_init_params(config.init_from, model_cfg) if config.init_from else None
-  run_record = plan.config_dict()
-  if plan.lora is not None:
-    # The adapters are saved alone, so the record names the base they adapt.
-    # A random base is named by its seed (a recomputed init can differ in the last bit
-    # under other compiler flags); loaded weights by their values.
-    run_record["lora_base"] = {"init_from": config.init_from, "seed": config.seed,
-                               "fingerprint": lora_lib.fingerprint(params) if params else "random init"}
-    check_base(ckpt, run_record["lora_base"], force=force_resume)  # before building the state
-  if is_main:
-    storage.makedirs(workdir)
-    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
-  built = steps.build(plan, mesh, params=params)
-  state = built.state
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  if plan.lora is not None:
-    logging.info("LoRA: %.3fM adapter parameters train; the %.2fM of the base are frozen%s", n_params / 1e6,
-                 sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
-                 f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
-  flops_per_token = metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
-  peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
-  tokens_per_step = config.batch_size * config.seq_len
-  logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",
-               n_params / 1e6, (n_params - (0 if plan.lora else metrics_lib.inactive_params(model_cfg))) / 1e6,
-               flops_per_token, tokens_per_step)
+  built, run_record = build_state(plan, mesh, ckpt, workdir, force=force_resume)
 
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
   # shardings (which may differ from the saving run's), with the data iterator.
-  target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
-  with gp.phase("checkpoint_restore"):
-    restored_step, restored = ckpt.restore(target, train_loader)
-  if restored_step is not None:
-    state = with_frozen(restored, state.frozen)
-    logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
-    if is_main:  # the stopped runs' record, before the writer sets its later rows aside
-      log_resumed_goodput(gp, storage.path(workdir) / "metrics.jsonl", restored_step)
+  state, target, restored_step = resume(ckpt, built.state, train_loader, workdir, gp)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))  # disk space
   preemption = hooks.PreemptionWatcher()
@@ -126,7 +96,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
 
-  # ===== hooks and loop =====
+  # ===== hooks =====
   writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
                                                     or f"{config.name}-{stamp}"},
                                 run_config=plan.config_dict(), is_main=is_main,
@@ -134,32 +104,6 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   throughput = hooks.Throughput()
   share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
-
-  def log(step, state, metrics):
-    m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # (per-expert tokens: lists)
-         for k, v in jax.device_get(metrics).items()}
-    speed = throughput.read(tokens_per_step)
-    row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
-           "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
-           "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
-           "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
-           **metrics_lib.memory_stats(jax.devices()[0]),
-           **share.read(), **{k: m[k] for k in steps.DPO_METRICS + steps.ROUTER_METRICS if k in m}, **gp.row()}
-    writer.write(step, row)
-    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
-
-  def evaluate(step, state, metrics):
-    rows = {name: steps.evaluate(built.eval_step, state.params,
-                                 (steps.to_global(b, mesh) for b in batches()), frozen=state.frozen)
-            for name, batches in held_out.items()}
-    row = steps.pool_eval(rows.values())  # over all sources' tokens
-    for name, r in rows.items():
-      if name:
-        row.update({f"{k}/{name}": v for k, v in r.items()})
-    writer.write(step, row)
-    logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
-    throughput.reset()  # evaluation time is not training time
-
   save = guarded_save(ckpt, train_loader, run_record, writer)
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)
@@ -167,7 +111,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   periodic = [
       hooks.Hook("nonfinite", 1, guard),
       hooks.Hook("save_failed", 1, lambda *_: ckpt.check()),  # a failed async save stops the run
-      hooks.Hook("log", config.log_every, log),
+      hooks.Hook("log", config.log_every, log_hook(plan, mesh, writer, throughput, share, gp, bar)),
       hooks.Hook("spike", 1 if config.optim.spike_factor > 0 else 0, spikes),  # before the save
       # Before eval: a failing evaluation cannot cost the step's checkpoint.
       # Asynchronous: returns once the state is copied to host memory.
@@ -175,11 +119,12 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
       hooks.Hook("local_checkpoint", config.checkpoint.local_every,
                  gp.hook("checkpoint_save", guarded_save(ckpt, train_loader, run_record, writer, local=True)),
                  at_end=False),
-      hooks.Hook("eval", config.eval_every, gp.hook("eval", evaluate)),
+      hooks.Hook("eval", config.eval_every, gp.hook("eval", eval_hook(built, held_out, mesh, writer, throughput))),
       hooks.Hook("harness", config.harness.every if harness else 0, gp.hook(
           "eval", lambda step, state, _: harness(step, state.params, writer, throughput, state.frozen))),
   ]
 
+  # ===== loop =====
   batch, step_metrics, done, step = first_batch, None, start_step, start_step
   share.add(first_host_batch)
   gp.setup_done()
@@ -212,21 +157,121 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
       gp.hook("checkpoint_save", save)(final, state, step_metrics, force=True)
   finally:
     bar.close()
+    close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
+
+
+# ----------------------------------------------------------------------------
+# The sections' parts: the state built, the resume, the log and eval hooks, the close.
+
+
+def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *, force: bool):
+  """-> (the built train state and steps (`step.build`), the run record checkpoints
+  keep): the weights of config.init_from or a fresh init, a LoRA run's base checked
+  against the workdir's adapters, config.json written, the sizes logged."""
+  config, model_cfg = plan.config, plan.model
+  params = load_init_params(config.init_from, model_cfg) if config.init_from else None
+  run_record = plan.config_dict()
+  if plan.lora is not None:
+    # The adapters are saved alone, so the record names the base they adapt.
+    # A random base is named by its seed (a recomputed init can differ in the last bit
+    # under other compiler flags); loaded weights by their values.
+    run_record["lora_base"] = {"init_from": config.init_from, "seed": config.seed,
+                               "fingerprint": lora_lib.fingerprint(params) if params else "random init"}
+    check_base(ckpt, run_record["lora_base"], force=force)  # before building the state
+  if jax.process_index() == 0:
+    storage.makedirs(workdir)
+    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
+  built = steps.build(plan, mesh, params=params)
+  state = built.state
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  if plan.lora is not None:
+    logging.info("LoRA: %.3fM adapter parameters train; the %.2fM of the base are frozen%s", n_params / 1e6,
+                 sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
+                 f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
+  logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",
+               n_params / 1e6, (n_params - (0 if plan.lora else metrics_lib.inactive_params(model_cfg))) / 1e6,
+               metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len),
+               config.batch_size * config.seq_len)
+  return built, run_record
+
+
+def resume(ckpt: checkpoint.Checkpointer, state, train_loader, workdir: str, gp: goodput_lib.Goodput):
+  """-> (the state, the restore target (the trainable state's shapes and
+  shardings), the step restored or None): the newest complete checkpoint restored
+  into `state`'s shardings with the data iterator, the LoRA base kept."""
+  target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
+  with gp.phase("checkpoint_restore"):
+    restored_step, restored = ckpt.restore(target, train_loader)
+  if restored_step is not None:
+    state = with_frozen(restored, state.frozen)
+    logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
+    if jax.process_index() == 0:  # the stopped runs' record, before the writer sets its later rows aside
+      log_resumed_goodput(gp, storage.path(workdir) / "metrics.jsonl", restored_step)
+  return state, target, restored_step
+
+
+def log_hook(plan: Plan, mesh, writer, throughput: hooks.Throughput, share, gp: goodput_lib.Goodput, bar):
+  """`log(step, state, metrics)`: the step's metrics, speed, MFU, memory, the data
+  sources' share and the goodput, one row of the record; the loss on the bar."""
+  config = plan.config
+  flops_per_token = metrics_lib.train_flops_per_token(plan.model, plan.runtime, config.seq_len)
+  peak = metrics_lib.peak_flops_per_device(jax.devices()[0], config.peak_flops)
+  tokens_per_step = config.batch_size * config.seq_len
+
+  def log(step, state, metrics):
+    m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # (per-expert tokens: lists)
+         for k, v in jax.device_get(metrics).items()}
+    speed = throughput.read(tokens_per_step)
+    row = {"loss": m["loss"], "ppl": math.exp(min(m["loss"], 80.0)), "grad_norm": m["grad_norm"],
+           "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
+           "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
+           "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
+           **metrics_lib.memory_stats(jax.devices()[0]),
+           **share.read(), **{k: m[k] for k in steps.DPO_METRICS + steps.ROUTER_METRICS if k in m}, **gp.row()}
+    writer.write(step, row)
+    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")
+
+  return log
+
+
+def eval_hook(built, held_out: dict, mesh, writer, throughput: hooks.Throughput):
+  """`evaluate(step, state, metrics)`: the loss on every held-out source, pooled and
+  per source, one row of the record."""
+
+  def evaluate(step, state, metrics):
+    rows = {name: steps.evaluate(built.eval_step, state.params,
+                                 (steps.to_global(b, mesh) for b in batches()), frozen=state.frozen)
+            for name, batches in held_out.items()}
+    row = steps.pool_eval(rows.values())  # over all sources' tokens
+    for name, r in rows.items():
+      if name:
+        row.update({f"{k}/{name}": v for k, v in r.items()})
+    writer.write(step, row)
+    logging.info("step %d: eval loss %.4f", step, row["eval_loss"])
+    throughput.reset()  # evaluation time is not training time
+
+  return evaluate
+
+
+def close(ckpt: checkpoint.Checkpointer, writer, gp: goodput_lib.Goodput, guard: hooks.NonFiniteGuard, *,
+          done: int, steps: int, workdir: str) -> None:
+  """The run's end, however it came: the saves in flight finished, the goodput row
+  written at the last step `done`, the record closed."""
+  try:
+    with gp.phase("checkpoint_save"):
+      ckpt.close()  # waits for saves in flight
+  finally:
+    # The whole run's goodput, at its end. On a full disk the record cannot take it
+    # either: a warning, so that the error that stopped the run stays the one reported.
     try:
-      with gp.phase("checkpoint_save"):
-        ckpt.close()  # waits for saves in flight
+      writer.write(done, {"event": "goodput", **gp.row()})
+    except OSError as e:
+      logging.warning("the run's closing goodput row was not written: %s", e)
     finally:
-      # The whole run's goodput, at its end. On a full disk the record cannot take it
-      # either: a warning, so that the error that stopped the run stays the one reported.
-      try:
-        writer.write(done, {"event": "goodput", **gp.row()})
-      except OSError as e:
-        logging.warning("the run's closing goodput row was not written: %s", e)
-      finally:
-        with contextlib.suppress(OSError):  # the file is closed even when its flush fails
-          writer.close()
-      logging.info("stopped at step %d of %d in %s; %s", done, config.steps, workdir, guard.summary())
-      logging.info("%s", gp.summary())
+      with contextlib.suppress(OSError):  # the file is closed even when its flush fails
+        writer.close()
+    logging.info("stopped at step %d of %d in %s; %s", done, steps, workdir, guard.summary())
+    logging.info("%s", gp.summary())
 
 
 # ----------------------------------------------------------------------------

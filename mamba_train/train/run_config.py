@@ -145,92 +145,34 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   backend, this host's); the runtime is resolved for it. `data_root` is where a
   corpus run without data.dir or data.mixture prepares the default corpus."""
   cfg = _to_dict(config)
-  problems = []
-  if reference is not None:
-    unknown = _unknown_keys(cfg, _to_dict(reference))
-    if unknown:
-      problems.append(f"unknown config keys {unknown} (the keys are those of configs/base.py)")
-  for key in ("steps", "batch_size", "seq_len"):
-    if not isinstance(cfg.get(key), int) or cfg[key] < 1:
-      problems.append(f"{key} must be a positive integer, got {cfg.get(key)!r}")
-  model = None
-  try:
-    model = model_config(cfg)
-  except ConfigError as e:
-    problems.append(str(e))
-  rt = None
-  try:
-    rt = runtime(cfg)
-  except ConfigError as e:
-    problems.append(str(e))
-  mesh = None
-  try:
-    mesh = resolve_mesh_shape(cfg["mesh"], num_devices)
-  except ValueError as e:
-    problems.append(str(e))
+  # The keys and sizes; the model, its runtime and the mesh, each kept None when it fails.
+  problems = _top_level_problems(cfg, reference)
+  model = _attempt(problems, lambda: model_config(cfg))
+  rt = _attempt(problems, lambda: runtime(cfg))
+  mesh = _attempt(problems, lambda: resolve_mesh_shape(cfg["mesh"], num_devices), ValueError)
+  # How the batch and the sequence divide over the devices.
   optim = cfg["optim"]
   accum = optim.get("grad_accum", 1)
   if not isinstance(accum, int) or accum < 1:
     problems.append(f"optim.grad_accum must be a positive integer, got {accum!r}")
     accum = 1
   if mesh is not None and isinstance(cfg.get("batch_size"), int):
-    dp = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    b = cfg["batch_size"]
-    if b % (dp * accum):
-      problems.append(
-          f"batch_size {b} does not divide over the data-parallel devices: data x fsdp x expert = "
-          f"{mesh['data']} x {mesh['fsdp']} x {mesh['expert']} = {dp}"
-          + (f" times optim.grad_accum {accum}" if accum > 1 else "") + f"; use a multiple of {dp * accum}")
-    if model is not None and mesh["expert"] > 1 and (
-        not model.count("E") or model.n_routed_experts % mesh["expert"]):
-      problems.append(f"mesh.expert = {mesh['expert']} splits the experts of mixture-of-experts layers: "
-                      f"the model needs 'E' layers whose n_routed_experts ({model.n_routed_experts}) "
-                      f"it divides")
-    sp, l = mesh["sequence"], cfg.get("seq_len")
-    if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
-      problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
-                      f"of at least d_conv - 1 = {model.d_conv - 1} positions")
-    groups = data_groups(cfg["mesh"], process_count)
-    if b % groups:
-      problems.append(f"batch_size {b} does not divide over the {groups} data groups of the "
-                      f"{process_count} processes (processes that dcn_sequence or dcn_tensor "
-                      f"spans share rows); use a multiple of {groups}")
+    problems += _layout_problems(cfg, model, mesh, accum, process_count)
+  # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
   lora = None
   if model is not None and "lora" in cfg:
-    try:
-      lora = _lora(cfg["lora"], model)
-    except lora_lib.LoraError as e:
-      problems.append(str(e))
-  if optim.get("spike_factor", 0) and cfg.get("checkpoint_every") == 0:
-    problems.append("optim.spike_factor needs checkpoint_every > 0 (it rolls back to a checkpoint)")
-  for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
-    if not isinstance(cfg.get(key), int) or cfg[key] < 0:
-      problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
-  problems += _tier_problems(cfg.get("checkpoint", {}))
-  if optim.get("schedule") not in SCHEDULES:
-    problems.append(f"optim.schedule must be one of {SCHEDULES}, got {optim.get('schedule')!r}")
-  if optim.get("state_dtype") not in STATE_DTYPES:
-    problems.append(f"optim.state_dtype must be one of {STATE_DTYPES}, got {optim.get('state_dtype')!r}")
-  if cfg["wandb"].get("mode") not in WANDB_MODES:
-    problems.append(f"wandb.mode must be one of {WANDB_MODES}, got {cfg['wandb'].get('mode')!r}")
-  if cfg["data"].get("source") not in DATA_SOURCES:
-    problems.append(f"data.source must be one of {DATA_SOURCES}, got {cfg['data'].get('source')!r}")
+    lora = _attempt(problems, lambda: _lora(cfg["lora"], model), lora_lib.LoraError)
+  problems += _period_problems(cfg)
+  problems += _choice_problems(cfg)
+  # The objective, the experts' balance, the data mixture and the harness.
   dpo, dpo_problems = _dpo(cfg)
   problems += dpo_problems
-  moe = None
-  if model is not None and model.count("E"):
-    moe_cfg = cfg.get("moe", {})
-    bad = moe_problems(moe_cfg)
-    problems += bad
-    if not bad:
-      # The bias update moves the sigmoid router's e_score_correction_bias; a softmax router
-      # (GraniteMoeHybrid) has none, so the rate means nothing there and the default 1e-3
-      # must not stop a Granite finetune: its balance comes from aux_loss_coef.
-      rate = float(moe_cfg["bias_update_rate"]) if model.moe_router_score_function == "sigmoid" else 0.0
-      moe = MoeSpec(float(moe_cfg["aux_loss_coef"]), rate)
-      # The capacity is how the layers dispatch, so it travels in the runtime the model takes.
-      rt = rt and rt.replace(moe_capacity_factor=float(moe_cfg.get("capacity_factor") or 0.0))
+  moe, moe_bad = _moe(cfg, model)
+  problems += moe_bad
+  if moe is not None:
+    # The capacity is how the layers dispatch, so it travels in the runtime the model takes.
+    rt = rt and rt.replace(moe_capacity_factor=float(cfg.get("moe", {}).get("capacity_factor") or 0.0))
   mixture_problems, sources, schedule = _mixture(cfg["data"])
   problems += mixture_problems
   harness = cfg.get("harness", {})
@@ -241,6 +183,8 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     if len(problems) == 1:  # one line
       raise ConfigError(f"Invalid run config: {problems[0]}")
     raise ConfigError("Invalid run config:\n  - " + "\n  - ".join(problems))
+
+  # Resolved: the data to read, the platform, the runtime for it.
   default_corpus = ""
   if cfg["data"]["source"] == "corpus" and not sources:
     if cfg["data"].get("dir"):
@@ -256,6 +200,93 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
               dpo=dpo, moe=moe)
+
+
+def _attempt(problems: list[str], make, errors=ConfigError):
+  """`make()`, or None with its error's message added to `problems`."""
+  try:
+    return make()
+  except errors as e:
+    problems.append(str(e))
+    return None
+
+
+def _top_level_problems(cfg: Mapping, reference) -> list[str]:
+  problems = []
+  if reference is not None:
+    unknown = _unknown_keys(cfg, _to_dict(reference))
+    if unknown:
+      problems.append(f"unknown config keys {unknown} (the keys are those of configs/base.py)")
+  for key in ("steps", "batch_size", "seq_len"):
+    if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+      problems.append(f"{key} must be a positive integer, got {cfg.get(key)!r}")
+  return problems
+
+
+def _layout_problems(cfg: Mapping, model: Mamba2Config | None, mesh: Mapping[str, int], accum: int,
+                     process_count: int) -> list[str]:
+  """The batch over the data-parallel devices and the processes' data groups, the
+  experts over the expert axis, the length over the sequence axis."""
+  problems = []
+  dp = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+  b = cfg["batch_size"]
+  if b % (dp * accum):
+    problems.append(
+        f"batch_size {b} does not divide over the data-parallel devices: data x fsdp x expert = "
+        f"{mesh['data']} x {mesh['fsdp']} x {mesh['expert']} = {dp}"
+        + (f" times optim.grad_accum {accum}" if accum > 1 else "") + f"; use a multiple of {dp * accum}")
+  if model is not None and mesh["expert"] > 1 and (
+      not model.count("E") or model.n_routed_experts % mesh["expert"]):
+    problems.append(f"mesh.expert = {mesh['expert']} splits the experts of mixture-of-experts layers: "
+                    f"the model needs 'E' layers whose n_routed_experts ({model.n_routed_experts}) "
+                    f"it divides")
+  sp, l = mesh["sequence"], cfg.get("seq_len")
+  if isinstance(l, int) and model is not None and (l % sp or l // sp < model.d_conv - 1):
+    problems.append(f"seq_len {l} must split over mesh.sequence = {sp} devices into equal slices "
+                    f"of at least d_conv - 1 = {model.d_conv - 1} positions")
+  groups = data_groups(cfg["mesh"], process_count)
+  if b % groups:
+    problems.append(f"batch_size {b} does not divide over the {groups} data groups of the "
+                    f"{process_count} processes (processes that dcn_sequence or dcn_tensor "
+                    f"spans share rows); use a multiple of {groups}")
+  return problems
+
+
+def _period_problems(cfg: Mapping) -> list[str]:
+  """The steps between logs, evaluations and saves, and the checkpoint tiers."""
+  problems = []
+  if cfg["optim"].get("spike_factor", 0) and cfg.get("checkpoint_every") == 0:
+    problems.append("optim.spike_factor needs checkpoint_every > 0 (it rolls back to a checkpoint)")
+  for key in ("log_every", "eval_every", "checkpoint_every", "checkpoint_keep", "eval_batches"):
+    if not isinstance(cfg.get(key), int) or cfg[key] < 0:
+      problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
+  return problems + _tier_problems(cfg.get("checkpoint", {}))
+
+
+def _choice_problems(cfg: Mapping) -> list[str]:
+  """The settings that name one of a few choices."""
+  optim = cfg["optim"]
+  choices = (("optim.schedule", optim.get("schedule"), SCHEDULES),
+             ("optim.state_dtype", optim.get("state_dtype"), STATE_DTYPES),
+             ("wandb.mode", cfg["wandb"].get("mode"), WANDB_MODES),
+             ("data.source", cfg["data"].get("source"), DATA_SOURCES))
+  return [f"{key} must be one of {allowed}, got {value!r}" for key, value, allowed in choices
+          if value not in allowed]
+
+
+def _moe(cfg: Mapping, model: Mamba2Config | None) -> tuple[MoeSpec | None, list[str]]:
+  """The experts' load balancing when the model has 'E' layers (None otherwise or on a problem)."""
+  if model is None or not model.count("E"):
+    return None, []
+  moe_cfg = cfg.get("moe", {})
+  bad = moe_problems(moe_cfg)
+  if bad:
+    return None, bad
+  # The bias update moves the sigmoid router's e_score_correction_bias; a softmax router
+  # (GraniteMoeHybrid) has none, so the rate means nothing there and the default 1e-3
+  # must not stop a Granite finetune: its balance comes from aux_loss_coef.
+  rate = float(moe_cfg["bias_update_rate"]) if model.moe_router_score_function == "sigmoid" else 0.0
+  return MoeSpec(float(moe_cfg["aux_loss_coef"]), rate), []
 
 
 def _tier_problems(tiers: Mapping) -> list[str]:

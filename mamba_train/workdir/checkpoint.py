@@ -251,8 +251,8 @@ class Checkpointer:
       if layout:  # every step read, but into another train-state tree: nothing is damaged
         raise NoReadableCheckpoint(
             f"the checkpoints in {self.directory} (steps {failed}) hold a train state of another layout "
-            "(written by an earlier mamba_train: the optimizer state gained the weight guard's fields "
-            "on 2026-12-02); nothing was changed. Continue from their weights in a new workdir with "
+            "(written by an earlier mamba_train, before the optimizer state gained the weight guard's "
+            "fields); nothing was changed. Continue from their weights in a new workdir with "
             f"--config.init_from={self.directory.parent} (the optimizer state starts afresh)")
       raise NoReadableCheckpoint(f"no checkpoint in {self.directory} could be read (steps {failed}); "
                                  "nothing was changed: move the directory away to start afresh")

@@ -14,20 +14,18 @@ that does not fit raises `DoesNotFit`, saying what to change.
 
 On GPUs XLA's own `cost_analysis()` is unimplemented (the CUDA plugin's), so the
 counts are XLA's HLO cost analysis of the optimised GPU module run through the
-CPU client (`gpu_hlo_cost`), which counts the GEMM fusions but gives a custom
+CPU client (`hlo.gpu_hlo_cost`), which counts the GEMM fusions but gives a custom
 call (a Pallas kernel) nothing: the cost estimates of the kernels XLA kept are
-added apart, every layer counted the same way (`kernel_costs`).
+added apart, every layer counted the same way (`hlo.kernel_costs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
 from mamba_train import metrics
@@ -36,6 +34,7 @@ from mamba_train.model.params import weight_names
 from mamba_train.ops import table
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
+from mamba_train.tools.hlo import kernel_costs, xla_cost
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -96,134 +95,6 @@ def _advice(config, state_bytes: int, hbm: float, temp_bytes: float | None = Non
   if config.runtime.compute_dtype != "bfloat16":
     tips.append("--config.runtime.compute_dtype=bfloat16")
   return "; ".join(tips)
-
-
-_COUNTS = ("flops", "bytes accessed", "transcendentals")
-
-
-def gpu_hlo_cost(compiled) -> dict[str, float]:
-  """XLA's HLO cost analysis of a program compiled for GPUs, through the CPU client
-  (the CUDA plugin implements no `cost_analysis()`): the optimised module's
-  fusions, GEMM fusions included; custom calls (Pallas kernels) count nothing.
-  A private jaxlib entry point, guarded: empty where it is missing."""
-  try:
-    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-    module = compiled.runtime_executable().hlo_modules()[0]
-    c = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
-  except Exception:  # noqa: BLE001 - another jaxlib: report no counts rather than fail
-    return {}
-  return {k: float(c[k]) for k in _COUNTS if k in c}
-
-
-def xla_cost(compiled, platform: str) -> dict[str, float]:
-  """XLA's counts of a compiled program: its own analysis, or `gpu_hlo_cost` on GPUs."""
-  return gpu_hlo_cost(compiled) if platform == "gpu" else metrics.compiled_cost(compiled)
-
-
-def _subjaxprs(value):
-  if isinstance(value, jax_core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jax_core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _subjaxprs(v)
-
-
-def kernel_estimates(jaxpr) -> dict[str, list]:
-  """{kernel name: [(result shapes, pl.CostEstimate)]} of the Pallas calls in a traced
-  program (`jax.jit(f).trace(*args).jaxpr`), nested jaxprs included."""
-  found: dict[str, list] = {}
-
-  def walk(jx):
-    for eqn in jx.eqns:
-      if eqn.primitive.name == "pallas_call":
-        est = eqn.params.get("cost_estimate")
-        info = eqn.params.get("name_and_src_info")
-        name = getattr(info, "name", None) or eqn.params.get("name")
-        if est is not None and name:
-          found.setdefault(str(name), []).append((tuple(tuple(v.aval.shape) for v in eqn.outvars), est))
-        continue
-      for v in eqn.params.values():
-        for j in _subjaxprs(v):
-          walk(j)
-
-  walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr)
-  return found
-
-
-_HLO_SHAPE = re.compile(r"\b(?:pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
-_TOKEN = re.compile(r"[A-Za-z_]\w*")
-
-
-_HLO_TYPED = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([0-9,]*)\]")
-_BITS = re.compile(r"(\d+)")
-
-
-def _hlo_shapes(text: str) -> list[tuple[int, tuple[int, ...]]]:
-  """(bytes per element, dims) of each typed shape in a piece of HLO text."""
-  out = []
-  for dtype, dims in _HLO_TYPED.findall(text):
-    bits = 8 if dtype == "pred" else (16 if dtype == "bf16" else int(_BITS.search(dtype).group(1)))
-    out.append((max(1, bits // 8), tuple(int(d) for d in dims.split(",") if d)))
-  return out
-
-
-def ragged_dot_cost(line: str) -> tuple[float, float] | None:
-  """(FLOPs, bytes) of one of tokamax's ragged-dot Triton kernels from its custom
-  call's HLO line, which carries no cost estimate: 2 m k n for m rows (the padded
-  rows, an upper bound on sum(group_sizes)) of width k into n, each expert's rows
-  against its own matrix; bytes its two operands and its result once each. The
-  forward and the rows' gradient are (m, k) x (g, k, n) -> (m, n); the weights'
-  gradient (m, k)^T x (m, n) -> (g, k, n). None if the line is not one of them."""
-  if "TritonRaggedDot" not in line:  # tokamax 0.0.12's PallasTritonRaggedDot, 0.0.17's TritonRaggedDot
-    return None
-  head, tail = line.split("custom-call(", 1)
-  res = _hlo_shapes(head)
-  if "operand_layout_constraints={" not in tail or len(res) != 1:
-    return None
-  ops = _hlo_shapes(tail.split("operand_layout_constraints={", 1)[1])[:2]  # lhs, rhs
-  if len(ops) < 2 or len(ops[0][1]) != 2:
-    return None
-  (m, k), n = ops[0][1], res[0][1][-1]
-  return 2.0 * m * k * n, float(sum(e * math.prod(d) for e, d in (res[0], *ops)))
-
-
-def kernel_costs(compiled, jaxpr) -> dict[str, float]:
-  """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
-  as XLA counts its own ops (a loop body once: `every_layer_cost` scales it): each
-  custom call of the optimised module matched by kernel name (and result shapes)
-  to its estimate in the traced program, and tokamax's ragged dots (the GPU
-  experts), which carry no estimate, by `ragged_dot_cost`. From the compiled
-  module, not the jaxpr: XLA drops a recomputation a remat policy made dead (the
-  forward kernel, when its output and states are saved), which the jaxpr still
-  holds."""
-  total = dict.fromkeys(_COUNTS, 0.0)
-  found = kernel_estimates(jaxpr)
-  fused = False
-  for line in compiled.as_text().splitlines():
-    if line and not line[0].isspace():  # a computation's header: fusion bodies hold no calls of ours
-      fused = line.lstrip("%").startswith(("fused", "horizontally_fused", "wrapped"))
-      continue
-    if fused or "custom-call(" not in line:
-      continue
-    ragged = ragged_dot_cost(line)
-    if ragged is not None:
-      total["flops"] += ragged[0]
-      total["bytes accessed"] += ragged[1]
-      continue
-    names = [t for t in set(_TOKEN.findall(line)) if t in found]
-    if not names:
-      continue
-    cands = found[max(names, key=len)]
-    shapes = tuple(tuple(int(d) for d in m.split(",") if d)
-                   for m in _HLO_SHAPE.findall(line.split("custom-call(")[0]))
-    est = next((e for sh, e in cands if sh == shapes), cands[0][1])
-    total["flops"] += est.flops
-    total["bytes accessed"] += est.bytes_accessed
-    total["transcendentals"] += est.transcendentals
-  return total
 
 
 def cost_with_layers(plan: run_config.Plan, mesh: Mesh, n_layer: int, *, unroll: bool) -> dict:
