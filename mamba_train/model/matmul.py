@@ -50,7 +50,6 @@ key, which training gives it (one per step, per layer and per target: see
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -216,7 +215,3 @@ def head(x, w, compute_dtype):
     w = qwix.dequantize(w)
   return jnp.einsum("...d,vd->...v", x.astype(cd), w.astype(cd), preferred_element_type=F32)
 
-
-def weight_bytes(w) -> int:
-  """Bytes a weight occupies (its values and scales)."""
-  return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(w))
