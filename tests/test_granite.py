@@ -6,20 +6,16 @@ to GraniteMoeHybrid is not built, and the exporters refuse its functions.)"""
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-from mamba_train import generate, load_model
+from mamba_train import load_model
 from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf
 
-from helpers import rel
-
-forward = nnx.jit(lambda model, ids: model(ids))
+import reference_checks
 
 COMMON = dict(hidden_size=32, vocab_size=90, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
               mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
@@ -73,22 +69,13 @@ def test_config_read(pair):
 
 def test_logits_match_transformers(pair):
   _, ref, _, ours = pair
-  ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
-  with torch.no_grad():
-    want = ref(ids).logits.numpy()
-  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
-  assert got.shape == want.shape and got.dtype == np.float32
-  assert rel(got, want) < 1e-5
+  reference_checks.assert_logits_match(ref, ours)
 
 
 @pytest.mark.parametrize("pair", ["moe_rope_tied"], indirect=True)  # (decoding's MLP path: NemotronH's tests)
 def test_greedy_matches_transformers(pair):
   _, ref, _, ours = pair
-  prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 10
-  with torch.no_grad():
-    want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
-  np.testing.assert_array_equal(generate(ours, prompt, n), want)
+  reference_checks.assert_greedy_matches(ref, ours, 10)
 
 
 def test_released_names_and_refusals(pair, tmp_path):

@@ -13,15 +13,16 @@ from flax import nnx
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 import mamba_train
-from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
+from mamba_train import Mamba2Config, Mamba2LM, load_model
 from mamba_train.generation import prefill, step
 from mamba_train.interop import convert
-from mamba_train.interop.export import save_hf, save_mamba_ssm
+from mamba_train.interop.export import save_mamba_ssm
 from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
 from mamba_train.ops import attention as attention_ops, attention_tpu
 from mamba_train.parallel import sharding
 
+import reference_checks
 from helpers import rel, skip_on_known_transformers_bug
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
@@ -81,22 +82,13 @@ def test_config_read(pair):
 def test_logits_match_transformers(pair):
   _, ref, ours = pair
   skip_on_known_transformers_bug(ref.config)
-  ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
-  with torch.no_grad():
-    want = ref(ids).logits.numpy()
-  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
-  assert got.shape == want.shape and got.dtype == np.float32
-  assert rel(got, want) < 1e-5
+  reference_checks.assert_logits_match(ref, ours)
 
 
 def test_greedy_matches_transformers(pair):
   _, ref, ours = pair
   skip_on_known_transformers_bug(ref.config)
-  prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 12
-  with torch.no_grad():
-    want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
-  np.testing.assert_array_equal(generate(ours, prompt, n), want)
+  reference_checks.assert_greedy_matches(ref, ours, 12)
 
 
 def test_export_then_from_pretrained(tmp_path):
@@ -106,14 +98,8 @@ def test_export_then_from_pretrained(tmp_path):
                      vocab_size=90, layer_pattern="M*-M", attn_num_heads=4, attn_num_heads_kv=2,
                      attn_head_dim=8, d_intermediate=48)
   ours = Mamba2LM(cfg, rngs=nnx.Rngs(3))
-  save_hf(ours, tmp_path / "out")
-  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
-  ids = np.random.default_rng(0).integers(0, 90, (2, 19))
-  with torch.no_grad():
-    want = ref(torch.tensor(ids)).logits.numpy()
-  got = np.asarray(forward(ours, jnp.asarray(ids)))
-  assert rel(got, want) < 1e-5
-  back = load_model(tmp_path / "out")
+  ref = reference_checks.export_to_transformers(ours, tmp_path / "out")
+  back = reference_checks.assert_export_round_trip(ref, ours, tmp_path / "out")
   assert back.config.pattern == cfg.pattern and not back.config.tie_embeddings
   for k, v in ours.params().items():
     if k != "embedding":
@@ -341,10 +327,7 @@ def test_mamba_ssm_hybrid_import_matches_transformers(tmp_path):
   (out / "config.json").write_text(__import__("json").dumps(config))
   ours = load_model(out)
   assert ours.config.pattern == "M*M" and ours.config.n_kv_heads == 2
-  ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(2))
-  with torch.no_grad():
-    want = ref(ids).logits.numpy()
-  assert rel(np.asarray(forward(ours, jnp.asarray(ids.numpy()))), want) < 1e-5
+  reference_checks.assert_logits_match(ref, ours, length=13, seed=2)
   # mamba_ssm's MHA defaults to biases, which these layers do not have: refused by name.
   bad = dict(config, attn_cfg={"num_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj_bias"):

@@ -13,13 +13,14 @@ import torch
 from flax import nnx
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
+from mamba_train import Mamba2Config, Mamba2LM, load_model
 from mamba_train.interop import convert
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.runtime import Runtime
 from mamba_train.ops import experts, experts_gpu, experts_tpu
 
+import reference_checks
 from helpers import rel, skip_on_known_transformers_bug
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
@@ -82,22 +83,13 @@ def test_config_read(pair):
 def test_logits_match_transformers(pair):
   _, ref, ours = pair
   skip_on_known_transformers_bug(ref.config)
-  ids = torch.randint(0, 90, (2, 21), generator=torch.Generator().manual_seed(1))
-  with torch.no_grad():
-    want = ref(ids).logits.numpy()
-  got = np.asarray(forward(ours, jnp.asarray(ids.numpy())))
-  assert got.shape == want.shape and got.dtype == np.float32
-  assert rel(got, want) < 1e-5
+  reference_checks.assert_logits_match(ref, ours)
 
 
 def test_greedy_matches_transformers(pair):
   _, ref, ours = pair
   skip_on_known_transformers_bug(ref.config)
-  prompt, n = [5, 17, 2, 44, 8, 61, 23, 60, 12, 33, 71], 10
-  with torch.no_grad():
-    want = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
-  np.testing.assert_array_equal(generate(ours, prompt, n), want)
+  reference_checks.assert_greedy_matches(ref, ours, 10)
 
 
 MOE_CFG = Mamba2Config(d_model=32, n_layer=4, d_state=8, headdim=16, ngroups=2, chunk_size=8,
@@ -111,14 +103,9 @@ def test_export_then_from_pretrained(tmp_path):
   """An MoE hybrid built here (tied head, latent, grouped routing) -> transformers
   -> the same logits; back through load_model bit-exact; bfloat16 keeps the router float32."""
   ours = Mamba2LM(MOE_CFG, rngs=nnx.Rngs(3))
-  save_hf(ours, tmp_path / "out")
-  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ref = reference_checks.export_to_transformers(ours, tmp_path / "out")
   skip_on_known_transformers_bug(ref.config)
-  ids = np.random.default_rng(0).integers(0, 90, (2, 19))
-  with torch.no_grad():
-    want = ref(torch.tensor(ids)).logits.numpy()
-  assert rel(np.asarray(forward(ours, jnp.asarray(ids))), want) < 1e-5
-  back = load_model(tmp_path / "out")
+  back = reference_checks.assert_export_round_trip(ref, ours, tmp_path / "out")
   assert back.config.weight_differences(MOE_CFG.replace(tie_embeddings=False)) == {}
   jax.tree.map(np.testing.assert_array_equal, back.params()["moe"], ours.params()["moe"])
   save_hf(ours, tmp_path / "bf16", dtype="bfloat16")
@@ -140,8 +127,7 @@ def test_eval_harness_scores_as_transformers(tmp_path):
   from mamba_train.data.tokenizer import load_tokenizer
   from mamba_train.interop.eval_harness import HarnessLM
   ours = Mamba2LM(MOE_CFG.replace(vocab_size=257), rngs=nnx.Rngs(4))
-  save_hf(ours, tmp_path / "hf")
-  ref = NemotronHForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  ref = reference_checks.export_to_transformers(ours, tmp_path / "hf")
   skip_on_known_transformers_bug(ref.config)
   rng = np.random.default_rng(0)
   pairs = [(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, m).tolist()) for n, m in ((9, 3), (14, 1), (5, 6))]
@@ -467,10 +453,7 @@ def test_heads_not_a_multiple_of_d_model(tmp_path):
                                      "mamba_num_heads": 6})
   ours = load_model(tmp_path)
   assert (ours.config.mamba_num_heads, ours.config.d_inner, ours.config.d_model) == (6, 96, 40)
-  ids = torch.randint(0, 90, (2, 13), generator=torch.Generator().manual_seed(4))
-  with torch.no_grad():
-    want = ref(ids).logits.numpy()
-  assert rel(np.asarray(forward(ours, jnp.asarray(ids.numpy()))), want) < 1e-5
+  reference_checks.assert_logits_match(ref, ours, length=13, seed=4)
   assert convert.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
   with pytest.raises(ValueError, match="mamba_num_heads"):
     convert.ours_to_mamba_ssm_config(ours.config)
