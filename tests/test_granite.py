@@ -12,7 +12,7 @@ import torch
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from mamba_train import load_model
-from mamba_train.interop import convert
+from mamba_train.interop import granite
 from mamba_train.interop.export import save_hf
 
 import reference_checks
@@ -85,7 +85,7 @@ def test_released_names_and_refusals(pair, tmp_path):
   name, _, path, ours = pair
   from safetensors.numpy import load_file, save_file
   sd = load_file(str(path / "model.safetensors"))
-  new = convert.GRANITE_FILE_NAMES
+  new = granite.GRANITE_FILE_NAMES
   renamed = {next((k[: -len(o)] + n for o, n in new.items() if k.endswith(o)), k): v for k, v in sd.items()}
   assert (set(renamed) != set(sd)) == (name == "moe_rope_tied")
   (tmp_path / "new").mkdir()
@@ -100,6 +100,6 @@ def test_released_names_and_refusals(pair, tmp_path):
   for bad, match in ((dict(hidden_act="gelu"), "hidden_act"), (dict(attention_bias=True), "attention_bias"),
                      (dict(position_embedding_type="alibi"), "position_embedding_type")):
     with pytest.raises(ValueError, match=match):
-      convert.granite_config_to_ours({**hf, **bad})
+      granite.granite_config_to_ours({**hf, **bad})
   with pytest.raises(ValueError, match="embedding_multiplier"):
     save_hf(ours, tmp_path / "export")

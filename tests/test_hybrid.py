@@ -15,7 +15,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, load_model
 from mamba_train.generation import prefill, step
-from mamba_train.interop import convert
+from mamba_train.interop import convert, files, mamba_ssm as mamba_ssm_layout, nemotron_h
 from mamba_train.interop.export import save_mamba_ssm
 from mamba_train.model import attention as attn_lib, pattern as pattern_lib
 from mamba_train.model.cache import CACHE_AXES, Mamba2Cache
@@ -111,15 +111,15 @@ def test_export_then_from_pretrained(tmp_path):
 
 
 def test_nemotron_h_refusals():
-  base = convert.ours_to_nemotron_h_config(HYB)
+  base = nemotron_h.ours_to_nemotron_h_config(HYB)
   with pytest.raises(ValueError, match="kinds"):
-    convert.nemotron_h_config_to_ours({**base, "layers_block_type": ["mamba", "dense", "attention"]})
+    nemotron_h.nemotron_h_config_to_ours({**base, "layers_block_type": ["mamba", "dense", "attention"]})
   with pytest.raises(ValueError, match="mlp_hidden_act"):
-    convert.nemotron_h_config_to_ours({**base, "mlp_hidden_act": "gelu"})
+    nemotron_h.nemotron_h_config_to_ours({**base, "mlp_hidden_act": "gelu"})
   with pytest.raises(ValueError, match="rotary"):
-    convert.ours_to_nemotron_h_config(HYB.replace(attn_rotary_emb_dim=4))
+    nemotron_h.ours_to_nemotron_h_config(HYB.replace(attn_rotary_emb_dim=4))
   with pytest.raises(ValueError, match="squared ReLU"):
-    convert.ours_to_nemotron_h_config(HYB.replace(mlp_act="swiglu"))
+    nemotron_h.ours_to_nemotron_h_config(HYB.replace(mlp_act="swiglu"))
 
 
 # ----------------------------------------------------------------------------
@@ -331,7 +331,7 @@ def test_mamba_ssm_hybrid_import_matches_transformers(tmp_path):
   # mamba_ssm's MHA defaults to biases, which these layers do not have: refused by name.
   bad = dict(config, attn_cfg={"num_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj_bias"):
-    convert.mamba_ssm_config_to_ours(bad)
+    mamba_ssm_layout.mamba_ssm_config_to_ours(bad)
 
 
 def test_mamba_ssm_hybrid_with_gated_mlp_round_trips(tmp_path):
@@ -339,7 +339,7 @@ def test_mamba_ssm_hybrid_with_gated_mlp_round_trips(tmp_path):
                     attn_rotary_emb_dim=4)
   ours = Mamba2LM(cfg, rngs=nnx.Rngs(4))
   save_mamba_ssm(ours, tmp_path / "ssm")
-  mc = convert.read_json(tmp_path / "ssm" / "config.json")
+  mc = files.read_json(tmp_path / "ssm" / "config.json")
   assert (mc["n_layer"], mc["attn_layer_idx"], mc["d_intermediate"]) == (2, [1], 128)
   back = load_model(tmp_path / "ssm")
   assert back.config == cfg
@@ -355,6 +355,6 @@ def test_mamba_ssm_hybrid_with_gated_mlp_round_trips(tmp_path):
   got = attn_lib.mlp(p, jnp.asarray(x), cfg, ours.runtime)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="GatedMLP"):
-    convert.ours_to_mamba_ssm_config(cfg.replace(mlp_act="relu2"))
+    mamba_ssm_layout.ours_to_mamba_ssm_config(cfg.replace(mlp_act="relu2"))
   with pytest.raises(ValueError, match="every block"):
-    convert.ours_to_mamba_ssm_config(HYB)  # 'M*-M*-': a mixer without its MLP
+    mamba_ssm_layout.ours_to_mamba_ssm_config(HYB)  # 'M*-M*-': a mixer without its MLP

@@ -14,7 +14,7 @@ from flax import nnx
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from mamba_train import Mamba2Config, Mamba2LM, load_model
-from mamba_train.interop import convert
+from mamba_train.interop import mamba_ssm as mamba_ssm_layout, nemotron_h
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.runtime import Runtime
@@ -116,7 +116,7 @@ def test_export_then_from_pretrained(tmp_path):
   with pytest.raises(ValueError, match="mixture-of-experts"):
     save_mamba_ssm(ours, tmp_path / "ssm")
   with pytest.raises(ValueError, match="shared expert"):
-    convert.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
+    nemotron_h.ours_to_nemotron_h_config(MOE_CFG.replace(moe_shared_expert_intermediate_size=0))
 
 
 def test_eval_harness_scores_as_transformers(tmp_path):
@@ -454,9 +454,9 @@ def test_heads_not_a_multiple_of_d_model(tmp_path):
   ours = load_model(tmp_path)
   assert (ours.config.mamba_num_heads, ours.config.d_inner, ours.config.d_model) == (6, 96, 40)
   reference_checks.assert_logits_match(ref, ours, length=13, seed=4)
-  assert convert.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
+  assert nemotron_h.ours_to_nemotron_h_config(ours.config)["mamba_num_heads"] == 6
   with pytest.raises(ValueError, match="mamba_num_heads"):
-    convert.ours_to_mamba_ssm_config(ours.config)
+    mamba_ssm_layout.ours_to_mamba_ssm_config(ours.config)
 
 
 def test_run_config_refusals():

@@ -14,21 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from mamba_train.interop import granite, hf_mamba2, mamba_ssm, nemotron_h
-from mamba_train.interop.files import read_json
-from mamba_train.interop.granite import GRANITE_FILE_NAMES, granite_config_to_ours
-from mamba_train.interop.hf_mamba2 import hf_config_to_ours, ours_to_hf_config
-from mamba_train.interop.mamba_ssm import mamba_ssm_config_to_ours, ours_to_mamba_ssm_config
-from mamba_train.interop.nemotron_h import nemotron_h_config_to_ours, ours_to_nemotron_h_config
 from mamba_train.interop.tables import Layout
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.params import KIND_PARAMS
-
-# The table and both directions; with them, the families' config readers and
-# writers and read_json, for callers that reach every layout through this module.
-__all__ = ["LAYOUTS", "config_layout", "state_dict_to_params", "params_to_state_dict", "tied_aliases",
-           "read_json", "hf_config_to_ours", "ours_to_hf_config", "nemotron_h_config_to_ours",
-           "ours_to_nemotron_h_config", "granite_config_to_ours", "GRANITE_FILE_NAMES",
-           "mamba_ssm_config_to_ours", "ours_to_mamba_ssm_config"]
 
 # In the order `config_layout` asks them: transformers' Mamba2 (any config with
 # hidden_size) after the model types that have one too.
