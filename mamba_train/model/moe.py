@@ -27,7 +27,7 @@ function does not depend on how the batch is split over devices. The (token,
 expert) pairs are sorted by expert and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
 experts' tokens), so the program asks for T k rows of work whatever E. Who runs
-them is `Runtime.moe_impl`, chosen in `ops/table.py`: XLA's ragged_dot
+them is the runtime's choice for the experts, made in `ops/table.py`: XLA's ragged_dot
 (`ops/experts.py`), megablox on TPUs (`ops/experts_tpu.py`), tokamax's ragged dot
 on NVIDIA GPUs (`ops/experts_gpu.py`). `experts_dense` (every expert on every
 token, masked) is the reference it is tested against.
