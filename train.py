@@ -84,9 +84,16 @@ def main(argv):
   except distributed.DistributedInitError as e:
     sys.exit(f"error: {e}")
   try:
-    plan = run_config.validate(_CONFIG.value, num_devices=jax.device_count(),
+    config = _CONFIG.value
+    # What the user set: the --config.* flags as given, recorded by the flag as it parses
+    # them. Not a comparison with the recipe's defaults, which would take a value the user
+    # restated (--config.model.d_model=768 on a 130m recipe) for a default and let init_from
+    # replace it silently, and which would have to load the recipe again.
+    explicit = config_flags.get_override_values(flags.FLAGS["config"])
+    plan = run_config.validate(config, num_devices=jax.device_count(),
                                process_count=jax.process_count(), platform=jax.devices()[0].platform,
-                               reference=base.get_config(), data_root=os.path.join(_HERE, "data"))
+                               reference=base.get_config(), data_root=os.path.join(_HERE, "data"),
+                               init_model=run_config.init_architecture(config.init_from), explicit=explicit)
     loop.train(plan, _WORKDIR.value, force_resume=_FORCE_RESUME.value)
   except errors.UserError as e:  # the fix is in the message: no traceback unless asked
     if _DEBUG.value:

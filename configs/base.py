@@ -116,7 +116,11 @@ def get_config() -> ml_collections.ConfigDict:
       name="",  # '' = the config name and the time
   ))
 
-  c.init_from = ""  # '' = random init; else a transformers or mamba_ssm model directory
+  # '' = random init; else a workdir, a checkpoint step, a transformers or a mamba_ssm directory,
+  # whose architecture the run takes: config.model is a default that init_from's own config
+  # replaces (a line says which fields it changed), but for ssd_window, the run's own, and
+  # the model fields set on the command line, which must agree with it.
+  c.init_from = ""
 
   # --- what the run minimises ---
   # lm: cross entropy on the unmasked tokens (pretraining, finetuning, SFT).

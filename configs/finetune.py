@@ -1,4 +1,5 @@
-"""Finetune a pretrained Mamba-2 130m on a corpus: lower, shorter learning rate.
+"""Finetune a pretrained Mamba-2 on a corpus: lower, shorter learning rate. Written for a
+130m; the run takes init_from's architecture, so any base runs as it is.
 
   python train.py --config configs/finetune.py --workdir runs/ft \
       --config.init_from=PATH/TO/mamba2-130m --config.data.dir=data/my_corpus

@@ -240,3 +240,26 @@ def test_old_runtime_spellings_run_from_the_command_line_and_a_saved_config():
   c.runtime.moe_impl = "ragged"
   rt = run_config.runtime(c)
   assert (rt.interpret, rt.ssd_impl, rt.moe_impl) == (True, "triton", "xla")
+
+
+def test_init_from_supplies_the_architecture_but_not_what_the_user_set():
+  """A recipe's model fields are a default: init_from's replace them (named in the plan,
+  which the run's line prints), but for ssd_window (the run's own) and the fields set on the
+  command line, which init_from must not contradict where the weights depend on them."""
+  from mamba_train import Mamba2Config, config_for
+  small = config_for("tiny", vocab_size=257).replace(dt_limit=(0.0, 1.0))
+  c = load("window")  # written for 130m, with a window of its own
+  c.init_from = "runs/tiny"
+  plan = validate(c, num_devices=8, init_model=small)
+  assert plan.model == small.replace(ssd_window=1024) == Mamba2Config.from_dict(plan.config.model.to_dict())
+  assert plan.model_from_init["d_model"] == (768, 256) and "ssd_window" not in plan.model_from_init
+  assert c.model.d_model == 768  # the caller's config stays as given
+  # Set on the command line: kept, when the weights allow it (chunk_size is in no weight).
+  c.model.chunk_size, c.model.d_model = 64, 256
+  plan = validate(c, num_devices=8, init_model=small, explicit={"model.chunk_size": 64, "model.d_model": 256})
+  assert plan.model == small.replace(ssd_window=1024, chunk_size=64) and "d_model" not in plan.model_from_init
+  c.model.d_model, c.model.n_layer = 128, 4
+  with pytest.raises(ConfigError, match=r"config.model.d_model=128 on the command line contradicts init_from "
+                     r"'runs/tiny', whose model has d_model=256: drop it"):
+    validate(c, num_devices=8, init_model=small, explicit={"model.d_model": 128, "model.n_layer": 4})
+

@@ -100,6 +100,16 @@ def _lora_base(saved: dict, cfg: Mamba2Config):
   return Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
 
 
+def load_config(path: str | os.PathLike) -> Mamba2Config:
+  """The architecture of what `load_model(path)` loads, from its config alone (no weight is
+  read): a workdir's or checkpoint step's saved run config, or an outside config.json."""
+  path = storage.path(path)
+  layout = detect_layout(path)
+  if layout == "checkpoint":
+    return checkpoint.saved_configs(checkpoint.saved_config(checkpoint.find_step_dir(path)))[0]
+  return convert.LAYOUTS[layout].config_to_ours(files.read_json(path / files.CONFIG_FILE))
+
+
 def load_model(path: str | os.PathLike, runtime: Runtime | None = None, **overrides) -> Mamba2LM:
   """Load a Mamba2LM from a workdir / checkpoint step, a transformers (Mamba2,
   NemotronH or GraniteMoeHybrid) or a mamba_ssm directory.

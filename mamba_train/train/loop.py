@@ -67,6 +67,9 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep,
                                  local_dir=config.checkpoint.local_dir)
   check_resumable(ckpt, plan, force=force_resume)
+  if plan.model_from_init:  # the recipe's model fields are a default; the weights say what they are
+    logging.info("config.model from init_from %r: %s", config.init_from, ", ".join(
+        f"{k}={theirs!r} (recipe: {ours!r})" for k, (ours, theirs) in plan.model_from_init.items()))
 
   # ===== mesh =====
   mesh = make_mesh(config.mesh, shape=plan.mesh_shape)
@@ -396,8 +399,9 @@ def check_base(ckpt: checkpoint.Checkpointer, base: dict, *, force: bool) -> Non
 
 
 def load_init_params(path: str, model_cfg: Mamba2Config):
-  """Parameters of a transformers or mamba_ssm checkpoint directory, checked against config.model
-  (a LoRA run's: its adapters merged into its base)."""
+  """Parameters of a workdir, a transformers or mamba_ssm directory (a LoRA run's: its adapters
+  merged into its base), checked against config.model (which `run_config.validate` took from
+  its config: only a directory that changed since can differ)."""
   model = load_model(path).merged()
   differ = model_cfg.weight_differences(model.config, init=False)
   if differ:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Collection, Mapping
 
 import ml_collections
 
 from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
-from mamba_train.model.config import Mamba2Config
+from mamba_train.model.config import FINETUNE_MAY_CHANGE, Mamba2Config
 from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -128,6 +128,8 @@ class Plan:
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
   dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
   moe: MoeSpec | None = None  # config.moe (router load balancing) when the model has 'E' layers
+  # The config.model fields init_from replaced: {field: (the recipe's value, init_from's)}.
+  model_from_init: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -138,15 +140,25 @@ class Plan:
 
 
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None,
-             platform: str | None = None, data_root: str = "data") -> Plan:
+             platform: str | None = None, data_root: str = "data",
+             init_model: Mamba2Config | None = None, explicit: Collection[str] = ()) -> Plan:
   """Raise ConfigError listing every problem found; return the run's `Plan`.
 
   `platform` is that of the devices the run's mesh spans (default: JAX's default
   backend, this host's); the runtime is resolved for it. `data_root` is where a
-  corpus run without data.dir or data.mixture prepares the default corpus."""
+  corpus run without data.dir or data.mixture prepares the default corpus.
+
+  `init_model`: the architecture of config.init_from (`init_architecture`); it replaces
+  config.model's fields (`model_from_init`) but those in `explicit`, the dotted keys the
+  user set ('model.d_model', 'optim.lr': the command line's overrides), which must agree
+  with it."""
+  problems = []
+  taken: dict[str, tuple] = {}
+  if init_model is not None:
+    config, taken, problems = model_from_init(config, init_model, explicit)
   cfg = _to_dict(config)
   # The keys and sizes; the model, its runtime and the mesh, each kept None when it fails.
-  problems = _top_level_problems(cfg, reference)
+  problems += _top_level_problems(cfg, reference)
   model = _attempt(problems, lambda: model_config(cfg))
   rt = _attempt(problems, lambda: runtime(cfg))
   mesh = _attempt(problems, lambda: resolve_mesh_shape(cfg["mesh"], num_devices), ValueError)
@@ -199,7 +211,51 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
-              dpo=dpo, moe=moe)
+              dpo=dpo, moe=moe, model_from_init=taken)
+
+
+def init_architecture(path: str) -> Mamba2Config | None:
+  """The architecture of the weights at `path` (config.init_from: a workdir, a checkpoint
+  step, a transformers or mamba_ssm directory), read from its config alone; None for ''."""
+  if not path:
+    return None
+  from mamba_train.interop.load import load_config  # the checkpoint and outside layouts' stack
+  try:
+    return load_config(path)
+  except (OSError, ValueError, KeyError) as e:
+    raise ConfigError(f"init_from {path!r}: {e}") from None
+
+
+def model_from_init(config, init_model: Mamba2Config, explicit: Collection[str] = ()):
+  """-> (a copy of `config` whose model is `init_model`'s, {field: (the recipe's value,
+  init_model's)} for each field replaced, problems).
+
+  A recipe's model fields are a default, written for the size it names: the weights a run
+  starts from say what they are (as transformers', TRL's and Levanter's from_pretrained).
+  The fields the user set (`explicit`) stay; one the weights depend on and init_from
+  contradicts is a problem (chunk_size and the init-only fields may differ). The
+  FINETUNE_MAY_CHANGE fields stay the recipe's: a run may change them from the model it
+  starts from (configs/window.py learns a window on an exact model)."""
+  plain = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # a ConfigDict's tuple, to_dict's list
+  recipe = {k: plain(v) for k, v in _to_dict(config["model"]).items()}
+  theirs = {k: plain(v) for k, v in init_model.to_dict().items()}
+  mine = {k[len("model."):] for k in explicit if k.startswith("model.")}
+  new = {k: recipe[k] if (k in mine or k in FINETUNE_MAY_CHANGE) and k in recipe else v for k, v in theirs.items()}
+  taken = {k: (recipe.get(k), v) for k, v in new.items() if recipe.get(k) != v}
+  try:
+    differ = Mamba2Config.from_dict(new).weight_differences(init_model, init=False)
+  except (TypeError, ValueError) as e:
+    return config, {}, [f"config.model with init_from {config['init_from']!r}'s architecture: {e}"]
+  problems = [] if not differ else [
+      ", ".join(f"config.model.{k}={ours!r}" for k, (ours, _) in differ.items())
+      + f" on the command line contradict{'s' if len(differ) == 1 else ''} init_from {config['init_from']!r}, "
+      "whose model has " + ", ".join(f"{k}={theirs!r}" for k, (_, theirs) in differ.items())
+      + f": drop {'it' if len(differ) == 1 else 'them'} (the run takes init_from's architecture) or start "
+      "from other weights"]
+  out = ml_collections.ConfigDict(_to_dict(config))  # a copy: the caller's config stays as given
+  for k in taken:
+    out.model[k] = new[k]
+  return out, taken, problems
 
 
 def _attempt(problems: list[str], make, errors=ConfigError):
