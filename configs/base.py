@@ -158,6 +158,11 @@ def get_config() -> ml_collections.ConfigDict:
       # gate_proj, down_proj and lm_head; names this model lacks are passed over.
       targets="in_proj,out_proj,q_proj,k_proj,v_proj,o_proj,up_proj,gate_proj,down_proj",
       base_dtype="",  # QLoRA: int8 | int4 (qwix) for the frozen adapted weights; '' = as stored
+      # The adapters' peak learning rate, in place of optim.lr (a full finetune's) when rank > 0;
+      # 0 = optim.lr. Adapters start at zero and take a much higher rate: the SFT and DPO
+      # recipes set theirs. A --config.optim.lr given without --config.lora.lr is the rate
+      # the run takes, as TRL's one learning_rate (mamba_train/train/run_config.py `learning_rate`).
+      lr=0.0,
   ))
   c.lock()  # configs built on this one can change keys, not add them
   return c

@@ -1,4 +1,5 @@
-"""Instruction / chat finetuning of a released Mamba-2 130m: loss on assistant tokens only.
+"""Instruction / chat finetuning of a released model: loss on assistant tokens only. Written
+for a Mamba-2 130m; the run takes init_from's architecture, so any base runs as it is.
 
   # 1. Pack the chat data with the released models' tokenizer (GPT-NeoX; no chat template,
   #    so the built-in one is used) into rows of this config's seq_len:
@@ -24,5 +25,8 @@ def get_config():
   # A few epochs of a small set at a low rate: 2e-5 is the usual SFT rate for models of
   # this size (Zephyr, Tulu), with 3% warmup and cosine to 10%.
   c.optim.update(lr=2e-5, warmup_frac=0.03, final_lr_frac=0.1, weight_decay=0.0)
+  # With adapters (lora.rank > 0) 10x that: the alignment-handbook's QLoRA SFT rate (2e-4),
+  # at the top of peft's and TRL's examples' 1e-4 to 2e-4.
+  c.lora.lr = 2e-4
   c.data.dir = ""  # set on the command line: a dataset from prepare_data.py --chat
   return c

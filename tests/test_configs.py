@@ -263,3 +263,16 @@ def test_init_from_supplies_the_architecture_but_not_what_the_user_set():
                      r"'runs/tiny', whose model has d_model=256: drop it"):
     validate(c, num_devices=8, init_model=small, explicit={"model.d_model": 128, "model.n_layer": 4})
 
+
+def test_adapters_take_the_recipes_adapter_rate():
+  """With lora.rank > 0 the SFT and DPO recipes train at their lora.lr; a rate the user
+  gives (lora.lr, or optim.lr alone, as TRL's one learning_rate) is the one taken."""
+  from mamba_train.train.run_config import learning_rate
+  dpo, sft, tiny = load("dpo").to_dict(), load("sft").to_dict(), load("tiny").to_dict()
+  assert learning_rate(dpo) == 5e-7 and learning_rate(sft) == 2e-5  # full finetunes
+  for c in (dpo, sft, tiny):
+    c["lora"]["rank"] = 4
+  assert learning_rate(dpo) == 5e-5 and learning_rate(sft) == 2e-4 and learning_rate(tiny) == 3e-3
+  dpo["optim"]["lr"], dpo["lora"]["lr"] = 1e-5, 1e-4
+  assert learning_rate(dpo, {"optim.lr": 1e-5}) == 1e-5
+  assert learning_rate(dpo, {"optim.lr": 1e-5, "lora.lr": 1e-4}) == learning_rate(dpo, {"lora.lr": 1e-4}) == 1e-4

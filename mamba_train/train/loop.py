@@ -188,7 +188,9 @@ def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *
   state = built.state
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   if plan.lora is not None:
-    logging.info("LoRA: %.3fM adapter parameters train; the %.2fM of the base are frozen%s", n_params / 1e6,
+    logging.info("LoRA: %.3fM adapter parameters train at a peak rate of %.3g%s; the %.2fM of the base are "
+                 "frozen%s", n_params / 1e6, plan.lr,
+                 " (lora.lr; optim.lr is the full finetune's)" if plan.lr != config.optim.lr else "",
                  sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
                  f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
   logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",

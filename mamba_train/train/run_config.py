@@ -128,6 +128,9 @@ class Plan:
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
   dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
   moe: MoeSpec | None = None  # config.moe (router load balancing) when the model has 'E' layers
+  # The peak learning rate the optimizer runs at (`learning_rate`): optim.lr, or lora.lr
+  # with adapters. None: optim.lr (a Plan built by hand).
+  lr: float | None = None
   # The config.model fields init_from replaced: {field: (the recipe's value, init_from's)}.
   model_from_init: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
@@ -151,7 +154,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   `init_model`: the architecture of config.init_from (`init_architecture`); it replaces
   config.model's fields (`model_from_init`) but those in `explicit`, the dotted keys the
   user set ('model.d_model', 'optim.lr': the command line's overrides), which must agree
-  with it."""
+  with it. `explicit` also says whether optim.lr was the user's (`learning_rate`)."""
   problems = []
   taken: dict[str, tuple] = {}
   if init_model is not None:
@@ -172,6 +175,9 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     problems += _layout_problems(cfg, model, mesh, accum, process_count)
   # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
+  lora_lr = cfg.get("lora", {}).get("lr", 0.0)
+  if not (_number(lora_lr) and lora_lr >= 0):
+    problems.append(f"lora.lr must be a finite number >= 0 (0 = optim.lr), got {lora_lr!r}")
   lora = None
   if model is not None and "lora" in cfg:
     lora = _attempt(problems, lambda: _lora(cfg["lora"], model), lora_lib.LoraError)
@@ -211,7 +217,23 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
-              dpo=dpo, moe=moe, model_from_init=taken)
+              dpo=dpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
+
+
+def learning_rate(cfg: Mapping, explicit: Collection[str] = ()) -> float:
+  """The peak learning rate a run's optimizer takes.
+
+  Adapters start at zero and move only themselves, so they take a much higher rate than a
+  full finetune: the SFT and DPO recipes set one (lora.lr) beside their full-finetune
+  optim.lr, as TRL's and the alignment-handbook's LoRA recipes carry their own
+  learning_rate. With lora.rank > 0 the run takes lora.lr, unless it is 0 (then optim.lr)
+  or the user set optim.lr and not lora.lr (`explicit`): as TRL's one learning_rate, the
+  rate a user gives is the rate the run takes."""
+  optim_lr, lora_cfg = float(cfg["optim"]["lr"]), cfg.get("lora", {})
+  lora_lr = float(lora_cfg.get("lr", 0.0) or 0.0)
+  if not lora_cfg.get("rank") or not lora_lr or ("optim.lr" in explicit and "lora.lr" not in explicit):
+    return optim_lr
+  return lora_lr
 
 
 def init_architecture(path: str) -> Mamba2Config | None:

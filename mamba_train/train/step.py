@@ -282,7 +282,8 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) 
     raise ValueError(f"the plan's runtime is resolved for {plan.platform!r} devices, but the "
                      f"mesh's are {platform!r}: validate the run config for the mesh's platform")
   config, model_cfg, runtime, lora, dpo = plan.config, plan.model, plan.runtime, plan.lora, plan.dpo
-  optimizer, schedule = make_optimizer(config.optim, config.steps)
+  lr = plan.lr if plan.lr is not None else float(config.optim.lr)  # with adapters: lora.lr
+  optimizer, schedule = make_optimizer({**config.optim, "lr": lr}, config.steps)
   copy = dpo is not None  # DPO's reference: the initial weights, frozen (with LoRA: the base)
   if init:
     state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params, lora=lora,
