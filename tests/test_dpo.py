@@ -1,7 +1,9 @@
 """DPO: the loss and reward metrics against torch on the same log-probabilities; response
 log-probabilities against a direct log-softmax; prompt tokens get no gradient; log 2 at
-the first step (policy = reference, with LoRA too); the preparation of TRL's layouts; a
-short run on a synthetic preference set learns to prefer the chosen responses."""
+the first step (policy = reference, with LoRA too), which the recipe's adapter rate moves;
+the preparation of TRL's layouts; a short run of the 130m recipe from a tiny base takes its
+architecture and learns to prefer the chosen responses of a synthetic preference set, and a
+model flag that contradicts the base is refused before anything is built."""
 
 import json
 import math
@@ -18,6 +20,9 @@ import torch.nn.functional as F
 from configs import dpo as dpo_config
 from mamba_train import data
 from mamba_train.data import preference
+from mamba_train.interop import export
+from mamba_train.interop.load import load_config
+from mamba_train.model.config import Mamba2Config
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import dpo, run_config, step as steps
 from mamba_train.train.loss import row_cross_entropy
@@ -50,8 +55,12 @@ def _write_prefs(directory, n=32):
 
 @pytest.fixture(scope="module")
 def prefs(tmp_path_factory):
+  """A root with the preference set prepared (data/prefs) and a tiny random base (base/, a
+  transformers directory)."""
   root = tmp_path_factory.mktemp("dpo")
   _write_prefs(root / "prefs")
+  export.save_hf(random_model(Mamba2Config(**SMALL_MODEL, vocab_size=257), np.random.RandomState(5)),
+                 root / "base")
   r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--preference",
                       f"--source={root / 'prefs'}/*.jsonl", "--name=prefs", f"--root={root / 'data'}",
                       f"--seq_len={SEQ_LEN}", "--val_fraction=0.1"], cwd=ROOT, env=script_env(),
@@ -135,10 +144,13 @@ def test_response_logps_against_a_log_softmax_and_prompt_tokens_get_no_gradient(
   assert np.all(g[mask == 0] == 0.0) and np.all(g[mask == 1] > 0.0)
 
 
-def test_with_lora_the_first_step_loss_is_log_2_for_every_pair(prefs):
+def test_with_lora_the_first_step_loss_is_log_2_for_every_pair_and_the_recipes_rate_moves_it(prefs):
   """The policy starts as the reference, the base with the adapters off (without LoRA, a
-  frozen copy: the end-to-end run below checks its first step)."""
-  plan = _plan(prefs, lora=dict(rank=4, targets="in_proj,out_proj"))
+  frozen copy: the end-to-end run below checks its first step); the recipe's adapter rate
+  (lora.lr, 5e-5) then moves the loss, where its full finetune's (5e-7) left it at log 2."""
+  plan = _plan(prefs, lora=dict(rank=4, targets="in_proj,out_proj"), optim=dict(schedule="constant",
+                                                                               warmup_frac=0.0))
+  assert plan.lr == 5e-5
   mesh = make_mesh(plan.config.mesh, shape=plan.mesh_shape)
   built = steps.build(plan, mesh, params=random_model(plan.model, np.random.RandomState(2)).params())
   batch = _batch(prefs)
@@ -148,25 +160,55 @@ def test_with_lora_the_first_step_loss_is_log_2_for_every_pair(prefs):
                              plan.lora)
   terms = dpo.dpo_terms(dpo.pair_logps(policy, batch), dpo.pair_logps(reference, batch), plan.dpo)
   np.testing.assert_allclose(np.asarray(terms["loss"]), math.log(2), rtol=1e-6)
-  _, metrics = built.train_step(state, steps.to_global({k: np.asarray(v) for k, v in batch.items()}, mesh))
+  batch = steps.to_global({k: np.asarray(v) for k, v in batch.items()}, mesh)
+  state, metrics = built.train_step(state, batch)
   assert abs(float(metrics["loss"]) - math.log(2)) < 1e-6 and abs(float(metrics["rewards/margins"])) < 1e-5
+  # The warmup's first rate is 0; then 5e-5 a step. On this random base the loss falls by
+  # about 1.1e-5 a step (at 5e-7: 1e-7, within float32's rounding of log 2).
+  losses = []
+  for _ in range(5):
+    state, metrics = built.train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert all(b < a for a, b in zip(losses, losses[1:])) and math.log(2) - losses[-1] > 2e-5, losses
 
 
-def test_a_short_dpo_run_learns_to_prefer_the_chosen_responses(prefs, tmp_path):
+def _dpo_run(prefs, workdir, *flags):
+  """train.py on configs/dpo.py (written for 130m) from the tiny base, output captured."""
   env = dict(script_env(), XLA_FLAGS=FAST_XLA, PYTHONUNBUFFERED="1")
-  flags = [f"--config.model.{k}={v}" for k, v in {**SMALL_MODEL, "vocab_size": 257}.items()]
-  r = subprocess.run(
+  return subprocess.run(
       [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "dpo.py"),
-       "--workdir", str(tmp_path / "dpo"), f"--config.data.dir={prefs / 'data' / 'prefs'}", *flags,
-       f"--config.seq_len={SEQ_LEN}", "--config.batch_size=8", "--config.steps=8", "--config.log_every=1",
-       "--config.eval_every=8", "--config.eval_batches=1", "--config.checkpoint_every=0",
-       "--config.wandb.mode=disabled", "--config.runtime.compute_dtype=float32", "--config.optim.lr=3e-3",
-       "--config.optim.schedule=constant", "--config.optim.warmup_frac=0.0"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+       "--workdir", str(workdir), f"--config.data.dir={prefs / 'data' / 'prefs'}",
+       f"--config.init_from={prefs / 'base'}", f"--config.seq_len={SEQ_LEN}", "--config.batch_size=8",
+       "--config.steps=8", "--config.log_every=1", "--config.eval_every=8", "--config.eval_batches=1",
+       "--config.checkpoint_every=0", "--config.wandb.mode=disabled", "--config.runtime.compute_dtype=float32",
+       *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_short_dpo_run_from_a_tiny_base_learns_to_prefer_the_chosen_responses(prefs, tmp_path):
+  """The recipe is written for 130m: the run takes the base's architecture, says so in one line.
+  (A full finetune, at a rate that moves the random base's small norms in 8 steps.)"""
+  r = _dpo_run(prefs, tmp_path / "dpo", "--config.optim.lr=1e-2", "--config.optim.schedule=constant",
+               "--config.optim.warmup_frac=0.0")
   assert r.returncode == 0, r.stderr[-3000:]
+  recorded = json.loads((tmp_path / "dpo" / "config.json").read_text())["model"]
+  assert Mamba2Config.from_dict(recorded) == load_config(prefs / "base")
+  line, = [line for line in r.stderr.splitlines() if "config.model from init_from" in line]
+  assert "d_model=64 (recipe: 768)" in line and "n_layer=2 (recipe: 24)" in line
   rows = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl")]
   train = {row["step"]: row for row in rows if "loss" in row}
   assert abs(train[1]["loss"] - math.log(2)) < 1e-6  # policy = reference
   assert train[8]["rewards/accuracies"] == 1.0 and train[8]["rewards/margins"] > 1.0
   assert train[8]["loss"] < 0.5 * math.log(2)
   assert [row["eval_loss"] for row in rows if "eval_loss" in row][0] < 0.5 * math.log(2)
+
+
+def test_a_model_field_set_on_the_command_line_that_init_from_contradicts_is_one_line(prefs, tmp_path):
+  """Before anything is built: no workdir, no compile. (Agreeing fields, and chunk_size, which
+  is in no weight, pass.)"""
+  r = _dpo_run(prefs, tmp_path / "dpo", "--config.model.d_model=128", "--config.model.n_layer=2",
+               "--config.model.chunk_size=32")
+  assert r.returncode == 2 and not (tmp_path / "dpo").exists() and "compiled" not in r.stderr
+  assert r.stderr.strip().splitlines()[-1] == (
+      f"error: Invalid run config: config.model.d_model=128 on the command line contradicts init_from "
+      f"'{prefs / 'base'}', whose model has d_model=64: drop it (the run takes init_from's architecture) "
+      "or start from other weights")
