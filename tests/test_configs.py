@@ -254,6 +254,10 @@ def test_init_from_supplies_the_architecture_but_not_what_the_user_set():
   assert plan.model == small.replace(ssd_window=1024) == Mamba2Config.from_dict(plan.config.model.to_dict())
   assert plan.model_from_init["d_model"] == (768, 256) and "ssd_window" not in plan.model_from_init
   assert c.model.d_model == 768  # the caller's config stays as given
+  for name in ("sft", "finetune"):
+    r = load(name)
+    r.init_from = "runs/tiny"
+    assert validate(r, num_devices=8, init_model=small).model == small
   # Set on the command line: kept, when the weights allow it (chunk_size is in no weight).
   c.model.chunk_size, c.model.d_model = 64, 256
   plan = validate(c, num_devices=8, init_model=small, explicit={"model.chunk_size": 64, "model.d_model": 256})
