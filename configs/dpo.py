@@ -30,8 +30,9 @@ def get_config():
   c.batch_size = 32  # pairs
   c.log_every, c.eval_every, c.checkpoint_every = 10, 100, 250
   # Zephyr's DPO recipe: beta 0.1, a rate of 5e-7 for a full finetune, 10% warmup, then
-  # linear decay; no weight decay. Adapters take ~100x that (lora.lr, with lora.rank > 0): at
-  # 5e-7 a LoRA run's loss stays at log 2 for hundreds of steps.
+  # linear decay; no weight decay. Adapters take ~100x that (lora.lr, with lora.rank > 0): from
+  # a tiny base (configs/tiny.py, 60 steps), rank 4, 8 pairs a step, the loss at step 40 was
+  # 0.4936 at 5e-5 and 0.6906 at 5e-7 (log 2 = 0.6931).
   c.dpo.update(beta=0.1, label_smoothing=0.0)
   c.optim.update(lr=5e-7, schedule="wsd", warmup_frac=0.1, decay_frac=0.9, final_lr_frac=0.0,
                  weight_decay=0.0)
