@@ -161,6 +161,13 @@ def render(template, messages: list[dict], eos_token: str, bos_token: str = "") 
   return [(t, learn) for t, learn in pieces if t]
 
 
+def render_prompt(template, messages: list[dict], eos_token: str, bos_token: str = "") -> str:
+  """A conversation rendered to be continued by the model: the template with its
+  generation prompt, as SFT renders the text before each assistant turn."""
+  return template.render(messages=messages, add_generation_prompt=True, eos_token=eos_token,
+                         bos_token=bos_token)
+
+
 def encode(tok: tokenizer_lib.TokenizerInfo, pieces) -> tuple[np.ndarray, np.ndarray]:
   """Token ids and their learn mask; special tokens in the template (EOS) are parsed."""
   ids, mask = [], []
