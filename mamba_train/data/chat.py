@@ -52,24 +52,29 @@ class ChatFormatError(UserError, ValueError):
   pass
 
 
+def jsonl_objects(f, path: str, error: type[Exception] = ChatFormatError):
+  """(line number, "<path>, line <n>", the line's JSON value) for each non-blank line of the
+  binary file `f`: the one reader of the chat, preference and prompts files, so that a bad
+  line gets the same message, naming the line and the fix, in all of them."""
+  for n, raw in enumerate(f, 1):
+    where = f"{path}, line {n}"
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise error(f"{where}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                  f"{e.start + 1}); re-encode the file as UTF-8.") from None
+    if not line.strip():
+      continue
+    try:
+      yield n, where, json.loads(line)
+    except json.JSONDecodeError as e:
+      raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
+
+
 def read_chat_jsonl(path: str) -> list[list[dict]]:
   """Conversations (lists of {role, content}) of a jsonl file; errors name the line."""
-  out = []
   with open(path, "rb") as f:
-    for n, raw in enumerate(f, 1):
-      where = f"{path}, line {n}"
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ChatFormatError(f"{where}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
-                              f"{e.start + 1}); re-encode the file as UTF-8.") from None
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ChatFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
-      out.append(_conversation(obj, where))
+    out = [_conversation(obj, where) for _, where, obj in jsonl_objects(f, path)]
   if not out:
     raise ChatFormatError(f"{path}: no examples.")
   return out

@@ -21,7 +21,6 @@ too_long="truncate" each side cut to half a row (kept if both keep a response to
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 
@@ -45,14 +44,7 @@ def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
   """(chosen conversation, rejected conversation) per line of a jsonl file."""
   out = []
   with open(path, "rb") as f:
-    for n, raw in enumerate(f, 1):
-      where = f"{path}, line {n}"
-      if not raw.strip():
-        continue
-      try:
-        obj = json.loads(raw.decode("utf-8"))
-      except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise chat.ChatFormatError(f"{where}: not valid UTF-8 JSON ({e}).") from None
+    for _, where, obj in chat.jsonl_objects(f, path):
       if not isinstance(obj, dict) or "chosen" not in obj or "rejected" not in obj:
         raise chat.ChatFormatError(f"{where}: a preference pair needs 'chosen' and 'rejected' (and a "
                                    f"'prompt' unless they hold whole conversations); found "

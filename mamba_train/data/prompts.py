@@ -97,17 +97,7 @@ def read_prompts(path: str) -> list[Prompt]:
     raise PromptFormatError(f"{path}: cannot be read ({e.strerror}); --config.grpo.prompts names a "
                             f".jsonl file with a 'prompt' field on each line.") from None
   with f:
-    for n, raw in enumerate(f, 1):
-      where = f"{path}, line {n}"
-      if not raw.strip():
-        continue
-      try:
-        obj = json.loads(raw.decode("utf-8"))
-      except UnicodeDecodeError as e:
-        raise PromptFormatError(f"{where}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
-                                f"{e.start + 1}); re-encode the file as UTF-8.") from None
-      except json.JSONDecodeError as e:
-        raise PromptFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno}).") from None
+    for n, where, obj in chat.jsonl_objects(f, path, PromptFormatError):
       if not isinstance(obj, dict) or "prompt" not in obj:
         found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise PromptFormatError(f"{where}: each line needs a 'prompt' (a string or a list of messages); "

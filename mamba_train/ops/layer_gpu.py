@@ -257,11 +257,8 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def causal_conv_silu_gpu(x, w, bias, front, seq_idx=None, front_idx=None, *, interpret: bool = False):
-  """`layer_math.causal_conv_silu` as a Pallas Triton kernel: same arguments, the
-  activation in x's dtype (float32 inside) and the new front (float32).
-
-  x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c); seq_idx (b, l) and
-  front_idx (b, k-1) document ids as in `layer_math.causal_conv`."""
+  """`layer_math.causal_conv_silu` as a Pallas Triton kernel: its arguments and shapes; the
+  activation in x's dtype (float32 inside) and the new front (float32)."""
   b, l = x.shape[:2]
   chan = x.shape[2:]
   k = w.shape[0]

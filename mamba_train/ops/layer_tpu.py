@@ -284,11 +284,8 @@ def _doc_bits(seq_idx, front_idx, k):
 
 
 def causal_conv_silu_tpu(x, w, bias, front, seq_idx=None, front_idx=None, *, interpret: bool = False):
-  """`layer_math.causal_conv_silu` as Pallas Mosaic kernels: same arguments, the
-  activation in x's dtype (float32 inside) and the new front (float32).
-
-  x: (b, l, *c); w: (k, *c); bias: (*c); front: (b, k-1, *c); seq_idx (b, l) and
-  front_idx (b, k-1) document ids as in `layer_math.causal_conv`."""
+  """`layer_math.causal_conv_silu` as Pallas Mosaic kernels: its arguments and shapes; the
+  activation in x's dtype (float32 inside) and the new front (float32)."""
   b, l = x.shape[:2]
   chan = x.shape[2:]
   k = w.shape[0]
