@@ -35,6 +35,7 @@ Shapes: b = B prompts, n = B*G rows, l prompt length (padded), t new tokens, v v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -70,9 +71,21 @@ def _prefill_program(graphdef, params, input_ids, mask, *, group_size, capacity)
   """Prefill of the b prompts, then their last logits (n, v) and cache, each row
   repeated group_size times."""
   model = nnx.merge(graphdef, params)
-  logits, cache = prefill(model, input_ids, mask, capacity=capacity)
+  with _prefill_rules(input_ids.shape[0]):
+    logits, cache = prefill(model, input_ids, mask, capacity=capacity)
   logits = sharding.constrain(jnp.repeat(logits, group_size, axis=0), ("batch", None))
   return logits, cache.repeat(group_size)
+
+
+def _prefill_rules(b: int):
+  """The active rules, or, when the data axes do not divide the b prompts, the same
+  with the batch whole on every device (each replica prefills every prompt; the
+  G copies split again)."""
+  active = sharding.active()
+  if active is None or b % data_parallel_size() == 0:
+    return contextlib.nullcontext()
+  mesh, rules = active
+  return sharding.use_rules(mesh, tuple((k, None if k == "batch" else v) for k, v in rules))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "buffer_len", "logprob_of"))
