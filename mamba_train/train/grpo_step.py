@@ -81,9 +81,10 @@ def make_logps(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, spec: GrpoSpec, 
         out["ref_logps"] = _logprobs(_reference(params, frozen, cfg, runtime, lora), batch, temperature)
       return out
 
-  return jax.jit(logps, in_shardings=(p_sh, f_sh, b_sh),
-                 out_shardings={k: out_sh[k] for k in (("old_logps",) if old else ()) + (
-                     ("ref_logps",) if spec.beta > 0 else ())})
+  jitted = jax.jit(logps, in_shardings=(p_sh, f_sh, b_sh),
+                   out_shardings={k: out_sh[k] for k in (("old_logps",) if old else ()) + (
+                       ("ref_logps",) if spec.beta > 0 else ())})
+  return lambda params, frozen, batch: jitted(params, frozen, {k: batch[k] for k in TOKEN_KEYS})
 
 
 def make_grpo_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.GradientTransformation,
