@@ -2,8 +2,9 @@
 
 Each prompt is a few random digits and a colon ("4715:"); the answer is the last digit ("5"),
 scored by mamba_train.train.rewards:closeness (1 for the digit, less for a character near it
-in code points, 0 far from it). A byte-level model trained from scratch learns it in a few
-dozen GRPO steps on a CPU: first to answer with a digit, then with the right one.
+in code points, 0 far from it). A byte-level model trained from scratch (configs/grpo.py)
+learns in 20 GRPO steps on a CPU to answer with a digit (mean reward 0.05 to about 0.7);
+copying the right one takes longer.
 
   python scripts/grpo_task.py --out=data/grpo_task.jsonl
   python train.py --config configs/grpo.py --workdir runs/grpo-task --config.grpo.prompts=data/grpo_task.jsonl
