@@ -82,7 +82,8 @@ def sample(key, logits, temperature, top_k, top_p):
   nucleus filtering (keep the fewest most likely tokens whose mass reaches
   top_p; 1: off), in transformers' order. All three are traced values, so one
   compiled program serves every setting; the branch is a `lax.cond`, so greedy
-  decoding never pays for the sort.
+  decoding never pays for the sort. key: one key for the batch, or one per row
+  (b,) (each row's draw then depends on its own key alone, whatever the batch).
   """
   logits = logits.astype(jnp.float32)
 
@@ -90,21 +91,59 @@ def sample(key, logits, temperature, top_k, top_p):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def filtered(_):
-    scaled = logits / temperature
-    v = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
-    kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=-1)  # (b, 1)
-    desc = jnp.where(desc >= kth, desc, -jnp.inf)  # still sorted
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-    # top_p = 1 must keep everything: rounding can push mass_before to 1.0 early.
-    cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
-    kept = jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+    kept = _filtered(logits / temperature, top_k, top_p)
+    if key.ndim:  # a key per row
+      return jax.vmap(jax.random.categorical)(key, kept).astype(jnp.int32)
     return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
 
   return jax.lax.cond(temperature > 0.0, filtered, greedy, None)
+
+
+def _filtered(scaled, top_k, top_p):
+  """The temperature-scaled logits (b, v) with what top-k and then top-p drop set
+  to -inf."""
+  v = scaled.shape[-1]
+  desc = -jnp.sort(-scaled, axis=-1)
+  k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+  kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=-1)  # (b, 1)
+  desc = jnp.where(desc >= kth, desc, -jnp.inf)  # still sorted
+  probs = jax.nn.softmax(desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+  # top_p = 1 must keep everything: rounding can push mass_before to 1.0 early.
+  cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+  return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+
+
+# Which distribution a sampled token's log-probability is taken under (`token_logprob`).
+LOGPROB_OF = ("sampling", "filtered", "raw")
+
+
+def token_logprob(logits, tokens, temperature, top_k, top_p, of: str = "sampling"):
+  """log p(tokens) (...,) float32 of tokens (...,) under logits (..., v):
+
+    sampling  log_softmax(logits / temperature), before top-k and top-p: what TRL's
+              GRPOTrainer computes for the policy (and vLLM's processed_logprobs
+              without top-k / top-p), so the trainer's full forward can reproduce it;
+    filtered  the distribution actually sampled, after top-k and top-p (0 for greedy:
+              the argmax has all the mass);
+    raw       log_softmax(logits), the model's own (vLLM's default raw_logprobs).
+
+  temperature 0 (greedy) counts as 1 for `sampling`."""
+  logits = logits.astype(jnp.float32)
+  t = jnp.where(temperature > 0.0, temperature, 1.0)
+  if of == "raw":
+    scaled = logits
+  elif of == "sampling":
+    scaled = logits / t
+  elif of == "filtered":
+    flat = (logits / t).reshape(-1, logits.shape[-1])
+    scaled = _filtered(flat, top_k, top_p).reshape(logits.shape)
+  else:
+    raise ValueError(f"logprob_of must be one of {LOGPROB_OF}, got {of!r}")
+  picked = jnp.take_along_axis(scaled, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  lp = picked - jax.nn.logsumexp(scaled, axis=-1)
+  return jnp.where(temperature > 0.0, lp, 0.0) if of == "filtered" else lp
 
 
 # ----------------------------------------------------------------------------
@@ -179,18 +218,28 @@ def _stop_hit(window, stops, lengths):
 
 
 def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
-                 max_new_tokens, stop=None, *, buffer_len: int):
+                 max_new_tokens, stop=None, *, buffer_len: int, logprob_of: str | None = None):
   """Sample up to max_new_tokens (traced, <= buffer_len) tokens starting from
   `logits`/`cache`. Returns the tokens (b, buffer_len) int32 (pad after a
-  sequence's end and past the last step), how many steps ran, and each
-  sequence's length (b,) up to and including its EOS or the token that completed
-  a stop string (the steps run if neither came). The loop stops early once every
-  sequence has ended (eos_id -1: EOS never ends one).
+  sequence's end and past the last step), how many steps ran, each sequence's
+  length (b,) up to and including its EOS or the token that completed a stop
+  string (the steps run if neither came), and with `logprob_of` (one of
+  `LOGPROB_OF`, see `token_logprob`) each sampled token's log-probability
+  (b, buffer_len) float32, 0 where the tokens are pad (else None). The loop stops
+  early once every sequence has ended (eos_id -1: EOS never ends one).
 
+  key: one key, or one per row (b,): a row's tokens then depend on its key alone.
   stop: None, or (token bytes (v, lt), stop strings (b, s, m), their lengths
   (b, s)) from `token_byte_table` and `stop_arrays`."""
   b = logits.shape[0]
-  pick = lambda key, logits: sample(key, logits, temperature, top_k, top_p)
+
+  def pick(i, logits):
+    k = jax.vmap(jax.random.fold_in, (0, None))(key, i) if key.ndim else jax.random.fold_in(key, i)
+    tok = sample(k, logits, temperature, top_k, top_p)
+    if logprob_of is None:
+      return tok, None
+    return tok, token_logprob(logits, tok, temperature, top_k, top_p, logprob_of)
+
   if stop is None:
     window, ended = None, lambda window, tok: (window, tok == eos_id)
   else:
@@ -202,13 +251,14 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
       window = _push_bytes(window, table[tok])
       return window, (tok == eos_id) | _stop_hit(window, stops, lengths)
 
-  tok = pick(jax.random.fold_in(key, 0), logits)
+  tok, lp = pick(0, logits)
   window, done = ended(window, tok)
   out = jnp.full((b, buffer_len), pad_id, jnp.int32).at[:, 0].set(tok)
+  lps = None if lp is None else jnp.zeros((b, buffer_len), jnp.float32).at[:, 0].set(lp)
   length = jnp.where(done, 1, 0).astype(jnp.int32)
 
   def cond(carry):
-    i, _, _, _, _, done, _ = carry
+    i, _, _, _, _, _, done, _ = carry
     return (i < max_new_tokens) & ~jnp.all(done)
 
   # The weights every step reads, made once out here: matmul weights and the LM
@@ -225,17 +275,20 @@ def decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pa
     step_fn = lambda tok, states: model.step(tok, states, layers)
 
   def body(carry):
-    i, tok, states, window, out, done, length = carry
+    i, tok, states, window, out, lps, done, length = carry
     h, states = step_fn(tok, states)
-    nxt = jnp.where(done, pad_id, pick(jax.random.fold_in(key, i), model.logits(h, head)))
+    nxt, lp = pick(i, model.logits(h, head))
+    nxt = jnp.where(done, pad_id, nxt)
     out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
+    if lps is not None:
+      lps = jax.lax.dynamic_update_slice(lps, jnp.where(done, 0.0, lp)[:, None], (0, i))
     window, now = ended(window, nxt)
     length = jnp.where(now & ~done, i + 1, length)
-    return i + 1, nxt, states, window, out, done | now, length
+    return i + 1, nxt, states, window, out, lps, done | now, length
 
-  n, _, _, _, out, done, length = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), tok, states, window, out, done, length))
-  return out, n, jnp.where(done, length, n)
+  n, _, _, _, out, lps, done, length = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), tok, states, window, out, lps, done, length))
+  return out, n, jnp.where(done, length, n), lps
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "buffer_len"))
@@ -245,7 +298,7 @@ def _generate_program(graphdef, params, input_ids, mask, key, temperature, top_k
   # Room for the prompt and every new token in a hybrid's key/value buffers.
   logits, cache = prefill(model, input_ids, mask, capacity=input_ids.shape[1] + buffer_len)
   return decode_loop(model, logits, cache, key, temperature, top_k, top_p, eos_id, pad_id,
-                      max_new_tokens, stop, buffer_len=buffer_len)
+                     max_new_tokens, stop, buffer_len=buffer_len)[:3]
 
 
 # ----------------------------------------------------------------------------
@@ -307,6 +360,24 @@ def _check(prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, eos_i
       raise ValueError(f"{name}={v} is outside the vocabulary [0, {vocab_size})")
 
 
+def checked_prompts(prompt_ids, vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id,
+                    pad_id, max_prompt_len=MAX_PROMPT_LEN) -> tuple[list[np.ndarray], str]:
+  """prompt_ids as a list of 1-D arrays and its kind ('1d', '2d' or 'list'), after
+  checking it and the settings (ValueError: see `generate`)."""
+  prompts, kind = _as_prompts(prompt_ids)
+  _check(prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
+         max_prompt_len)
+  return prompts, kind
+
+
+def padded_lengths(prompts: list[np.ndarray], max_new_tokens: int) -> tuple[int, int]:
+  """(prompt length, output buffer length): the longest prompt and max_new_tokens
+  rounded up to powers of two (at least 16); everything else is traced, so few
+  programs serve all calls."""
+  return (round_up_pow2(max(p.size for p in prompts), _MIN_LENGTH),
+          round_up_pow2(int(max_new_tokens), _MIN_LENGTH))
+
+
 def left_pad(prompts: list[np.ndarray], length: int, pad_id: int):
   """-> ids (b, length) int32 and mask (b, length) bool, prompts flush right."""
   ids = np.full((len(prompts), length), pad_id, np.int32)
@@ -337,6 +408,35 @@ class GenerateStats:
 _COMPILED: dict = {}
 
 
+def compiled(jitted, graphdef, args, **static):
+  """(the program `jitted` compiled for graphdef, args (parameters first) and the static
+  keywords, the seconds compiling took: 0 when an earlier call had compiled it). The
+  active mesh and rules are part of the key: they decide the sharding constraints at
+  trace time."""
+  signature = (jitted, graphdef, sharding.active(), tuple(sorted(static.items())),
+               jax.tree.structure(args),
+               tuple((jnp.shape(a), a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(args)))
+  if signature in _COMPILED:
+    return _COMPILED[signature], 0.0
+  with Timer() as t:
+    _COMPILED[signature] = jitted.lower(graphdef, *args, **static).compile()
+  return _COMPILED[signature], t.seconds
+
+
+def stop_operands(stop_strings, token_bytes, vocab_size: int, batch: int):
+  """decode_loop's `stop` for `batch` rows: (token bytes, stop strings, their lengths),
+  or None without stop strings. Raises ValueError when token_bytes does not cover the
+  vocabulary."""
+  if not stop_strings:
+    return None
+  if token_bytes is None or token_bytes.ndim != 2 or token_bytes.shape[0] < vocab_size:
+    raise ValueError("stop_strings needs token_bytes=token_byte_table(...) with a row for each "
+                     f"of the model's {vocab_size} token ids, got "
+                     f"{None if token_bytes is None else token_bytes.shape}")
+  table = token_bytes if token_bytes.shape[0] == vocab_size else token_bytes[:vocab_size]
+  return (table, *stop_arrays(stop_strings, batch))
+
+
 def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, eos_id: int | None = None, pad_id: int | None = None,
@@ -345,40 +445,21 @@ def generate_with_stats(model: Mamba2LM, prompt_ids, max_new_tokens: int, *,
   """`generate`, also returning a `GenerateStats` with compile and run time."""
   model = model.merged()  # a base plus LoRA adapters decodes as their merged weights
   cfg = model.config
-  prompts, kind = _as_prompts(prompt_ids)
-  _check(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-         max_prompt_len)
-  stop = None
-  if stop_strings:
-    if token_bytes is None or token_bytes.ndim != 2 or token_bytes.shape[0] < cfg.vocab_size:
-      raise ValueError("stop_strings needs token_bytes=token_byte_table(...) with a row for each "
-                       f"of the model's {cfg.vocab_size} token ids, got "
-                       f"{None if token_bytes is None else token_bytes.shape}")
-    table = token_bytes if token_bytes.shape[0] == cfg.vocab_size else token_bytes[:cfg.vocab_size]
-    stop = (table, *stop_arrays(stop_strings, len(prompts)))
+  prompts, kind = checked_prompts(prompt_ids, cfg.vocab_size, max_new_tokens, temperature, top_k,
+                                  top_p, eos_id, pad_id, max_prompt_len)
+  stop = stop_operands(stop_strings, token_bytes, cfg.vocab_size, len(prompts))
   if pad_id is None:
     pad_id = eos_id if eos_id is not None else 0
-  # Prompt length and output buffer are rounded up to powers of two and
-  # everything else is traced, so few programs serve all calls.
-  length = round_up_pow2(max(p.size for p in prompts), _MIN_LENGTH)
-  buffer_len = round_up_pow2(int(max_new_tokens), _MIN_LENGTH)
+  length, buffer_len = padded_lengths(prompts, max_new_tokens)
   ids, mask = left_pad(prompts, length, pad_id)
   graphdef, params = nnx.split(model)
   args = (params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
           jnp.float32(temperature), jnp.int32(min(int(top_k), 2**31 - 1)), jnp.float32(top_p),
           jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id),
           jnp.int32(max_new_tokens), None if stop is None else tuple(map(jnp.asarray, stop)))
-  # The active mesh and rules decide the cache's sharding constraints at trace time.
-  signature = (graphdef, buffer_len, ids.shape, sharding.active(),
-               None if stop is None else tuple(x.shape for x in stop),
-               tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params)))
-  compile_s = 0.0
-  if signature not in _COMPILED:
-    with Timer() as t:
-      _COMPILED[signature] = _generate_program.lower(graphdef, *args, buffer_len=buffer_len).compile()
-    compile_s = t.seconds
+  program, compile_s = compiled(_generate_program, graphdef, args, buffer_len=buffer_len)
   with Timer() as t:
-    out, n, lengths = _COMPILED[signature](*args)
+    out, n, lengths = program(*args)
     out, n, lengths = sharding.to_host(out), int(sharding.to_host(n)), sharding.to_host(lengths)
   run_s = t.seconds
 
