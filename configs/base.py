@@ -131,6 +131,30 @@ def get_config() -> ml_collections.ConfigDict:
       beta=0.1,  # the strength of the pull towards the reference (KL weight)
       label_smoothing=0.0,  # in [0, 0.5): the share of pairs assumed mislabelled (cDPO)
   ))
+  # grpo: GRPO on prompts scored by reward functions (configs/grpo.py; mamba_train/train/grpo.py
+  #   for the objective, grpo_loop.py for a step): rollouts on the device, rewards on the host.
+  #   `steps` counts GRPO steps (a rollout each, then num_iterations optimizer steps).
+  c.grpo = ml_collections.ConfigDict(dict(
+      prompts="",  # a .jsonl of {"prompt": ..., other fields} (mamba_train/data/prompts.py)
+      eval_fraction=0.0,  # the share of prompts held out for the eval reward (eval_every)
+      tokenizer="byte",  # byte | a tokenizer.json path or directory | a transformers name
+      # 'pkg.mod:fn*weight,...' (mamba_train/train/rewards.py); quote it in a shell
+      reward_funcs="",
+      num_generations=8,  # G completions per prompt (a group); >= 2
+      prompts_per_step=8,  # prompts a rollout takes: prompts_per_step x G completions
+      max_new_tokens=256,  # the completion budget (TRL's max_completion_length)
+      temperature=1.0, top_p=1.0, top_k=0,  # the sampler's (top_k 0 = off)
+      stop="",  # stop strings, separated by '|' ('' = EOS only); the stop string is kept
+      num_iterations=1,  # optimizer steps per rollout batch (mu)
+      epsilon_low=0.2, epsilon_high=0.2,  # the ratio's clip range (DAPO: high 0.28)
+      beta=0.0,  # KL to the reference (the initial weights; with LoRA the base); 0 = none
+      loss_type="dapo",  # grpo | bnpo | dr_grpo | dapo (train/grpo.py)
+      scale_rewards="group",  # group | batch | none
+      # The sampler's log-probabilities against the trainer's: importance weights per
+      # token or per sequence, truncated or masked to [is_min, is_max] (off = none).
+      sampler_is="token_truncate", is_min=0.0, is_max=3.0,
+      eval_temperature=0.0,  # the eval rollouts' (0 = greedy, one completion per prompt)
+  ))
 
   # --- mixture-of-experts routers (models with 'E' layers; mamba_train/train/balance.py) ---
   # As Megatron-Core trains NemotronH: the aux-loss-free bias update (the correction

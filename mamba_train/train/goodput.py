@@ -33,10 +33,13 @@ from mamba_train.metrics import Timer
 from mamba_train.workdir import storage
 
 # The loop's phases, in the order the summary lists them.
-PHASES = ("step", "compile", "checkpoint_save", "checkpoint_restore", "data", "eval", "setup")
+# A GRPO step's rollout (generation on the device) and rewards (scoring on the host) are
+# phases of their own beside its optimizer steps ("step").
+PHASES = ("step", "compile", "checkpoint_save", "checkpoint_restore", "data", "eval", "setup", "rollout",
+          "reward")
 LABELS = {"step": "steps", "compile": "compile", "checkpoint_save": "checkpoint save",
           "checkpoint_restore": "checkpoint restore", "data": "data wait", "eval": "evaluation",
-          "setup": "setup", "other": "other"}
+          "setup": "setup", "rollout": "rollout", "reward": "rewards", "other": "other"}
 
 
 class Goodput:

@@ -52,7 +52,11 @@ def train(plan: Plan, workdir: str = "", *, force_resume: bool = False) -> None:
   storage.check_workdir(workdir)  # a bucket that is not there, no gcs extra: said now
   lock = lock_workdir(workdir)  # before anything is read or written there
   try:
-    _run(plan, workdir, stamp, force_resume, gp)
+    if plan.grpo is not None:  # rollouts and rewards: a loop of its own (train/grpo_loop.py)
+      from mamba_train.train import grpo_loop
+      grpo_loop.run(plan, workdir, stamp, force_resume, gp)
+    else:
+      _run(plan, workdir, stamp, force_resume, gp)
   finally:
     lock.release()
 
@@ -167,8 +171,9 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
 # The sections' parts: the state built, the resume, the log and eval hooks, the close.
 
 
-def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *, force: bool):
-  """-> (the built train state and steps (`step.build`), the run record checkpoints
+def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *, force: bool,
+                build=steps.build):
+  """-> (the built train state and steps (`build`: step.build, or GRPO's), the run record checkpoints
   keep): the weights of config.init_from or a fresh init, a LoRA run's base checked
   against the workdir's adapters, config.json written, the sizes logged."""
   config, model_cfg = plan.config, plan.model
@@ -184,7 +189,7 @@ def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *
   if jax.process_index() == 0:
     storage.makedirs(workdir)
     storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
-  built = steps.build(plan, mesh, params=params)
+  built = build(plan, mesh, params=params)
   state = built.state
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   if plan.lora is not None:

@@ -29,6 +29,8 @@ Built in (each also a factory for other settings; a run names its own with an im
   exact_answer   1 if the text after the last "####" equals the row's `answer` field
                  (numbers compared as numbers), else 0; None for a row without an answer
   think_format   1 if the completion is one <think>...</think> then an answer, else 0
+  closeness      1 if the completion's first character is the row's one-character `answer`,
+                 falling with the code-point distance to 0 at 10 (the synthetic task's)
   length_penalty DAPO's soft overlong punishment: 0 up to 80% of max_completion_length
                  tokens, falling linearly to -1 at the limit
 """
@@ -292,7 +294,24 @@ def soft_overlong(cache_fraction: float = 0.2) -> Callable:
   return reward
 
 
+def first_char_closeness(scale: float = 10.0) -> Callable:
+  """A reward for one-character answers (the synthetic task of scripts/grpo_task.py): 1 if the
+  completion's first character (after whitespace) is the row's `answer`, falling linearly with
+  the distance between their code points to 0 at `scale` (a digit's neighbours score most);
+  0 for an empty completion; None for a row without an answer. Dense: a policy that has
+  never hit the answer still learns which way it lies."""
+  def reward(prompts, completions, answer, **_):
+    out = []
+    for c, a in zip(completions, answer):
+      text, a = _text(c).lstrip(), None if a is None else str(a)
+      out.append(None if not a else 0.0 if not text else max(0.0, 1.0 - abs(ord(text[0]) - ord(a[0])) / scale))
+    return out
+  reward.__name__ = f"first_char_closeness({scale:g})"
+  return reward
+
+
 exact_answer = exact_answer_after("####")  # GSM8K's marker before the final answer
 # One reasoning block, then the answer (TRL's think_format_reward, anchored at both ends).
 think_format = regex_format(r"<think>(?:(?!<think>).)*?</think>.*")
 length_penalty = soft_overlong(0.2)
+closeness = first_char_closeness(10.0)

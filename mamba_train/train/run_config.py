@@ -24,10 +24,11 @@ from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
 from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems
 from mamba_train.train.dpo import DpoSpec
+from mamba_train.train.grpo import GrpoSpec
 from mamba_train.train.optim import SCHEDULES, STATE_DTYPES
 
 WANDB_MODES = ("online", "offline", "disabled")
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
 DATA_SOURCES = ("synthetic", "corpus")
 
 
@@ -37,6 +38,31 @@ class ConfigError(UserError, ValueError):
 
 def _to_dict(c) -> dict:
   return c.to_dict() if hasattr(c, "to_dict") else dict(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoPlan:
+  """config.grpo resolved (objective 'grpo'): the loss's settings, the rollout's, the
+  prompts file and the reward functions, loaded and checked against its fields."""
+  spec: GrpoSpec
+  prompts: str
+  eval_fraction: float
+  tokenizer: str
+  reward_funcs: tuple  # rewards.RewardFunc, loaded
+  num_generations: int
+  prompts_per_step: int
+  max_new_tokens: int
+  temperature: float
+  top_p: float
+  top_k: int
+  stop: tuple[str, ...]
+  num_iterations: int
+  eval_temperature: float
+
+  @property
+  def completions(self) -> int:
+    """Completions a rollout makes: the rows of a GRPO step's batch."""
+    return self.prompts_per_step * self.num_generations
 
 
 def _unknown_keys(config: Mapping, reference: Mapping, prefix: str = "") -> list[str]:
@@ -127,6 +153,7 @@ class Plan:
   default_corpus: str = ""
   lora: lora_lib.LoraSpec | None = None  # config.lora resolved for the model; None when off
   dpo: DpoSpec | None = None  # config.dpo when config.objective is 'dpo'
+  grpo: GrpoPlan | None = None  # config.grpo when config.objective is 'grpo'
   moe: MoeSpec | None = None  # config.moe (router load balancing) when the model has 'E' layers
   # The peak learning rate the optimizer runs at (`learning_rate`): optim.lr, or lora.lr
   # with adapters. None: optim.lr (a Plan built by hand).
@@ -171,7 +198,13 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if not isinstance(accum, int) or accum < 1:
     problems.append(f"optim.grad_accum must be a positive integer, got {accum!r}")
     accum = 1
-  if mesh is not None and isinstance(cfg.get("batch_size"), int):
+  grpo, grpo_problems = _grpo(cfg)
+  if mesh is not None and grpo is not None:  # a GRPO step's rows are its completions
+    problems += _layout_problems({**cfg, "batch_size": grpo.completions}, model, mesh, accum, process_count,
+                                 rows="grpo.prompts_per_step x num_generations")
+    if mesh["sequence"] > 1:
+      problems.append("objective='grpo' needs mesh.sequence = 1 (rollouts decode one token at a time)")
+  elif mesh is not None and isinstance(cfg.get("batch_size"), int):
     problems += _layout_problems(cfg, model, mesh, accum, process_count)
   # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
@@ -185,7 +218,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   problems += _choice_problems(cfg)
   # The objective, the experts' balance, the data mixture and the harness.
   dpo, dpo_problems = _dpo(cfg)
-  problems += dpo_problems
+  problems += dpo_problems + grpo_problems
   moe, moe_bad = _moe(cfg, model)
   problems += moe_bad
   if moe is not None:
@@ -217,7 +250,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
               runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
-              dpo=dpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
+              dpo=dpo, grpo=grpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
 
 
 def learning_rate(cfg: Mapping, explicit: Collection[str] = ()) -> float:
@@ -302,7 +335,7 @@ def _top_level_problems(cfg: Mapping, reference) -> list[str]:
 
 
 def _layout_problems(cfg: Mapping, model: Mamba2Config | None, mesh: Mapping[str, int], accum: int,
-                     process_count: int) -> list[str]:
+                     process_count: int, rows: str = "batch_size") -> list[str]:
   """The batch over the data-parallel devices and the processes' data groups, the
   experts over the expert axis, the length over the sequence axis."""
   problems = []
@@ -310,7 +343,7 @@ def _layout_problems(cfg: Mapping, model: Mamba2Config | None, mesh: Mapping[str
   b = cfg["batch_size"]
   if b % (dp * accum):
     problems.append(
-        f"batch_size {b} does not divide over the data-parallel devices: data x fsdp x expert = "
+        f"{rows} {b} does not divide over the data-parallel devices: data x fsdp x expert = "
         f"{mesh['data']} x {mesh['fsdp']} x {mesh['expert']} = {dp}"
         + (f" times optim.grad_accum {accum}" if accum > 1 else "") + f"; use a multiple of {dp * accum}")
   if model is not None and mesh["expert"] > 1 and (
@@ -324,7 +357,7 @@ def _layout_problems(cfg: Mapping, model: Mamba2Config | None, mesh: Mapping[str
                     f"of at least d_conv - 1 = {model.d_conv - 1} positions")
   groups = data_groups(cfg["mesh"], process_count)
   if b % groups:
-    problems.append(f"batch_size {b} does not divide over the {groups} data groups of the "
+    problems.append(f"{rows} {b} does not divide over the {groups} data groups of the "
                     f"{process_count} processes (processes that dcn_sequence or dcn_tensor "
                     f"spans share rows); use a multiple of {groups}")
   return problems
@@ -401,6 +434,62 @@ def _dpo(cfg: Mapping) -> tuple[DpoSpec | None, list[str]]:
     problems.append("objective='dpo' needs data.use_seq_idx=True: it keeps a row's chosen and "
                     "rejected responses apart")
   return (DpoSpec(float(beta), float(ls)) if not problems else None), problems
+
+
+def _grpo(cfg: Mapping) -> tuple[GrpoPlan | None, list[str]]:
+  """config.grpo for objective 'grpo': the sizes and choices, then the prompts file read
+  (every row checked) and the reward functions imported and checked against its fields."""
+  if cfg.get("objective") != "grpo":
+    return None, []
+  from mamba_train.data import prompts as prompts_lib  # only a GRPO run reads them
+  from mamba_train.train import rewards
+  g, problems = cfg.get("grpo", {}), []
+  ints = (("num_generations", 2, "a group needs at least two completions to compare"),
+          ("prompts_per_step", 1, ""), ("max_new_tokens", 1, ""), ("num_iterations", 1, ""), ("top_k", 0, "0 = off"))
+  for key, least, why in ints:
+    v = g.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < least:
+      problems.append(f"grpo.{key} must be an integer >= {least}{f' ({why})' if why else ''}, got {v!r}")
+  reals = (("temperature", lambda v: v > 0, "> 0 (GRPO samples its completions)"),
+           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("eval_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+           ("eval_temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"), ("beta", lambda v: v >= 0, ">= 0"),
+           ("is_min", lambda v: v >= 0, ">= 0"), ("is_max", lambda v: v > 0, "> 0"))
+  for key, ok, what in reals:
+    if not (_number(g.get(key)) and ok(g[key])):
+      problems.append(f"grpo.{key} must be {what}, got {g.get(key)!r}")
+  spec = None
+  if not problems:
+    try:
+      spec = GrpoSpec(loss_type=g["loss_type"], epsilon_low=float(g["epsilon_low"]),
+                      epsilon_high=float(g["epsilon_high"]), beta=float(g["beta"]),
+                      scale_rewards=g["scale_rewards"], sampler_is=g["sampler_is"],
+                      is_min=float(g["is_min"]) or None, is_max=float(g["is_max"]),
+                      max_completion_length=int(g["max_new_tokens"]))
+    except (TypeError, ValueError) as e:
+      problems.append(str(e))
+  funcs, fields = (), None
+  if not g.get("prompts"):
+    problems.append("objective='grpo' needs grpo.prompts: a .jsonl file of {\"prompt\": ...} rows "
+                    "(configs/grpo.py shows one)")
+  else:
+    try:
+      fields = sorted({k for row in prompts_lib.read_prompts(g["prompts"]) for k in row.fields})
+    except prompts_lib.PromptFormatError as e:
+      problems.append(str(e))
+  try:
+    funcs = tuple(rewards.load_reward_funcs(g.get("reward_funcs", "")))
+    if fields is not None:
+      rewards.check_fields(funcs, fields)
+  except rewards.RewardError as e:
+    problems.append(str(e))
+  if problems:
+    return None, problems
+  stop = tuple(s for s in g["stop"].split("|") if s) if g.get("stop") else ()
+  return GrpoPlan(spec=spec, prompts=g["prompts"], eval_fraction=float(g["eval_fraction"]),
+                  tokenizer=g["tokenizer"], reward_funcs=funcs, num_generations=g["num_generations"],
+                  prompts_per_step=g["prompts_per_step"], max_new_tokens=g["max_new_tokens"],
+                  temperature=float(g["temperature"]), top_p=float(g["top_p"]), top_k=g["top_k"], stop=stop,
+                  num_iterations=g["num_iterations"], eval_temperature=float(g["eval_temperature"])), []
 
 
 def _lora(c: Mapping, model: Mamba2Config) -> lora_lib.LoraSpec | None:

@@ -1,0 +1,192 @@
+"""The GRPO trainer (objective 'grpo'): a short run of configs/grpo.py on the synthetic task
+(copy the last digit, scripts/grpo_task.py) raises the mean reward from near zero; a run
+killed after a checkpoint resumes to the uninterrupted run's metrics, bit for bit (the
+prompt iterator and the sampler's key are in the checkpoint); LoRA trains the adapters alone
+against the base as the reference; a reward function that raises or returns the wrong number
+of rewards, and a bad config, stop with one line.
+
+Until mamba_train/rollout.py lands (branch `rollout`), tests/grpo_rollout_standin.py stands in
+for it, installed only when the real module is absent."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import grpo_rollout_standin
+from configs import grpo as grpo_config
+from mamba_train.parallel.mesh import make_mesh
+from mamba_train.train import grpo_loop, grpo_step, run_config
+
+from helpers import FAST_XLA, ROOT, patched
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+STANDIN = f"import sys; sys.path.insert(0, {TESTS!r}); import grpo_rollout_standin; grpo_rollout_standin.install()"
+# Numbers of the run that are not timings.
+TIMING = ("goodput", "rollout/", "train/", "event")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+  """The synthetic task's prompts file, as the README makes it (scripts/grpo_task.py)."""
+  path = tmp_path_factory.mktemp("task") / "task.jsonl"
+  r = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_task.py"), f"--out={path}", "--n=400"],
+                     cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads(path.read_text().splitlines()[0]).keys() == {"prompt", "answer"}
+  return path
+
+
+def _command(workdir, prompts, *extra, patch=""):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=FAST_XLA)
+  cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(workdir), "--config",
+         str(ROOT / "configs" / "grpo.py"), f"--config.grpo.prompts={prompts}", "--config.wandb.mode=disabled",
+         "--config.checkpoint_every=5", "--config.checkpoint_keep=0", "--config.eval_every=10", *extra]
+  return patched(cmd, STANDIN + "\n" + patch), env
+
+
+def _run(cmd, env, timeout=300):
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(workdir):
+  return [r for r in map(json.loads, open(workdir / "metrics.jsonl")) if "reward" in r]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory, prompts):
+  """(the prompts file, the workdir of an uninterrupted 20-step run)."""
+  root = tmp_path_factory.mktemp("grpo")
+  r = _run(*_command(root / "full", prompts, "--config.steps=20"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  return prompts, root / "full"
+
+
+def test_grpo_run_on_the_synthetic_task_raises_the_mean_reward(task):
+  _, full = task
+  rows = _rows(full)
+  assert [r["step"] for r in rows] == list(range(1, 21))
+  reward = [r["reward"] for r in rows]
+  first, last = np.mean(reward[:5]), np.mean(reward[-5:])
+  # From about 0.05 (a random byte is rarely near the digit) to about 0.6 by step 20.
+  assert first < 0.2 and last > first + 0.3, reward
+  r = rows[-1]
+  for key in ("rewards/mamba_train.train.rewards:closeness/mean", "reward_std", "completions/mean_length",
+              "completions/max_length", "clip_ratio/region_mean", "entropy", "zero_std_groups",
+              "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+              "rollout/tokens_per_s", "train/tokens_per_s", "goodput/rollout_s", "goodput/reward_s",
+              "goodput/step_s", "grad_norm", "lr"):
+    assert key in r and np.isfinite(r[key]), key
+  assert r["goodput/rollout_s"] > 0 and r["goodput/step_s"] > 0
+  evals = [row for row in map(json.loads, open(full / "metrics.jsonl")) if "eval_reward" in row]
+  assert [e["step"] for e in evals] == [10, 20] and all(0 <= e["eval_reward"] <= 1 for e in evals)
+
+
+def test_grpo_run_killed_after_a_save_resumes_to_the_uninterrupted_metrics(task, tmp_path):
+  prompts, full = task
+  kill = ("import os, signal\nfrom mamba_train.workdir import checkpoint\n_save = checkpoint.Checkpointer.save\n"
+          "def save(self, step, *a, **k):\n  out = _save(self, step, *a, **k)\n"
+          "  if step == 5:\n    self.manager.wait_until_finished(); os.kill(os.getpid(), signal.SIGKILL)\n"
+          "  return out\ncheckpoint.Checkpointer.save = save")
+  # A shorter run of the same recipe (a constant rate: its first steps are the long run's).
+  cmd, env = _command(tmp_path / "cut", prompts, "--config.steps=8")
+  r = _run(_command(tmp_path / "cut", prompts, "--config.steps=8", patch=kill)[0], env)
+  assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+  assert [row["step"] for row in _rows(tmp_path / "cut")][-1] == 5
+  r = _run(cmd, env)
+  assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+  state = json.loads((tmp_path / "cut" / "checkpoints" / "8" / "data").glob("*.json").__next__().read_text())
+  assert state["prompts"]["position"] == 8 * 8 and len(state["sampler_key"]) == 2
+  same = lambda row: {k: v for k, v in row.items() if not k.startswith(TIMING)}
+  want = {row["step"]: same(row) for row in _rows(full)}
+  got = {row["step"]: same(row) for row in _rows(tmp_path / "cut")}
+  assert sorted(got) == list(range(1, 9))
+  for s in range(1, 9):
+    assert got[s] == want[s], s
+
+
+def _plan(prompts, **grpo):
+  c = grpo_config.get_config()
+  c.grpo.update({"prompts": str(prompts), **grpo})
+  return c
+
+
+def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts):
+  grpo_rollout_standin.install()
+  c = _plan(prompts, beta=0.1, num_generations=4, prompts_per_step=2, max_new_tokens=3)
+  c.lora.update(rank=4, lr=0.05)
+  plan = run_config.validate(c, num_devices=1, explicit=("lora.lr",))
+  mesh = make_mesh(c.mesh, shape=plan.mesh_shape)
+  built = grpo_step.build(plan, mesh)
+  base = jax.device_get(built.state.frozen)
+  adapters = jax.device_get(built.state.params)
+  tok = grpo_loop.tokenizer_lib.load_tokenizer("byte")
+  prompt_set = grpo_loop.prompts_lib.load_prompts(plan.grpo.prompts)
+  batch = prompt_set.train[:2]
+  ro, _ = grpo_loop.Rollouts(plan, tok).sample(built.state, batch, jax.random.PRNGKey(1))
+  inputs, _ = grpo_loop.score(plan.grpo, tok, prompt_set.field_names, batch, ro)
+  inputs["advantages"] = np.linspace(-1, 1, 8).astype(np.float32)  # a gradient whatever the rewards
+  logps = built.logps(built.state.params, built.state.frozen, inputs)
+  # The reference is the base with the adapters off: the policy itself at the start (B = 0).
+  old = grpo_rollout_standin.sequence_logprobs(
+      grpo_loop.model_of(built.state.params, built.state.frozen, plan.model, plan.runtime, plan.lora),
+      inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0)
+  np.testing.assert_allclose(np.asarray(logps["ref_logps"]), np.asarray(old), rtol=1e-6)
+  state = built.state
+  for _ in range(3):  # the schedule's first step is its warmup's (rate 0)
+    state, metrics = built.train_step(state, {**inputs, **logps})
+  assert float(metrics["kl"]) > 0  # the third step's policy has left the base
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), base)
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), jax.device_get(state.params), adapters)
+  assert max(jax.tree.leaves(moved)) > 0
+  assert set(jax.tree.leaves(jax.tree.map(lambda x: x.shape[-1] == 4 or x.shape[-2] == 4, adapters)))  == {True}
+
+
+def bad_length(prompts, completions, **_):
+  return [0.0] * (len(completions) - 1)
+
+
+def raises(prompts, completions, **_):
+  raise KeyError("score")
+
+
+@pytest.mark.parametrize("func, says", [
+    ("raises", "reward function test_grpo_train:raises raised KeyError: 'score' on prompt"),
+    ("bad_length", "reward function test_grpo_train:bad_length returned 15 rewards for 16 completions")])
+def test_a_failing_reward_function_stops_the_run_with_one_line(tmp_path, prompts, func, says):
+  cmd, env = _command(tmp_path / "w", prompts, "--config.steps=2", f"--config.grpo.reward_funcs=test_grpo_train:{func}",
+                      "--config.grpo.prompts_per_step=2", "--config.grpo.max_new_tokens=2")
+  r = _run(cmd, env)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and lines[-1].startswith(f"error: {says}"), r.stderr[-3000:]
+  assert "Traceback" not in r.stderr
+
+
+def test_bad_grpo_configs_are_one_line_errors_before_anything_compiles(tmp_path, prompts):
+  c = _plan(prompts, num_generations=1)
+  with pytest.raises(run_config.ConfigError, match=r"^Invalid run config: grpo.num_generations must be an integer "
+                     r">= 2 \(a group needs at least two completions to compare\), got 1$"):
+    run_config.validate(c, num_devices=1)
+  c = _plan(tmp_path / "missing.jsonl")
+  with pytest.raises(run_config.ConfigError, match=r"missing.jsonl: cannot be read"):
+    run_config.validate(c, num_devices=1)
+  c = _plan(tmp_path / "no_answer.jsonl", reward_funcs="mamba_train.train.rewards:exact_answer")
+  (tmp_path / "no_answer.jsonl").write_text('{"prompt": "1:"}\n')
+  with pytest.raises(run_config.ConfigError, match=r"needs field 'answer'"):
+    run_config.validate(c, num_devices=1)
+  c = _plan(prompts, prompts_per_step=3, num_generations=3)
+  c.mesh.update(data=2)
+  with pytest.raises(run_config.ConfigError, match=r"grpo.prompts_per_step x num_generations 9 does not divide"):
+    run_config.validate(c, num_devices=2)
+  # The command line: one line, exit 2, nothing compiled.
+  cmd, env = _command(tmp_path / "w", prompts, "--config.grpo.num_generations=1")
+  r = _run(cmd, env)
+  assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+      "error: Invalid run config: grpo.num_generations must be an integer >= 2 (a group needs at least two "
+      "completions to compare), got 1"], r.stderr[-3000:]
