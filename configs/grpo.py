@@ -3,8 +3,8 @@ and it learns from each completion's reward relative to its group's (mamba_train
 Any model init_from takes runs, fully or with LoRA / QLoRA adapters (lora.rank, lora.base_dtype).
 
 The default is the synthetic task (copy the last digit; scripts/grpo_task.py) on a tiny
-byte-level model from scratch: the mean reward rises from about 0.05 to about 0.7 in 20 steps on
-a CPU (it answers with a digit near the right one; copying the right one takes longer).
+byte-level model from scratch: the mean reward rises from about 0.05 to about 0.7 in 40 steps on
+a CPU (README, GRPO).
 
   python scripts/grpo_task.py --out=data/grpo_task.jsonl
   python train.py --config configs/grpo.py --workdir runs/grpo-task --config.grpo.prompts=data/grpo_task.jsonl

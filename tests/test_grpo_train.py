@@ -3,10 +3,8 @@
 killed after a checkpoint resumes to the uninterrupted run's metrics, bit for bit (the
 prompt iterator and the sampler's key are in the checkpoint); LoRA trains the adapters alone
 against the base as the reference; a reward function that raises or returns the wrong number
-of rewards, and a bad config, stop with one line.
-
-Until mamba_train/rollout.py lands (branch `rollout`), tests/grpo_rollout_standin.py stands in
-for it, installed only when the real module is absent."""
+of rewards, and a bad config, stop with one line (the wrong number's line is held in
+test_grpo_inputs.py; here the run's own path, once, for a function that raises)."""
 
 import json
 import os
@@ -18,15 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-import grpo_rollout_standin
 from configs import grpo as grpo_config
+from mamba_train import rollout
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import grpo_loop, grpo_step, run_config
 
 from helpers import FAST_XLA, ROOT, patched
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-STANDIN = f"import sys; sys.path.insert(0, {TESTS!r}); import grpo_rollout_standin; grpo_rollout_standin.install()"
 # Numbers of the run that are not timings.
 TIMING = ("goodput", "rollout/", "train/", "event")
 
@@ -48,7 +44,7 @@ def _command(workdir, prompts, *extra, patch=""):
   cmd = [sys.executable, str(ROOT / "train.py"), "--workdir", str(workdir), "--config",
          str(ROOT / "configs" / "grpo.py"), f"--config.grpo.prompts={prompts}", "--config.wandb.mode=disabled",
          "--config.checkpoint_every=5", "--config.checkpoint_keep=0", "--config.eval_every=10", *extra]
-  return patched(cmd, STANDIN + "\n" + patch), env
+  return (patched(cmd, patch) if patch else cmd), env
 
 
 def _run(cmd, env, timeout=300):
@@ -118,7 +114,6 @@ def _plan(prompts, **grpo):
 
 
 def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts):
-  grpo_rollout_standin.install()
   c = _plan(prompts, beta=0.1, num_generations=4, prompts_per_step=2, max_new_tokens=3)
   c.lora.update(rank=4, lr=0.05)
   plan = run_config.validate(c, num_devices=1, explicit=("lora.lr",))
@@ -134,7 +129,7 @@ def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts):
   inputs["advantages"] = np.linspace(-1, 1, 8).astype(np.float32)  # a gradient whatever the rewards
   logps = built.logps(built.state.params, built.state.frozen, inputs)
   # The reference is the base with the adapters off: the policy itself at the start (B = 0).
-  old = grpo_rollout_standin.sequence_logprobs(
+  old = rollout.sequence_logprobs(
       grpo_loop.model_of(built.state.params, built.state.frozen, plan.model, plan.runtime, plan.lora),
       inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0)
   np.testing.assert_allclose(np.asarray(logps["ref_logps"]), np.asarray(old), rtol=1e-6)
@@ -148,20 +143,15 @@ def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts):
   assert set(jax.tree.leaves(jax.tree.map(lambda x: x.shape[-1] == 4 or x.shape[-2] == 4, adapters)))  == {True}
 
 
-def bad_length(prompts, completions, **_):
-  return [0.0] * (len(completions) - 1)
-
-
 def raises(prompts, completions, **_):
   raise KeyError("score")
 
 
-@pytest.mark.parametrize("func, says", [
-    ("raises", "reward function test_grpo_train:raises raised KeyError: 'score' on prompt"),
-    ("bad_length", "reward function test_grpo_train:bad_length returned 15 rewards for 16 completions")])
-def test_a_failing_reward_function_stops_the_run_with_one_line(tmp_path, prompts, func, says):
-  cmd, env = _command(tmp_path / "w", prompts, "--config.steps=2", f"--config.grpo.reward_funcs=test_grpo_train:{func}",
+def test_a_failing_reward_function_stops_the_run_with_one_line(tmp_path, prompts):
+  says = "reward function test_grpo_train:raises raised KeyError: 'score' on prompt"
+  cmd, env = _command(tmp_path / "w", prompts, "--config.steps=2", "--config.grpo.reward_funcs=test_grpo_train:raises",
                       "--config.grpo.prompts_per_step=2", "--config.grpo.max_new_tokens=2")
+  env["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__))  # where the reward function is
   r = _run(cmd, env)
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and lines[-1].startswith(f"error: {says}"), r.stderr[-3000:]
