@@ -63,7 +63,7 @@ _HOOK_WORKER = textwrap.dedent("""
     from configs import tiny
     from mamba_train.workdir import record
     from mamba_train.parallel.mesh import make_mesh
-    from mamba_train.train import hooks, loop, run_config, step as steps
+    from mamba_train.train import hooks, loop, run_config, session, step as steps
     c = tiny.get_config()
     c.model.update({small!r})
     c.mesh.update(dcn_fsdp=2, data=1, fsdp=1)
@@ -71,7 +71,7 @@ _HOOK_WORKER = textwrap.dedent("""
                      max_batch_size=8)
     plan = run_config.validate(c, num_devices=jax.device_count(), process_count=2)
     state = steps.build(plan, make_mesh(c.mesh, shape=plan.mesh_shape),
-                        params=loop.load_init_params({hf!r}, plan.model)).state
+                        params=session.load_init_params({hf!r}, plan.model)).state
     assert not state.params["embedding"].is_fully_addressable  # split over the processes
     run = loop.make_harness(plan, os.path.join({hf!r}, "tokenizer.json"))
     writer = record.MetricsWriter({out!r}, wandb_cfg={{"mode": "disabled"}}, run_config={{}},

@@ -19,7 +19,7 @@ from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
 from mamba_train.interop import export, peft as peft_export
 from mamba_train.model import lora, matmul
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import loop, run_config, step as steps
+from mamba_train.train import run_config, session, step as steps
 from mamba_train.workdir import checkpoint
 
 from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, script_env, train_command
@@ -293,7 +293,7 @@ def test_lora_run_killed_after_a_save_resumes_to_the_uninterrupted_losses(lora_r
   # Resuming it with other adapters (or none) is refused before anything is built.
   ckpt = checkpoint.Checkpointer(tmp_path / "cut")
   with pytest.raises(run_config.ConfigError, match=r"holds checkpoints of LoRA adapters \(rank 4"):
-    loop.check_resumable(ckpt, _plan(rank=8, targets="in_proj,lm_head"), force=False)
+    session.check_resumable(ckpt, _plan(rank=8, targets="in_proj,lm_head"), force=False)
   ckpt.close()
 
 

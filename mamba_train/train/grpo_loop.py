@@ -14,8 +14,8 @@ The goodput splits the wall time into rollout, reward and step (train) phases.
 The prompt iterator and the sampler's key travel together (`PromptStream`) as the data
 iterator every checkpoint stores, so a resumed run draws the prompts and completions the
 uninterrupted one drew; the train state's key draws LoRA's dropout as in step.py.
-Checkpoints are numbered by GRPO step. The workdir's lock, the resume checks, the guarded
-saves and the close are loop.py's.
+Checkpoints are numbered by GRPO step. The workdir's lock is loop.train's; the resume checks,
+the guarded saves and the close are session.py's, as for loop.py.
 
 Sections: config, mesh, prompts and rewards, model and optimizer, checkpoint and resume,
 hooks, loop; the step's parts below (`Rollouts`, `score`, the log and eval hooks).
@@ -32,7 +32,7 @@ import tqdm
 from mamba_train.data import prompts as prompts_lib, tokenizer as tokenizer_lib
 from mamba_train.metrics import Timer
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import goodput as goodput_lib, grpo as grpo_lib, grpo_step, hooks, loop, rewards
+from mamba_train.train import goodput as goodput_lib, grpo as grpo_lib, grpo_step, hooks, rewards, session
 from mamba_train.train.run_config import ConfigError, GrpoPlan, Plan
 from mamba_train.train.state import trainable
 from mamba_train.train.step import model_of
@@ -46,7 +46,7 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
   config, g = plan.config, plan.grpo
   is_main = jax.process_index() == 0
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep, local_dir=config.checkpoint.local_dir)
-  loop.check_resumable(ckpt, plan, force=force_resume)
+  session.check_resumable(ckpt, plan, force=force_resume)
 
   # ===== mesh =====
   mesh = make_mesh(config.mesh, shape=plan.mesh_shape)
@@ -64,10 +64,10 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
   rollouts = Rollouts(plan, tok)
 
   # ===== model and optimizer, sharded =====
-  built, run_record = loop.build_state(plan, mesh, ckpt, workdir, force=force_resume, build=grpo_step.build)
+  built, run_record = session.build_state(plan, mesh, ckpt, workdir, force=force_resume, build=grpo_step.build)
 
   # ===== checkpoint and resume =====
-  state, _, restored_step = loop.resume(ckpt, built.state, stream, workdir, gp)
+  state, _, restored_step = session.resume(ckpt, built.state, stream, workdir, gp)
   start_step = restored_step or 0
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))
   preemption = hooks.PreemptionWatcher()
@@ -77,14 +77,14 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
                                                     or f"{config.name}-{stamp}"},
                                 run_config=plan.config_dict(), is_main=is_main, resumed_from=restored_step)
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
-  save = loop.guarded_save(ckpt, stream, run_record, writer)
+  save = session.guarded_save(ckpt, stream, run_record, writer)
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps * g.num_iterations)
   periodic = [
       hooks.Hook("save_failed", 1, lambda *_: ckpt.check()),
       hooks.Hook("log", config.log_every, log_hook(writer, gp, bar)),
       hooks.Hook("checkpoint", config.checkpoint_every, gp.hook("checkpoint_save", save)),
       hooks.Hook("local_checkpoint", config.checkpoint.local_every,
-                 gp.hook("checkpoint_save", loop.guarded_save(ckpt, stream, run_record, writer, local=True)),
+                 gp.hook("checkpoint_save", session.guarded_save(ckpt, stream, run_record, writer, local=True)),
                  at_end=False),
       hooks.Hook("eval", config.eval_every if prompt_set.eval else 0,
                  gp.hook("eval", eval_hook(plan, rollouts, prompt_set, writer))),
@@ -116,7 +116,7 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
       gp.hook("checkpoint_save", save)(done, state, metrics, force=True)
   finally:
     bar.close()
-    loop.close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
+    session.close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
 
 
 # ----------------------------------------------------------------------------

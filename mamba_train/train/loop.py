@@ -4,16 +4,15 @@ checkpoints and metrics out.
 `train` reads top to bottom in sections: config (the workdir, its lock and the
 resume check), mesh, data, model and optimizer (sharded), checkpoint and resume,
 step function, hooks, loop; the longer parts of a section are the functions below
-it (`build_state`, `resume`, `log_hook`, `eval_hook`, `close`). Periodic work hangs on the loop as hooks
-(train/hooks.py); what the loop does about a loss spike (`RollBack`) and which
-states it saves (`guarded_save`) are its policy, below it.
+it (`log_hook`, `eval_hook`) and the parts every loop shares (train/session.py: the
+state built, the resume, the guarded save, the close). Periodic work hangs on the loop
+as hooks (train/hooks.py); what the loop does about a loss spike (`RollBack`) is its
+policy, below it. GRPO's loop (train/grpo_loop.py) is its own, over the same parts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import logging
 import math
 import os
@@ -23,14 +22,10 @@ import numpy as np
 import tqdm
 
 from mamba_train import data, metrics as metrics_lib
-from mamba_train.interop.load import load_model
-from mamba_train.model import lora as lora_lib
-from mamba_train.model.config import Mamba2Config
-from mamba_train.model.params import weight_names
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import goodput as goodput_lib, hooks, inputs, step as steps
+from mamba_train.train import goodput as goodput_lib, hooks, inputs, session, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
-from mamba_train.train.state import trainable, with_frozen, with_shardings
+from mamba_train.train.state import trainable, with_frozen
 from mamba_train.workdir import checkpoint, record, storage
 from mamba_train.workdir.lock import lock_workdir
 
@@ -70,7 +65,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   # (a LoRA run's base is checked once it is loaded, below, before config.json is written).
   ckpt = checkpoint.Checkpointer(workdir, keep=config.checkpoint_keep,
                                  local_dir=config.checkpoint.local_dir)
-  check_resumable(ckpt, plan, force=force_resume)
+  session.check_resumable(ckpt, plan, force=force_resume)
   if plan.model_from_init:  # the recipe's model fields are a default; the weights say what they are
     logging.info("config.model from init_from %r: %s", config.init_from, ", ".join(
         f"{k}={theirs!r} (recipe: {ours!r})" for k, (ours, theirs) in plan.model_from_init.items()))
@@ -85,12 +80,12 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   harness = make_harness(plan, inputs.tokenizer_path(sources), mesh)  # task names checked before compiling
 
   # ===== model and optimizer, sharded =====
-  built, run_record = build_state(plan, mesh, ckpt, workdir, force=force_resume)
+  built, run_record = session.build_state(plan, mesh, ckpt, workdir, force=force_resume)
 
   # ===== checkpoint and resume =====
   # The newest complete checkpoint in the workdir, restored into this run's
   # shardings (which may differ from the saving run's), with the data iterator.
-  state, target, restored_step = resume(ckpt, built.state, train_loader, workdir, gp)
+  state, target, restored_step = session.resume(ckpt, built.state, train_loader, workdir, gp)
   start_step = int(state.step)
   ckpt.preflight(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainable(state))))  # disk space
   preemption = hooks.PreemptionWatcher()
@@ -111,7 +106,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   throughput = hooks.Throughput()
   share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
-  save = guarded_save(ckpt, train_loader, run_record, writer)
+  save = session.guarded_save(ckpt, train_loader, run_record, writer)
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps)
   spikes = hooks.SpikeGuard(config.optim.spike_factor, config.optim.spike_window)
   roll_back = RollBack(ckpt, target, train_loader, writer, spikes, bar)
@@ -124,7 +119,7 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
       # Asynchronous: returns once the state is copied to host memory.
       hooks.Hook("checkpoint", config.checkpoint_every, gp.hook("checkpoint_save", save)),
       hooks.Hook("local_checkpoint", config.checkpoint.local_every,
-                 gp.hook("checkpoint_save", guarded_save(ckpt, train_loader, run_record, writer, local=True)),
+                 gp.hook("checkpoint_save", session.guarded_save(ckpt, train_loader, run_record, writer, local=True)),
                  at_end=False),
       hooks.Hook("eval", config.eval_every, gp.hook("eval", eval_hook(built, held_out, mesh, writer, throughput))),
       hooks.Hook("harness", config.harness.every if harness else 0, gp.hook(
@@ -164,60 +159,11 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
       gp.hook("checkpoint_save", save)(final, state, step_metrics, force=True)
   finally:
     bar.close()
-    close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
+    session.close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
 
 
 # ----------------------------------------------------------------------------
-# The sections' parts: the state built, the resume, the log and eval hooks, the close.
-
-
-def build_state(plan: Plan, mesh, ckpt: checkpoint.Checkpointer, workdir: str, *, force: bool,
-                build=steps.build):
-  """-> (the built train state and steps (`build`: step.build, or GRPO's), the run record checkpoints
-  keep): the weights of config.init_from or a fresh init, a LoRA run's base checked
-  against the workdir's adapters, config.json written, the sizes logged."""
-  config, model_cfg = plan.config, plan.model
-  params = load_init_params(config.init_from, model_cfg) if config.init_from else None
-  run_record = plan.config_dict()
-  if plan.lora is not None:
-    # The adapters are saved alone, so the record names the base they adapt.
-    # A random base is named by its seed (a recomputed init can differ in the last bit
-    # under other compiler flags); loaded weights by their values.
-    run_record["lora_base"] = {"init_from": config.init_from, "seed": config.seed,
-                               "fingerprint": lora_lib.fingerprint(params) if params else "random init"}
-    check_base(ckpt, run_record["lora_base"], force=force)  # before building the state
-  if jax.process_index() == 0:
-    storage.makedirs(workdir)
-    storage.write_text(storage.path(workdir) / "config.json", json.dumps(plan.config_dict(), indent=2))
-  built = build(plan, mesh, params=params)
-  state = built.state
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  if plan.lora is not None:
-    logging.info("LoRA: %.3fM adapter parameters train at a peak rate of %.3g%s; the %.2fM of the base are "
-                 "frozen%s", n_params / 1e6, plan.lr,
-                 " (lora.lr; optim.lr is the full finetune's)" if plan.lr != config.optim.lr else "",
-                 sum(x.size for x in jax.tree.leaves(state.frozen)) / 1e6,
-                 f" in {plan.lora.base_dtype}" if plan.lora.base_dtype else "")
-  logging.info("%.2fM parameters (%.2fM active per token), %.3g train FLOPs/token, %d tokens/step",
-               n_params / 1e6, (n_params - (0 if plan.lora else metrics_lib.inactive_params(model_cfg))) / 1e6,
-               metrics_lib.train_flops_per_token(model_cfg, plan.runtime, config.seq_len),
-               config.batch_size * config.seq_len)
-  return built, run_record
-
-
-def resume(ckpt: checkpoint.Checkpointer, state, train_loader, workdir: str, gp: goodput_lib.Goodput):
-  """-> (the state, the restore target (the trainable state's shapes and
-  shardings), the step restored or None): the newest complete checkpoint restored
-  into `state`'s shardings with the data iterator, the LoRA base kept."""
-  target = with_shardings(trainable(state), jax.tree.map(lambda x: x.sharding, trainable(state)))
-  with gp.phase("checkpoint_restore"):
-    restored_step, restored = ckpt.restore(target, train_loader)
-  if restored_step is not None:
-    state = with_frozen(restored, state.frozen)
-    logging.info("resumed from %s at step %d", ckpt.directory, restored_step)
-    if jax.process_index() == 0:  # the stopped runs' record, before the writer sets its later rows aside
-      log_resumed_goodput(gp, storage.path(workdir) / "metrics.jsonl", restored_step)
-  return state, target, restored_step
+# The sections' parts (the state built, the resume, the saves and the close: session.py).
 
 
 def log_hook(plan: Plan, mesh, writer, throughput: hooks.Throughput, share, gp: goodput_lib.Goodput, bar):
@@ -263,55 +209,8 @@ def eval_hook(built, held_out: dict, mesh, writer, throughput: hooks.Throughput)
   return evaluate
 
 
-def close(ckpt: checkpoint.Checkpointer, writer, gp: goodput_lib.Goodput, guard: hooks.NonFiniteGuard, *,
-          done: int, steps: int, workdir: str) -> None:
-  """The run's end, however it came: the saves in flight finished, the goodput row
-  written at the last step `done`, the record closed."""
-  try:
-    with gp.phase("checkpoint_save"):
-      ckpt.close()  # waits for saves in flight
-  finally:
-    # The whole run's goodput, at its end. On a full disk the record cannot take it
-    # either: a warning, so that the error that stopped the run stays the one reported.
-    try:
-      writer.write(done, {"event": "goodput", **gp.row()})
-    except OSError as e:
-      logging.warning("the run's closing goodput row was not written: %s", e)
-    finally:
-      with contextlib.suppress(OSError):  # the file is closed even when its flush fails
-        writer.close()
-    logging.info("stopped at step %d of %d in %s; %s", done, steps, workdir, guard.summary())
-    logging.info("%s", gp.summary())
-
-
 # ----------------------------------------------------------------------------
-# The loop's policy: which states it saves, and the roll-back after a loss spike.
-
-
-def guarded_save(ckpt: checkpoint.Checkpointer, train_loader, run_config: dict, writer, *,
-                 local: bool = False):
-  """`save(step, state, metrics, force=False)`, the checkpoint hook: saves the state
-  with the data iterator and the run config, then syncs the record (`local`: to the
-  local tier, config.checkpoint.local_dir)."""
-
-  def save(step, state, metrics, force=False):
-    # Never from a state inside a streak of skipped steps (a non-finite loss or gradient, a
-    # weight jump): its last update was skipped, the weights may be the blown-up ones, and
-    # the streak may end the run; the previous save is the one to resume from.
-    if metrics is not None:
-      m = jax.device_get({k: metrics[k] for k in ("loss", "nonfinite_streak")})
-      if int(m["nonfinite_streak"]) > 0 or not math.isfinite(float(m["loss"])):
-        logging.warning("not saving step %d: its update was skipped (a non-finite loss or gradient, "
-                        "or a weight jump; streak %d)",
-                        step, int(m["nonfinite_streak"]))
-        return
-    if local:
-      ckpt.save_local(step, trainable(state), train_loader, run_config)
-      return
-    ckpt.save(step, trainable(state), train_loader, run_config, force=force)
-    writer.sync()  # on a bucket: the record reaches every saved step
-
-  return save
+# The roll-back after a loss spike.
 
 
 class RollBack:
@@ -347,74 +246,7 @@ class RollBack:
 
 
 # ----------------------------------------------------------------------------
-# What the loop starts from: the resume check, loaded weights, the harness hook.
-
-
-def log_resumed_goodput(gp: goodput_lib.Goodput, metrics_path, restored_step: int) -> None:
-  """After a resume: the stopped run's goodput, and the step time it spent on the steps this
-  run trains again (`gp.lost_to_restart`, in this run's goodput rows)."""
-  lost, last, final = goodput_lib.lost_to_restart(metrics_path, restored_step)
-  gp.lost_to_restart = lost
-  if final is not None:
-    logging.info("the stopped run's %s", goodput_lib.summary(final))
-  if last is not None and last > restored_step:
-    logging.info("goodput: steps %d..%d are trained again: %.1f s of step time lost to the restart",
-                 restored_step + 1, last, lost)
-
-
-def check_resumable(ckpt: checkpoint.Checkpointer, plan: Plan, *, force: bool) -> None:
-  """Refuse to resume a workdir whose checkpoints hold another model (unless forced)."""
-  saved_steps = ckpt.steps()
-  if not saved_steps:
-    return
-  try:
-    saved = ckpt.saved_config(saved_steps[-1])
-  except Exception:  # a damaged newest step: the restore falls back and checks shapes
-    return
-  differ = checkpoint.saved_configs(saved)[0].weight_differences(plan.model)
-  saved_lora = lora_lib.spec_from_config(saved.get("lora", {}), weight_names(plan.model))
-  if _trains(saved_lora) != _trains(plan.lora):  # the same model, another set of trained weights
-    raise ConfigError(f"{ckpt.directory} holds checkpoints of {_trains(saved_lora)}, but this run "
-                      f"trains {_trains(plan.lora)}; use another --workdir, or the lora settings it was run with")
-  if differ and not force:
-    raise ConfigError(
-        f"{ckpt.directory} holds checkpoints of another model; (saved, requested) = {differ}. "
-        f"Use another --workdir, or pass --force_resume to restore them anyway.")
-
-
-def _trains(spec) -> str:
-  """What a run trains, as the resume check compares it."""
-  if spec is None:
-    return "the whole model"
-  return f"LoRA adapters (rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)})"
-
-
-def check_base(ckpt: checkpoint.Checkpointer, base: dict, *, force: bool) -> None:
-  """Refuse to resume adapters trained on another base (unless forced)."""
-  saved_steps = ckpt.steps()
-  if not saved_steps:
-    return
-  try:
-    saved = ckpt.saved_config(saved_steps[-1]).get("lora_base")
-  except Exception:  # a damaged newest step: the restore falls back
-    return
-  if saved and saved["fingerprint"] != base["fingerprint"] and not force:
-    raise ConfigError(
-        f"{ckpt.directory} holds adapters of another base (saved init_from {saved['init_from']!r}, "
-        f"fingerprint {saved['fingerprint']}; this run's {base['init_from']!r}, {base['fingerprint']}). "
-        "Use another --workdir or the base they were trained on, or pass --force_resume.")
-
-
-def load_init_params(path: str, model_cfg: Mamba2Config):
-  """Parameters of a workdir, a transformers or mamba_ssm directory (a LoRA run's: its adapters
-  merged into its base), checked against config.model (which `run_config.validate` took from
-  its config: only a directory that changed since can differ)."""
-  model = load_model(path).merged()
-  differ = model_cfg.weight_differences(model.config, init=False)
-  if differ:
-    raise ConfigError(f"init_from {path!r} does not match config.model in "
-                      f"(config, checkpoint) = {differ}")
-  return model.params()
+# The harness hook.
 
 
 def make_harness(plan: Plan, tokenizer_path: str, mesh=None):
