@@ -195,10 +195,10 @@ ERRORS_MODULE = f"{PACKAGE}.errors"
 _MODEL_MAY_IMPORT = ("mamba_train.model", "mamba_train.ops", "mamba_train.parallel.sharding")
 _PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", "interop", "workdir"))
 
-# The plain forms the kernels stand beside (mamba_train/ops/): the SSD's, the layer's
-# elementwise chain, the experts' grouped matmuls, attention.
-_MATH = ("mamba_train.ops.ssd", "mamba_train.ops.layer_math", "mamba_train.ops.experts",
-         "mamba_train.ops.attention")
+# The plain forms the kernels stand beside (mamba_train/ops/): the SSD's (Mamba-2's and
+# Mamba-3's), the layer's elementwise chain, the experts' grouped matmuls, attention.
+_MATH = ("mamba_train.ops.ssd", "mamba_train.ops.ssd3", "mamba_train.ops.layer_math",
+         "mamba_train.ops.experts", "mamba_train.ops.attention")
 # The kernels: what runs in Pallas (or tokamax) instead of XLA's own ops.
 _KERNEL_MODULES = ("mamba_train.ops.ssd_tpu", "mamba_train.ops.ssd_gpu", "mamba_train.ops.layer_tpu",
                    "mamba_train.ops.layer_gpu", "mamba_train.ops.decode_tpu", "mamba_train.ops.experts_tpu",
@@ -208,7 +208,7 @@ TABLE_MODULE = "mamba_train.ops.table"
 RUNTIME_MODULE = "mamba_train.model.runtime"
 
 SSD_IS_PURE = Rule(
-    "ssd-is-pure", "the plain forms of the operations (the SSD, layer_math, experts, attention) import "
+    "ssd-is-pure", "the plain forms of the operations (the SSDs, layer_math, experts, attention) import "
     "nothing of the package",
     governs=lambda m: m in _MATH,
     broken_by=lambda t: ours(t) or t.startswith("<relative"))
