@@ -124,7 +124,7 @@ def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts):
   tok = grpo_loop.tokenizer_lib.load_tokenizer("byte")
   prompt_set = grpo_loop.prompts_lib.load_prompts(plan.grpo.prompts)
   batch = prompt_set.train[:2]
-  ro, _ = grpo_loop.Rollouts(plan, tok).sample(built.state, batch, jax.random.PRNGKey(1))
+  ro, _ = grpo_loop.Rollouts(plan, tok, mesh).sample(built.state, batch, jax.random.PRNGKey(1))
   inputs, _ = grpo_loop.score(plan.grpo, tok, prompt_set.field_names, batch, ro)
   inputs["advantages"] = np.linspace(-1, 1, 8).astype(np.float32)  # a gradient whatever the rewards
   logps = built.logps(built.state.params, built.state.frozen, inputs)
