@@ -1,8 +1,9 @@
 """The GRPO trainer (objective 'grpo'): a short run of configs/grpo.py on the synthetic task
 (copy the last digit, scripts/grpo_task.py) raises the mean reward from near zero; a run
-killed after a checkpoint resumes to the uninterrupted run's metrics, bit for bit (the
-prompt iterator and the sampler's key are in the checkpoint); LoRA trains the adapters alone
-against the base as the reference; a reward function that raises or returns the wrong number
+resumed from a checkpoint continues to the uninterrupted run's metrics, bit for bit (the
+prompt iterator and the sampler's key are in the checkpoint); LoRA and QLoRA train the
+adapters alone against the base as the reference; the prompt and after-EOS positions get
+exactly zero gradient; a reward function that raises or returns the wrong number
 of rewards, and a bad config, stop with one line (the wrong number's line is held in
 test_grpo_inputs.py; here the run's own path, once, for a function that raises)."""
 
@@ -117,6 +118,7 @@ def _plan(prompts, **grpo):
 def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts, base_dtype):
   c = _plan(prompts, beta=0.1, num_generations=4, prompts_per_step=2, max_new_tokens=3)
   c.lora.update(rank=4, lr=0.05, base_dtype=base_dtype)
+  c.model.n_layer = 1  # one adapted layer holds what two would
   plan = run_config.validate(c, num_devices=1, explicit=("lora.lr",))
   mesh = make_mesh(c.mesh, shape=plan.mesh_shape)
   built = grpo_step.build(plan, mesh)
@@ -130,9 +132,10 @@ def test_lora_grpo_trains_the_adapters_alone_against_the_base(prompts, base_dtyp
   inputs["advantages"] = np.linspace(-1, 1, 8).astype(np.float32)  # a gradient whatever the rewards
   logps = built.logps(built.state.params, built.state.frozen, inputs)
   # The reference is the base with the adapters off: the policy itself at the start (B = 0).
-  old = rollout.sequence_logprobs(
-      grpo_loop.model_of(built.state.params, built.state.frozen, plan.model, plan.runtime, plan.lora),
-      inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0)
+  old = jax.jit(lambda params, frozen: rollout.sequence_logprobs(  # jitted: op by op takes seconds
+      grpo_loop.model_of(params, frozen, plan.model, plan.runtime, plan.lora),
+      inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0))(built.state.params,
+                                                                                  built.state.frozen)
   np.testing.assert_allclose(np.asarray(logps["ref_logps"]), np.asarray(old), rtol=1e-6)
   state = built.state
   for _ in range(3):  # the schedule's first step is its warmup's (rate 0)
