@@ -252,16 +252,16 @@ def eval_hook(plan: Plan, rollouts: Rollouts, prompt_set: prompts_lib.PromptSet,
   """`evaluate(step, state, metrics)`: the mean reward over the held-out prompts, one completion
   each at grpo.eval_temperature (0: greedy), per function and combined (eval_reward)."""
   g, seed = plan.grpo, plan.config.seed
-  dp = sharding.axes_size(rollouts.mesh, dict(sharding.DEFAULT_RULES)["batch"])  # rollout.py's split
 
   def evaluate(step, state, metrics):
     per_func = []
     for i, batch in enumerate(prompts_lib.eval_batches(prompt_set.eval, g.completions)):
       key = jax.random.fold_in(jax.random.PRNGKey(seed), i)  # the same draws at every evaluation
-      # A short last batch is padded with its last prompt to split over the devices; the
-      # padding's scores are dropped.
+      # A short last batch is padded with its last prompt to the full batch (the rollouts'
+      # n rows, which split over the devices: its decode program is theirs); the padding's
+      # scores are dropped.
       n = len(batch)
-      batch = batch + batch[-1:] * (-n % dp)
+      batch = batch + batch[-1:] * (g.completions - n)
       ro, _ = rollouts.sample(state, batch, key, group_size=1, temperature=g.eval_temperature)
       texts, ids = decode(rollouts.tok, ro)
       prompts, fields = prompts_lib.reward_inputs(batch, prompt_set.field_names)
