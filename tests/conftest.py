@@ -55,7 +55,7 @@ def on_simulated_devices():
 LONGEST_FIRST = ("test_multihost.py", "test_checkpoint.py", "test_precision.py", "test_aot.py",
                  "test_tiers.py", "test_lora.py", "test_sequence_parallel.py", "test_run_guards.py",
                  "test_expert_parallel.py", "test_train_sharding.py", "test_window.py", "test_parity.py",
-                 "test_eval_harness.py")
+                 "test_eval_harness.py", "test_grpo_multihost.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -307,6 +307,15 @@ def _process_rows(mesh: Mesh) -> NamedSharding:
   return NamedSharding(Mesh(grid, ("processes", "local")), PartitionSpec("processes"))
 
 
+def from_host(value: np.ndarray, sh: NamedSharding) -> jax.Array:
+  """A value every process holds whole -> the global array split by `sh`, each process
+  placing the pieces its devices hold (`to_host`'s inverse). Not `to_global`, which
+  takes each process's own rows: given the whole value as a process's rows, that builds
+  an array `jax.process_count()` times as long."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sh, lambda index: value[index])
+
+
 def to_host(x: jax.Array) -> np.ndarray:
   """The whole value of a (possibly multi-process) array, on every process.
 

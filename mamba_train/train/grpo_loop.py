@@ -31,6 +31,7 @@ import tqdm
 
 from mamba_train.data import prompts as prompts_lib, tokenizer as tokenizer_lib
 from mamba_train.metrics import Timer
+from mamba_train.parallel import sharding
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import goodput as goodput_lib, grpo as grpo_lib, grpo_step, hooks, rewards, session
 from mamba_train.train.run_config import ConfigError, GrpoPlan, Plan
@@ -61,7 +62,7 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
                                         seed=config.seed)
   stream = PromptStream(prompts_lib.PromptIterator(prompt_set.train, g.prompts_per_step, config.seed),
                         config.seed)
-  rollouts = Rollouts(plan, tok)
+  rollouts = Rollouts(plan, tok, mesh)
 
   # ===== model and optimizer, sharded =====
   built, run_record = session.build_state(plan, mesh, ckpt, workdir, force=force_resume, build=grpo_step.build)
@@ -149,10 +150,12 @@ class PromptStream:
 
 
 class Rollouts:
-  """Samples a batch of prompts' completions from a state's policy (its adapters merged)."""
+  """Samples a batch of prompts' completions from a state's policy (its adapters merged), the
+  rows split over the mesh's data-parallel devices (rollout.py's sharding); the completions
+  come back whole to every process, which scores them all."""
 
-  def __init__(self, plan: Plan, tok: tokenizer_lib.TokenizerInfo):
-    self.plan, self.tok = plan, tok
+  def __init__(self, plan: Plan, tok: tokenizer_lib.TokenizerInfo, mesh):
+    self.plan, self.tok, self.mesh = plan, tok, mesh
     self.token_bytes = (tokenizer_lib.token_bytes(tok.tokenizer, plan.model.vocab_size)
                         if plan.grpo.stop else None)
 
@@ -161,7 +164,7 @@ class Rollouts:
     from mamba_train import rollout  # the on-device sampler (rollout.py)
     g, plan = self.plan.grpo, self.plan
     model = model_of(state.params, state.frozen, plan.model, plan.runtime, plan.lora).merged()
-    with Timer() as t:
+    with Timer() as t, sharding.use_rules(self.mesh):
       ro = rollout.rollout(model, [np.asarray(p.ids, np.int32) for p in batch],
                            g.num_generations if group_size is None else group_size, g.max_new_tokens, key=key,
                            temperature=g.temperature if temperature is None else temperature, top_k=g.top_k,
@@ -211,7 +214,8 @@ def train(built: grpo_step.Built, state, inputs: dict, mesh, g: GrpoPlan, guard:
   """num_iterations optimizer steps on one rollout batch -> (state, the step's metrics: the
   device metrics averaged over the iterations (the guard's of the last), and `host`'s)."""
   b_sh = grpo_step.batch_shardings(mesh, inputs)
-  batch = {k: jax.make_array_from_process_local_data(b_sh[k], v) for k, v in inputs.items()}
+  # Every process holds the whole rollout batch (the rollout gathers it for the rewards).
+  batch = {k: sharding.from_host(v, b_sh[k]) for k, v in inputs.items()}
   with Timer() as t:
     if built.needs_logps:
       batch |= built.logps(state.params, state.frozen, batch)
@@ -253,11 +257,16 @@ def eval_hook(plan: Plan, rollouts: Rollouts, prompt_set: prompts_lib.PromptSet,
     per_func = []
     for i, batch in enumerate(prompts_lib.eval_batches(prompt_set.eval, g.completions)):
       key = jax.random.fold_in(jax.random.PRNGKey(seed), i)  # the same draws at every evaluation
+      # A short last batch is padded with its last prompt to the full batch (the rollouts'
+      # n rows, which split over the devices: its decode program is theirs); the padding's
+      # scores are dropped.
+      n = len(batch)
+      batch = batch + batch[-1:] * (g.completions - n)
       ro, _ = rollouts.sample(state, batch, key, group_size=1, temperature=g.eval_temperature)
       texts, ids = decode(rollouts.tok, ro)
       prompts, fields = prompts_lib.reward_inputs(batch, prompt_set.field_names)
       per_func.append(rewards.score(g.reward_funcs, prompts, texts, fields, completion_ids=ids,
-                                    max_completion_length=g.max_new_tokens))
+                                    max_completion_length=g.max_new_tokens)[:n])
     row = {f"eval_{k}": v for k, v in rewards.reward_metrics(g.reward_funcs, np.concatenate(per_func)).items()}
     writer.write(step, row)
     logging.info("step %d: eval reward %.4f over %d prompts", step, row["eval_reward"], len(prompt_set.eval))
