@@ -207,6 +207,38 @@ def random_model(cfg, rng):
   return Mamba2LM.from_params(cfg, jax.tree_util.tree_map_with_path(draw, abstract))
 
 
+def scaled_random_model(cfg, seed: int = 0):
+  """A Mamba2LM of `cfg` (hybrids too) with random weights drawn with numpy (an initialiser
+  run through XLA would cost more compile time than the tests that use it), scaled like a
+  trained model's so that its next-token distributions are far from uniform: norms near 1,
+  A and dt as mamba_ssm draws them, D near 1, biases 0, matrices by 1/sqrt(fan in)."""
+  import jax
+  from flax import nnx
+
+  from mamba_train import Mamba2LM
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    name = path[-1].key
+    if "norm" in name:
+      return 1.0 + 0.1 * rng.standard_normal(s.shape)
+    if name == "A_log":
+      return np.log(rng.uniform(1.0, 16.0, s.shape))
+    if name == "dt_bias":
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), s.shape))
+      return dt + np.log(-np.expm1(-dt))
+    if name == "D":
+      return rng.uniform(0.5, 1.5, s.shape)
+    if "bias" in name:
+      return np.zeros(s.shape)
+    fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
+    return rng.standard_normal(s.shape) / np.sqrt(fan_in)
+
+  shapes = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
+  params = jax.tree_util.tree_map_with_path(draw, shapes)
+  return Mamba2LM.from_params(cfg, jax.tree.map(lambda a: a.astype(np.float32), params))
+
+
 def orbax_round_trip(it, fresh, directory):
   """Saves data iterator `it` as the checkpointer does (Grain's handler in an Orbax
   Composite) and restores it into `fresh`."""

@@ -30,6 +30,8 @@ from mamba_train.model.params import MATMUL_WEIGHTS
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 
+from helpers import scaled_random_model
+
 # Chunk 8 so prompts of 5 and 21 tokens fall shorter and longer than a chunk,
 # the latter with a ragged tail; two groups so B/C sharing is exercised.
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=8,
@@ -39,27 +41,8 @@ TOTAL = 30  # tokens per test sequence
 
 @functools.lru_cache(maxsize=None)
 def small_model() -> Mamba2LM:
-  """Random weights drawn with numpy: an initialiser run through XLA would cost
-  more compile time than everything it is used for here."""
-  rng = np.random.default_rng(0)
-  shapes = nnx.eval_shape(lambda: Mamba2LM(CFG, rngs=nnx.Rngs(0))).params()
-
-  def draw(path, s):
-    name = path[-1].key
-    if name in ("norm", "gate_norm", "norm_f"):
-      return 1.0 + 0.1 * rng.standard_normal(s.shape)
-    if name == "A_log":
-      return np.log(rng.uniform(1.0, 16.0, s.shape))
-    if name == "dt_bias":
-      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), s.shape))
-      return dt + np.log(-np.expm1(-dt))
-    if name == "D":
-      return rng.uniform(0.5, 1.5, s.shape)
-    fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
-    return rng.standard_normal(s.shape) / np.sqrt(fan_in)
-
-  params = jax.tree_util.tree_map_with_path(draw, shapes)
-  return Mamba2LM.from_params(CFG, jax.tree.map(lambda a: a.astype(np.float32), params))
+  """Random weights scaled like a trained model's (helpers.scaled_random_model)."""
+  return scaled_random_model(CFG)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")

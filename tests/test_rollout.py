@@ -37,6 +37,8 @@ from mamba_train.parallel import sharding
 from mamba_train.parallel.sharding import MESH_AXES
 from mamba_train.rollout import rollout, sequence_logprobs
 
+from helpers import scaled_random_model
+
 # Chunk 8: prompts of 5 and 11 tokens (padded to 16) fall shorter and longer than a chunk.
 CFG = Mamba2Config(d_model=64, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=8,
                    vocab_size=100)
@@ -49,30 +51,8 @@ G, NEW = 4, 16
 
 @functools.lru_cache(maxsize=None)
 def model(cfg: Mamba2Config = CFG) -> Mamba2LM:
-  """Random weights drawn with numpy (an initialiser run through XLA would cost more
-  compile time than the tests), scaled like a trained model's so that the
-  next-token distributions are far from uniform."""
-  rng = np.random.default_rng(0)
-
-  def draw(path, s):
-    name = path[-1].key
-    if "norm" in name:
-      return 1.0 + 0.1 * rng.standard_normal(s.shape)
-    if name == "A_log":
-      return np.log(rng.uniform(1.0, 16.0, s.shape))
-    if name == "dt_bias":
-      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), s.shape))
-      return dt + np.log(-np.expm1(-dt))
-    if name == "D":
-      return rng.uniform(0.5, 1.5, s.shape)
-    if "bias" in name:
-      return np.zeros(s.shape)
-    fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
-    return rng.standard_normal(s.shape) / np.sqrt(fan_in)
-
-  shapes = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
-  params = jax.tree_util.tree_map_with_path(draw, shapes)
-  return Mamba2LM.from_params(cfg, jax.tree.map(lambda a: a.astype(np.float32), params))
+  """Random weights scaled like a trained model's (helpers.scaled_random_model)."""
+  return scaled_random_model(cfg)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
