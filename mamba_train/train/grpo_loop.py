@@ -173,7 +173,6 @@ class Rollouts:
     return ro, t.seconds
 
 
-
 def decode(tok: tokenizer_lib.TokenizerInfo, ro) -> tuple[list[str], list[list[int]]]:
   """A rollout's completions as text (EOS dropped) and as token ids (up to and including EOS)."""
   ids = [row[m].tolist() for row, m in zip(np.asarray(ro.completion_ids), np.asarray(ro.completion_mask, bool))]
