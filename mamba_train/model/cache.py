@@ -136,10 +136,9 @@ class Mamba2Cache:
     """Each row n times along the batch axis, in place (row r of the result is row
     r // n): one prefilled prompt's state copied for n samples of it (GRPO's group),
     pinned to the active mesh again. Exact: copies, no arithmetic."""
-    out = {k: None if getattr(self, k) is None or "batch" not in axes else
-           jnp.repeat(getattr(self, k), n, axis=axes.index("batch"))
-           for k, axes in CACHE_AXES.items()}
-    return Mamba2Cache(**{k: getattr(self, k) if out[k] is None else out[k] for k in CACHE_AXES}).constrain()
+    def rows(x, axes):
+      return x if x is None or "batch" not in axes else jnp.repeat(x, n, axis=axes.index("batch"))
+    return Mamba2Cache(**{k: rows(getattr(self, k), axes) for k, axes in CACHE_AXES.items()}).constrain()
 
   def constrain(self) -> "Mamba2Cache":
     """Pin the cache to the active mesh by the rules table (no-op without one)."""
