@@ -6,8 +6,9 @@
     and `AutoTokenizer.from_pretrained` read with no extra code. transformers
     never ties NemotronH's head, so a hybrid's tied head is written out as
     `lm_head.weight` (and reads back untied, with the same logits).
-  * `save_mamba_ssm`: the layout of the released state-spaces/mamba2-* repositories
-    (`config.json` + `pytorch_model.bin`); writing the .bin needs torch.
+  * `save_mamba_ssm`: the layout of the released state-spaces/mamba2-* and mamba3-*
+    repositories (`config.json` + `pytorch_model.bin`); writing the .bin needs torch.
+    The only layout a Mamba-3 model exports to: transformers has no Mamba-3 class.
 
 Files are written into a temporary directory beside `out` and renamed into place,
 so an interrupted export never leaves a half directory that looks complete. An
@@ -32,6 +33,7 @@ import numpy as np
 
 from mamba_train.errors import UserError
 from mamba_train.interop import convert, files
+from mamba_train.model.config import MAMBA3
 from mamba_train.model.lm import Mamba2LM
 from mamba_train.workdir import storage
 
@@ -136,6 +138,9 @@ def save_hf(model: Mamba2LM, out, *, dtype: str = "float32", tokenizer_file=None
             overwrite: bool = False) -> Path:
   refuse_window(model.config, "transformers")
   cfg = model.config
+  if MAMBA3 in cfg.pattern:
+    raise NotExpressibleError("Cannot export a Mamba-3 model ('3' layers) as transformers: it has no "
+                              "Mamba-3 class; export with --format mamba_ssm")
   # A pure Mamba-2 model as Mamba2ForCausalLM; a hybrid as NemotronH. The true
   # vocabulary: transformers then never samples a padding row.
   layout = "hf" if cfg.pattern == "M" * cfg.n_layer else "nemotron_h"
