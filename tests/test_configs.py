@@ -18,7 +18,7 @@ from mamba_train import SIZES  # noqa: E402
 from mamba_train.train.run_config import ConfigError, validate  # noqa: E402
 
 CONFIGS = ["base", "tiny", "130m", "370m", "780m", "1.3b", "2.7b", "finetune", "long_context",
-           "window", "tiny-hybrid", "1.3b-hybrid", "2.7b-hybrid"]
+           "window", "tiny-hybrid", "1.3b-hybrid", "2.7b-hybrid", "tiny-mamba3", "mamba3-1.5b"]
 CONTRACT = ["steps", "batch_size", "seq_len", "seed", "log_every", "eval_every", "checkpoint_every",
             "model", "optim", "data", "mesh", "wandb", "init_from"]
 

@@ -396,6 +396,14 @@ SIZES["tiny-mamba3-hybrid"] = dict(SIZES["tiny"], layer_pattern="33*-", attn_num
                                    attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
                             attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
+# state-spaces/mamba3-mimo-1.5b: 24 blocks of a Mamba-3 MIMO mixer (rank 4, 64 heads of
+# 64, d_state 128, chunk 16) and a gated MLP, Llama-3.1's vocabulary of 128,256, tied
+# embeddings. Its config.json says d_intermediate 3824; mamba_ssm's GatedMLP rounds
+# that up to a multiple of 128, so its MLPs are 3840 wide (what `init_from` it reads).
+SIZES["mamba3-mimo-1.5b"] = dict(
+    d_model=2048, n_layer=48, vocab_size=128256, d_state=128, headdim=64, expand=2, ngroups=1,
+    chunk_size=16, layer_pattern="3-" * 24, d_intermediate=3840, mlp_act="swiglu",
+    is_mimo=True, mimo_rank=4, rope_fraction=0.5)
 
 
 def config_for(size: str, **overrides) -> Mamba2Config:
