@@ -44,3 +44,142 @@ def test_reference_scan_matches_ssd3_sequential():
     y_ref = y_ref if rank else y_ref[:, :, 0]
     assert rel(np.asarray(y), y_ref.numpy()) < 1e-12
     assert rel(np.asarray(state), state_ref.numpy()) < 1e-12
+
+
+# ----------------------------------------------------------------------------
+# mamba_ssm Mamba-3 directories, written from the reference on random weights.
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mamba_train import config_for, load_model  # noqa: E402
+from mamba_train.interop import export, mamba_ssm as mamba_ssm_layout  # noqa: E402
+from mamba_train.interop.load import load_config  # noqa: E402
+from mamba_train.model.config import MAMBA3  # noqa: E402
+from mamba_train.train.run_config import model_from_init  # noqa: E402
+
+VOCAB = 50  # padded to 64 rows
+# Between them, every path of the layer: SISO and MIMO (ranks 2, 4), the plain gate
+# and the out-proj norm, rope_fraction 0.5 and 1.0, one and two groups, a gated MLP
+# or none, tied and untied heads; chunks smaller than the 21 tokens, with a ragged tail.
+VARIANTS = {
+    "siso": dict(ssm=dict(ngroups=2, chunk_size=8), d_intermediate=0, tie=True),
+    "siso-norm-mlp": dict(ssm=dict(is_outproj_norm=True, rope_fraction=1.0, chunk_size=8),
+                          d_intermediate=128, tie=False),
+    "mimo": dict(ssm=dict(is_mimo=True, mimo_rank=2, rope_fraction=1.0, chunk_size=4),
+                 d_intermediate=0, tie=False),
+    "mimo-norm-mlp": dict(ssm=dict(is_mimo=True, mimo_rank=4, is_outproj_norm=True, ngroups=2, chunk_size=4),
+                          d_intermediate=128, tie=True),
+}
+forward = nnx.jit(lambda model, ids: model(ids))
+
+
+def _config(name):
+  v = VARIANTS[name]
+  return ref.lm_config(d_model=32, n_layer=2, vocab_size=VOCAB, d_intermediate=v["d_intermediate"],
+                       tie_embeddings=v["tie"], d_state=16, headdim=8, **v["ssm"])
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+  """{variant: (directory, its config.json, its state dict)}."""
+  root = tmp_path_factory.mktemp("m3")
+  out = {}
+  for i, name in enumerate(VARIANTS):
+    config, sd = _config(name), None
+    sd = ref.random_state_dict(config, seed=10 + i)
+    out[name] = (ref.write_dir(root / name, config, sd), config, sd)
+  return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_directory_loads_with_the_references_logits(dirs, name):
+  path, config, sd = dirs[name]
+  ours = load_model(path)
+  assert ours.config.pattern == ("3-" if config["d_intermediate"] else "3") * 2
+  ids = np.random.default_rng(1).integers(0, VOCAB, (2, 21))
+  got = np.asarray(forward(ours, jnp.asarray(ids)))
+  want = ref.logits(config, sd, torch.from_numpy(ids)).numpy()[..., :VOCAB]
+  assert got.shape == want.shape and got.dtype == np.float32
+  assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["siso", "mimo-norm-mlp"])
+def test_export_gives_the_same_files_back(dirs, name, tmp_path):
+  """load_model, then save_mamba_ssm: the same tensors bit for bit (a tied head still
+  the embedding's own tensor), the same config.json; and a bfloat16 directory (the
+  released checkpoints' dtype) back as the same bfloat16 bits."""
+  path, config, sd = dirs[name]
+  export.save_mamba_ssm(load_model(path), tmp_path / "out")
+  back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+  assert sorted(back) == sorted(sd)
+  for k in sd:
+    assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
+  if config["tie_embeddings"]:
+    assert back["lm_head.weight"].data_ptr() == back["backbone.embedding.weight"].data_ptr()
+  assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
+
+  bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+  ref.write_dir(tmp_path / "bf16", config, bf16)
+  export.save_mamba_ssm(load_model(tmp_path / "bf16"), tmp_path / "bf16-out", dtype="bfloat16")
+  back = torch.load(tmp_path / "bf16-out" / "pytorch_model.bin", weights_only=True)
+  assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], bf16[k]) for k in bf16)
+
+
+def test_init_from_takes_the_directorys_architecture(dirs):
+  """`init_from` a mamba_ssm Mamba-3 directory: its config alone gives the architecture
+  a run takes (the MIMO fields, the pattern with its MLPs) over the tiny recipe's."""
+  import importlib.util
+  from helpers import ROOT
+  path, config, _ = dirs["mimo-norm-mlp"]
+  arch = load_config(path)
+  assert (arch.is_mimo, arch.mimo_rank, arch.is_outproj_norm, arch.ngroups, arch.chunk_size,
+          arch.pattern) == (True, 4, True, 2, 4, "3-3-")
+  spec = importlib.util.spec_from_file_location("tiny_m3", ROOT / "configs" / "tiny-mamba3.py")
+  recipe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(recipe)
+  c = recipe.get_config()
+  c.init_from = str(path)
+  new, taken, problems = model_from_init(c, arch)
+  assert not problems
+  assert new.model.layer_pattern == "3-3-" and new.model.is_mimo and taken["is_mimo"] == (False, True)
+
+
+def test_released_config_is_the_recipe():
+  """The config.json of state-spaces/mamba3-mimo-1.5b (as pinned by its users: mamba_ssm's
+  defaults but these fields) reads as SIZES['mamba3-mimo-1.5b'], configs/mamba3-1.5b.py's
+  model: the same weights, the same chunk."""
+  released = ref.lm_config(d_model=2048, n_layer=24, vocab_size=128256, d_intermediate=3824,
+                           d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5,
+                           chunk_size=16, is_mimo=True, mimo_rank=4, is_outproj_norm=False)
+  ours = mamba_ssm_layout.mamba_ssm_config_to_ours(released)
+  recipe = config_for("mamba3-mimo-1.5b")
+  assert recipe.weight_differences(ours) == {} and recipe.chunk_size == ours.chunk_size == 16
+
+
+def test_refusals_name_the_field(dirs, tmp_path):
+  """What mamba_ssm's Mamba3 config says that ours cannot hold, and what ours holds that
+  it cannot: one line, naming the field, before any weight is read or written."""
+  _, config, sd = dirs["siso"]
+  bad = dict(config, ssm_cfg=dict(config["ssm_cfg"], use_fancy_kernel=True))
+  ref.write_dir(tmp_path / "unknown", bad, sd)
+  with pytest.raises(ValueError, match=r"ssm_cfg fields \['use_fancy_kernel'\] are not supported") as e:
+    load_model(tmp_path / "unknown")
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="ssm_cfg.layer is 'Mamba1'"):
+    mamba_ssm_layout.mamba_ssm_config_to_ours(dict(config, ssm_cfg={}))
+  # Kernel choices are the same function: read, and not written back.
+  fused = dict(config, ssm_cfg=dict(config["ssm_cfg"], fuse_pregate_headwise_norm=False))
+  assert mamba_ssm_layout.mamba_ssm_config_to_ours(fused) == mamba_ssm_layout.mamba_ssm_config_to_ours(config)
+
+  cfg = mamba_ssm_layout.mamba_ssm_config_to_ours(config)
+  with pytest.raises(ValueError, match="A_activation='softplus'; mamba_ssm's Mamba3 computes A with the heavy-tail"):
+    mamba_ssm_layout.ours_to_mamba_ssm_config(cfg.replace(A_activation="softplus"))
+  with pytest.raises(ValueError, match=r"Mamba-2 \('M'\) and Mamba-3 \('3'\) layers"):
+    mamba_ssm_layout.ours_to_mamba_ssm_config(cfg.replace(layer_pattern="M" + MAMBA3))
+  model = load_model(dirs["siso"][0])
+  with pytest.raises(export.NotExpressibleError, match="no Mamba-3 class; export with --format mamba_ssm"):
+    export.save_hf(model, tmp_path / "hf")
+  assert not (tmp_path / "hf").exists()
