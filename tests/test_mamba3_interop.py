@@ -109,7 +109,7 @@ def test_directory_loads_with_the_references_logits(dirs, name):
 @pytest.mark.parametrize("name", ["siso", "mimo-norm-mlp"])
 def test_export_gives_the_same_files_back(dirs, name, tmp_path):
   """load_model, then save_mamba_ssm: the same tensors bit for bit (a tied head still
-  the embedding's own tensor), the same config.json; and a bfloat16 directory (the
+  the embedding's own tensor), the same config.json (defaults written out); and a bfloat16 directory (the
   released checkpoints' dtype) back as the same bfloat16 bits."""
   path, config, sd = dirs[name]
   export.save_mamba_ssm(load_model(path), tmp_path / "out")
@@ -119,7 +119,9 @@ def test_export_gives_the_same_files_back(dirs, name, tmp_path):
     assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
   if config["tie_embeddings"]:
     assert back["lm_head.weight"].data_ptr() == back["backbone.embedding.weight"].data_ptr()
-  assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
+  # The config as read, with every Mamba3 field stated (defaults included).
+  full = dict(config, ssm_cfg={**mamba_ssm_layout.MAMBA3_DEFAULTS, **config["ssm_cfg"]})
+  assert json.loads((tmp_path / "out" / "config.json").read_text()) == full
 
   bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
   ref.write_dir(tmp_path / "bf16", config, bf16)

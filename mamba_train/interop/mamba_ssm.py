@@ -110,8 +110,8 @@ def _mamba3_shapes(cfg: Mamba2Config) -> tables.Shapes:
   return {k: shapes[k] for k in mamba3_table(cfg)}
 
 
-# mamba_ssm's Mamba3 defaults (its __init__): what its config.json may leave out, and
-# what an export writes only where ours differ. chunk_size too: no weight depends on it.
+# mamba_ssm's Mamba3 defaults (its __init__): what its config.json may leave out (an
+# export writes them all). chunk_size too: no weight depends on it.
 MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001,
                        dt_max=0.1, dt_init_floor=1e-4, A_floor=1e-4, is_outproj_norm=False,
                        is_mimo=False, mimo_rank=4, chunk_size=64)
@@ -254,9 +254,9 @@ def _mamba3_ssm_cfg(cfg: Mamba2Config) -> dict:
     raise ValueError(f"Cannot represent this model in the mamba_ssm layout: A_activation="
                      f"{cfg.A_activation!r}; mamba_ssm's Mamba3 computes A with the heavy-tail "
                      "activation (since its PR #962) and has no field to say otherwise")
-  ssm = {"layer": "Mamba3"}
-  ssm.update({k: getattr(cfg, k) for k, v in MAMBA3_DEFAULTS.items() if getattr(cfg, k) != v})
-  return ssm
+  # Every field, defaults included, as the released mamba3-* config.json files state
+  # them: the file then means the same model whatever mamba_ssm's defaults become.
+  return {"layer": "Mamba3", **{k: getattr(cfg, k) for k in MAMBA3_DEFAULTS}}
 
 
 def ours_to_mamba_ssm_config(cfg: Mamba2Config) -> dict:
