@@ -15,7 +15,6 @@ compute in float32 internally, so about 1e-7 is agreement (docs/mamba3-interop.m
 records a run).
 """
 
-import importlib.util
 import math
 import os
 import sys
@@ -24,7 +23,9 @@ from pathlib import Path
 import torch
 
 SRC = Path(os.environ["MAMBA_SRC"])
-sys.path[:0] = [str(SRC), str(Path(__file__).parent)]
+# mamba_ssm's test files, for their reference functions, beside its package.
+sys.path[:0] = [str(SRC), str(Path(__file__).parent), str(SRC / "tests/ops/triton"),
+                str(SRC / "tests/ops/tilelang")]
 
 import mamba_ssm.models.mixer_seq_simple as mss  # noqa: E402
 import mamba_ssm.modules.mamba3 as m3  # noqa: E402
@@ -32,17 +33,8 @@ import mamba_ssm.ops.triton.layer_norm as ln  # noqa: E402
 import mamba_ssm.ops.triton.layernorm_gated as lng  # noqa: E402
 
 import mamba3_torch as ref  # noqa: E402
-
-
-def _module(path: Path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-siso_refs = _module(SRC / "tests/ops/triton/test_mamba3_siso.py")
-mimo_refs = _module(SRC / "tests/ops/tilelang/test_mamba3_mimo.py")
+import test_mamba3_mimo as mimo_refs  # noqa: E402  (mamba_ssm's tests/ops/tilelang)
+import test_mamba3_siso as siso_refs  # noqa: E402  (mamba_ssm's tests/ops/triton)
 
 lng.RMSNorm.forward = lambda self, x, z=None: lng.rms_norm_ref(
     x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
