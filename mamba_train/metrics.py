@@ -49,7 +49,7 @@ def forward_flops_per_token(cfg, runtime, seq_len: int) -> float:
   With d d_model, i d_inner, h heads, g groups, n d_state, k conv kernel and V the
   padded vocabulary, per Mamba-2 layer: in_proj 2 d (2i + 2gn + h), out_proj
   2 i d, conv 2 k (i + 2gn), and the SSD (`ssd_flops_per_token`); plus the LM
-  head 2 d V. A hybrid's other layers (`attention_flops_per_token`,
+  head 2 d V. Mamba-3 layers (`mamba3_flops_per_token`) and a hybrid's other layers (`attention_flops_per_token`,
   `mlp_flops_per_token`, `moe_flops_per_token`: active experts only) add theirs. Elementwise work (norms, gates,
   exponentials, softmax) is left out, as is the convention for MFU.
   """
@@ -59,9 +59,26 @@ def forward_flops_per_token(cfg, runtime, seq_len: int) -> float:
   proj = 2 * d * (2 * i + 2 * g * n + h) + 2 * i * d
   conv = 2 * k * (i + 2 * g * n)
   ssd = ssd_flops_per_token(h, cfg.headdim, n, g, q, seq_len, form, cfg.ssd_window)
-  return (cfg.count("M") * (proj + conv + ssd) + cfg.count("*") * attention_flops_per_token(cfg, seq_len)
+  return (cfg.count("M") * (proj + conv + ssd) + cfg.count("3") * mamba3_flops_per_token(cfg, runtime, seq_len)
+          + cfg.count("*") * attention_flops_per_token(cfg, seq_len)
           + cfg.count("-") * mlp_flops_per_token(cfg) + cfg.count("E") * moe_flops_per_token(cfg)
           + 2 * d * cfg.padded_vocab_size)
+
+
+def mamba3_flops_per_token(cfg, runtime, seq_len: int) -> float:
+  """One Mamba-3 layer's matmul FLOPs per token, as model/mamba3.py computes them:
+  in_proj 2 d (2i + 2Rgn + 3h + A), out_proj 2 i d (R the MIMO rank, A the rotary
+  angles), and the scan (`ops/ssd3.ssd3_chunked`): the SSD's terms over chunks of q
+  positions of R ranks each, q R rows, so R * `ssd_flops_per_token` at chunk q R and
+  length l R (C.B and its product with x grow as R^2, the state terms as R). Its
+  chunks always combine in one (c+1) x (c+1) product (the 'parallel' form), at the
+  chunk the runtime gives the SSD (`ssd_plan`). The MIMO projections of x, z and the
+  output, the rotation and the norms are elementwise, left out as for Mamba-2."""
+  d, i, h, R = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.mamba3_rank
+  g, n = cfg.ngroups, cfg.d_state
+  q = runtime.ssd_plan(cfg.chunk_size)[1]
+  proj = 2 * d * (2 * i + 2 * R * g * n + 3 * h + cfg.num_rope_angles) + 2 * i * d
+  return proj + R * ssd_flops_per_token(h, cfg.headdim, n, g, q * R, seq_len * R, "parallel")
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> float:
