@@ -26,9 +26,14 @@ DECAYED = frozenset({"embedding", "lm_head", "in_proj_zx", "in_proj_bc", "in_pro
                      "a", "b",
                      # mixture-of-experts layers (model/moe.py)
                      "router", "experts_up", "experts_down", "latent_down", "latent_up",
-                     "shared_up", "shared_down"})
+                     "shared_up", "shared_down",
+                     # Mamba-3 layers' other in_proj pieces (model/mamba3.py)
+                     "in_proj_heads", "in_proj_angles"})
 NOT_DECAYED = frozenset({"norm", "gate_norm", "norm_f", "conv_x_bias", "conv_bc_bias",
                          "dt_bias", "A_log", "D",
+                         # Mamba-3's B/C biases and norm scales, and its MIMO projections:
+                         # per-channel gains around their init (1, 1/R), not matrices
+                         "B_bias", "C_bias", "B_norm", "C_norm", "mimo_x", "mimo_z", "mimo_o",
                          # moved by the load, never by gradients (train/balance.py)
                          "e_score_correction_bias"})
 

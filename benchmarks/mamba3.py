@@ -1,0 +1,78 @@
+"""Mamba-3 against Mamba-2 at the same width on this CPU, in one run (not a test).
+
+  python -m benchmarks.mamba3                          # tiny width, batch 2 x 512
+  python -m benchmarks.mamba3 --batch 1 --seq_len 1024 --repeats 7
+
+Three models of the tiny size (d_model 256, 4 layers, d_state 64, headdim 32, byte
+vocabulary): Mamba-2 (chunk 64), Mamba-3 SISO (chunk 64, mamba_ssm's SISO default)
+and Mamba-3 MIMO rank 4 (chunk 16: 64 rows of chunk x rank, mamba_ssm's advice of
+64 / mimo_rank). Each is timed on the forward pass (logits) and the train step's
+loss value_and_grad, as the CPU runtime runs them; compile is timed apart. The
+repeats go round the models in turn, so a load on the shared machine falls on all
+three alike, and the table gives each one's tokens/s and its ratio to Mamba-2's: the
+ratios are the figure to read (docs/bench/mamba3.md keeps dated results).
+"""
+
+from __future__ import annotations
+
+from mamba_train.xla_flags import apply_cpu_defaults
+
+apply_cpu_defaults()  # before JAX starts its CPU backend
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.common import log, random_batch  # noqa: E402
+from mamba_train import Mamba2LM, Runtime, config_for, metrics  # noqa: E402
+from mamba_train.train.step import loss_sums  # noqa: E402
+
+MODELS = {
+    "Mamba-2": dict(),
+    "Mamba-3 SISO": dict(layer_pattern="3333"),
+    "Mamba-3 MIMO R4": dict(layer_pattern="3333", is_mimo=True, mimo_rank=4, chunk_size=16),
+}
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--batch", type=int, default=2)
+  ap.add_argument("--seq_len", type=int, default=512)
+  ap.add_argument("--repeats", type=int, default=5)
+  args = ap.parse_args(argv)
+  rt = Runtime().resolve("cpu")
+  fns = {}
+  for name, over in MODELS.items():
+    cfg = config_for("tiny", vocab_size=257, **over)
+    params = jax.jit(lambda cfg=cfg: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt).params())()
+    batch = random_batch(cfg, args.batch, args.seq_len)
+    fwd = jax.jit(lambda p, i, cfg=cfg: Mamba2LM.from_params(cfg, p, rt)(i))
+    grad = jax.jit(jax.value_and_grad(lambda p, b, cfg=cfg: loss_sums(p, b, cfg, rt)[0]))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    for part, fn, a in (("forward", fwd, (params, batch["input_ids"])), ("train step", grad, (params, batch))):
+      with metrics.Timer() as t:
+        compiled = fn.lower(*a).compile()
+      jax.block_until_ready(compiled(*a))  # warm-up
+      fns[name, part] = (compiled, a, t.seconds, n_params)
+  times = {k: [] for k in fns}
+  for _ in range(args.repeats):  # round robin: a load falls on every model alike
+    for k, (compiled, a, _, _) in fns.items():
+      with metrics.Timer() as t:
+        jax.block_until_ready(compiled(*a))
+      times[k].append(t.seconds)
+  tokens = args.batch * args.seq_len
+  log(f"batch {args.batch} x {args.seq_len}, median of {args.repeats}, CPU runtime ({jax.device_count()} device)")
+  log("| model | parameters | forward tok/s | vs Mamba-2 | train step tok/s | vs Mamba-2 | compile s (fwd, step) |")
+  log("|---|---:|---:|---:|---:|---:|---:|")
+  rate = {k: tokens / statistics.median(v) for k, v in times.items()}
+  for name in MODELS:
+    f, s = rate[name, "forward"], rate[name, "train step"]
+    log(f"| {name} | {fns[name, 'forward'][3] / 1e6:.2f}M | {f:.0f} | {f / rate['Mamba-2', 'forward']:.2f} | "
+        f"{s:.0f} | {s / rate['Mamba-2', 'train step']:.2f} | "
+        f"{fns[name, 'forward'][2]:.1f}, {fns[name, 'train step'][2]:.1f} |")
+
+
+if __name__ == "__main__":
+  main()
