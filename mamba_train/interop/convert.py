@@ -4,7 +4,7 @@
 transformers' Mamba2ForCausalLM (`hf`, hf_mamba2.py), transformers'
 NemotronHForCausalLM (`nemotron_h`, the hybrids), transformers'
 GraniteMoeHybridForCausalLM (`granite`, import only) and mamba_ssm's released
-state-spaces/mamba2-* checkpoints (`mamba_ssm`). `load_model` and the exports read
+state-spaces/mamba2-* and mamba3-* checkpoints (`mamba_ssm`). `load_model` and the exports read
 it; both directions of the weights' conversion below are derived from each row's
 per-layer tables.
 """

@@ -10,7 +10,7 @@ Recognised layouts:
   * a transformers GraniteMoeHybrid directory (model_type granitemoehybrid: IBM's
     Granite 4.0 hybrids of Mamba-2, attention and mixture-of-experts layers);
   * a mamba_ssm directory (`config.json` with `ssm_cfg` and `pytorch_model.bin`;
-    reading it needs torch, the `test` or `bench` extra).
+    Mamba2 or Mamba3 blocks; reading it needs torch, the `test` or `bench` extra).
 Each may be local or on a gs:// bucket (`mamba_train.workdir.storage`).
 """
 
