@@ -175,6 +175,9 @@ def test_refusals_name_the_field(dirs, tmp_path):
   # Kernel choices are the same function: read, and not written back.
   fused = dict(config, ssm_cfg=dict(config["ssm_cfg"], fuse_pregate_headwise_norm=False))
   assert mamba_ssm_layout.mamba_ssm_config_to_ours(fused) == mamba_ssm_layout.mamba_ssm_config_to_ours(config)
+  # mamba_ssm takes int(expand * d_model): a whole float is the same model.
+  floats = dict(config, ssm_cfg=dict(config["ssm_cfg"], expand=2.0))
+  assert mamba_ssm_layout.mamba_ssm_config_to_ours(floats).expand == 2
 
   cfg = mamba_ssm_layout.mamba_ssm_config_to_ours(config)
   with pytest.raises(ValueError, match="A_activation='softplus'; mamba_ssm's Mamba3 computes A with the heavy-tail"):
