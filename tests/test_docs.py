@@ -69,7 +69,7 @@ RUNNABLE = [b for b in BLOCKS if b["reason"] is None]
 def test_every_block_either_runs_or_says_why_not():
   """A marker names its reason; the README's set-up commands stay as CI runs them."""
   assert [b for b in BLOCKS if b["marked"] and not b["reason"]] == []
-  assert len(RUNNABLE) >= 10, [(b["file"], b["line"]) for b in RUNNABLE]
+  assert len(RUNNABLE) >= 8, [(b["file"], b["line"]) for b in RUNNABLE]
   readme = (ROOT / "README.md").read_text()
   ci = (ROOT / ".ci" / "run").read_text()
   for command in ('pip install -e ".[test]" -c constraints.txt', "python -m pytest"):
@@ -150,7 +150,10 @@ def test_train_commands_name_real_configs_and_keys():
   loaded, bad = {}, []
   for file, line, config, keys in commands:
     if config not in loaded:
-      spec = importlib.util.spec_from_file_location(f"docs_config_{len(loaded)}", ROOT / config)
+      if not (config.startswith("configs/") and (ROOT / config).exists()):
+        bad.append(f"{file}:{line}: no run config {config}")
+        continue
+      spec = importlib.util.spec_from_file_location(f"docs_config_{len(loaded)}", ROOT / "configs" / Path(config).name)
       module = importlib.util.module_from_spec(spec)
       spec.loader.exec_module(module)
       loaded[config] = module.get_config()
