@@ -316,7 +316,9 @@ def _worker(out_dir):
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   assert jax.device_count() == 8
-  cfg = _lm_cfg(is_mimo=True, mimo_rank=2, ngroups=2)
+  # SISO: XLA:CPU (jax 0.10.2) segfaults running the float32 gradient of a MIMO layer
+  # (float64 runs; docs/mamba3.md, "Known problems").
+  cfg = _lm_cfg(ngroups=2, is_outproj_norm=True)
   rt = Runtime().resolve("cpu")
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt).params()
   rng = np.random.default_rng(0)
@@ -329,14 +331,16 @@ def _worker(out_dir):
     m = Mamba2LM.from_params(cfg, params, rt)
     return jnp.sum(m(ids, seq_idx=jnp.asarray(seq)) * w)
 
-  ref = jax.jit(jax.value_and_grad(f))(params)
   mesh = make_mesh({"data": 2, "tensor": 4})
 
   def sharded(params):
     with sharding.use_rules(mesh):
       return jax.value_and_grad(f)(params)
 
+  # (The sharded program first: tracing it after the unsharded one crashed jax 0.10.2's
+  # tracer in a reduction inside the layer, a segfault, on this machine.)
   got = jax.jit(sharded)(params)
+  ref = jax.jit(jax.value_and_grad(f))(params)
   res = {"loss": [float(ref[0]), float(got[0])],
          "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])))}
   text = jax.jit(sharded).lower(params).compile().as_text()
@@ -352,7 +356,7 @@ def _worker(out_dir):
 
 
 def test_eight_devices_equal_one(tmp_path, on_simulated_devices):
-  """Data 2 x tensor 4 (heads of the Mamba-3 layers, MIMO and grouped, over tensor):
+  """Data 2 x tensor 4 (heads of the Mamba-3 layers, grouped, over tensor; packed documents):
   loss and gradients equal one device's; the sequence axis is refused by name."""
   res = on_simulated_devices(__file__, tmp_path)
   a, b = res["loss"]
