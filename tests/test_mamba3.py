@@ -305,6 +305,18 @@ def test_config_refuses_by_name():
     _cfg(A_activation="exp")
 
 
+def test_run_config_refuses_the_sequence_split_before_training():
+  """A run asking for mesh.sequence > 1 with Mamba-3 layers is refused at validation,
+  by name, before anything compiles."""
+  from configs import base
+  from mamba_train.train import run_config
+  c = base.get_config()
+  c.model.layer_pattern = "3" * c.model.n_layer
+  c.mesh.sequence = 2
+  with pytest.raises(run_config.ConfigError, match="Mamba-3 layers .* mesh.sequence = 1"):
+    run_config.validate(c, num_devices=2)
+
+
 # ----------------------------------------------------------------------------
 # 8 simulated devices against one (one subprocess).
 
