@@ -210,8 +210,8 @@ def test_step_continues_the_sequence():
   with jax.enable_x64(True):
     p, st = _params(cfg, 5), _state(cfg, 2, 6)
     u = jnp.asarray(np.random.default_rng(7).standard_normal((2, L, cfg.d_model)))
-    full, _ = reference(p, u, cfg, st)
-    _, mid = mamba3.mixer(p, u[:, :L - 3], cfg, RT, state=st)
+    full, _ = jax.jit(lambda p, u, st: reference(p, u, cfg, st))(p, u, st)
+    _, mid = jax.jit(lambda p, u, st: mamba3.mixer(p, u, cfg, RT, state=st))(p, u[:, :L - 3], st)
     step = jax.jit(lambda p, u, s: mamba3.mixer_step(p, u, cfg, RT, s))
     for t in range(L - 3, L):
       y, mid = step(p, u[:, t], mid)
@@ -305,6 +305,18 @@ def test_config_refuses_by_name():
     _cfg(A_activation="exp")
 
 
+def test_run_config_refuses_the_sequence_split_before_training():
+  """A run asking for mesh.sequence > 1 with Mamba-3 layers is refused at validation,
+  by name, before anything compiles."""
+  from configs import base
+  from mamba_train.train import run_config
+  c = base.get_config()
+  c.model.layer_pattern = "3" * c.model.n_layer
+  c.mesh.sequence = 2
+  with pytest.raises(run_config.ConfigError, match="Mamba-3 layers .* mesh.sequence = 1"):
+    run_config.validate(c, num_devices=2)
+
+
 # ----------------------------------------------------------------------------
 # 8 simulated devices against one (one subprocess).
 
@@ -312,11 +324,12 @@ def _worker(out_dir):
   from flax import nnx
 
   from mamba_train import Mamba2LM
-  from mamba_train.errors import UserError
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   assert jax.device_count() == 8
-  cfg = _lm_cfg(is_mimo=True, mimo_rank=2, ngroups=2)
+  # SISO: XLA:CPU (jax 0.10.2) segfaults running the float32 gradient of a MIMO layer
+  # (float64 runs; docs/mamba3.md, "Known problems").
+  cfg = _lm_cfg(ngroups=2, is_outproj_norm=True)
   rt = Runtime().resolve("cpu")
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt).params()
   rng = np.random.default_rng(0)
@@ -329,14 +342,16 @@ def _worker(out_dir):
     m = Mamba2LM.from_params(cfg, params, rt)
     return jnp.sum(m(ids, seq_idx=jnp.asarray(seq)) * w)
 
-  ref = jax.jit(jax.value_and_grad(f))(params)
   mesh = make_mesh({"data": 2, "tensor": 4})
 
   def sharded(params):
     with sharding.use_rules(mesh):
       return jax.value_and_grad(f)(params)
 
+  # (The sharded program first: tracing it after the unsharded one crashed jax 0.10.2's
+  # tracer in a reduction inside the layer, a segfault, on this machine.)
   got = jax.jit(sharded)(params)
+  ref = jax.jit(jax.value_and_grad(f))(params)
   res = {"loss": [float(ref[0]), float(got[0])],
          "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])))}
   text = jax.jit(sharded).lower(params).compile().as_text()
@@ -345,14 +360,14 @@ def _worker(out_dir):
     with sharding.use_rules(make_mesh({"sequence": 2, "data": 4})):
       jax.eval_shape(f, params)
     res["sequence"] = "no error"
-  except UserError as e:
+  except ValueError as e:
     res["sequence"] = str(e)
   with open(os.path.join(out_dir, "results.json"), "w") as fh:
     json.dump(res, fh)
 
 
 def test_eight_devices_equal_one(tmp_path, on_simulated_devices):
-  """Data 2 x tensor 4 (heads of the Mamba-3 layers, MIMO and grouped, over tensor):
+  """Data 2 x tensor 4 (heads of the Mamba-3 layers, grouped, over tensor; packed documents):
   loss and gradients equal one device's; the sequence axis is refused by name."""
   res = on_simulated_devices(__file__, tmp_path)
   a, b = res["loss"]

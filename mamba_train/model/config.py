@@ -142,19 +142,22 @@ class Mamba2Config(FrozenFields):
   # (NemotronH's mamba_num_heads: Nemotron-3-Nano has 64 heads of 64 on d_model
   # 2688); 0, the default, derives them as expand * d_model / headdim.
   mamba_num_heads: int = 0
-  # Mamba-3 layers ('3', model/mamba3.py), as mamba_ssm's Mamba3 names its arguments;
-  # they share d_state, expand, headdim, ngroups, chunk_size and dt_min/dt_max/
-  # dt_init_floor with the Mamba-2 fields above (and have no conv, A_log or dt_limit).
-  # rope_fraction of each B/C head's d_state rotates by the data-dependent angle
-  # (num_rope_angles angles); A = -max(f(dd_A), A_floor), f by A_activation (our
-  # name: mamba_ssm hard-codes it, see A_ACTIVATIONS); is_outproj_norm puts a gated
-  # RMSNorm (per head, norm before the gate) where y * silu(z) is; is_mimo makes the
-  # layer multi-input multi-output of rank mimo_rank (mimo_x, mimo_z, mimo_o).
+  # Mamba-3 layers ('3', model/mamba3.py; docs/mamba3.md), named as mamba_ssm's Mamba3
+  # names its arguments. They share d_state, expand, headdim, ngroups, chunk_size and
+  # dt_min/dt_max/dt_init_floor with the Mamba-2 fields above (no conv, A_log or dt_limit).
+  # The share of each B/C head's d_state rotated by the data-dependent angle: 0.5 or 1.0
+  # (num_rope_angles angles).
   rope_fraction: float = 0.5
+  # A = -max(f(dd_A), A_floor).
   A_floor: float = 1e-4
+  # f above: 'heavy_tail' (mamba_ssm since its PR #962) or 'softplus' (before). Our name:
+  # mamba_ssm hard-codes f, so its checkpoints' configs cannot say which.
   A_activation: str = "heavy_tail"
+  # A gated RMSNorm per head (norm before the gate, weight gate_norm) where y * silu(z) is.
   is_outproj_norm: bool = False
+  # Multi-input multi-output of rank mimo_rank (mimo_x, mimo_z, mimo_o).
   is_mimo: bool = False
+  # The MIMO rank R (a model without is_mimo has rank 1 whatever this says, as in mamba_ssm).
   mimo_rank: int = 4
 
   def __post_init__(self):

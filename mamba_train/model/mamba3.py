@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mamba_train.errors import UserError
 from mamba_train.model import matmul as mm
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.mamba2 import IN_PROJ_NAMES, residual
@@ -208,7 +207,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   Returns (b, l, d) in float32 and the layer state after the last position."""
   ops = ops_for(cfg, rt) if ops is None else ops
   if ops.ssd3 is None:
-    raise UserError(f"Mamba-3 layers cannot run here: {dict((o, w) for o, _, w in ops.choices)['ssd3']}")
+    raise ValueError(f"Mamba-3 layers cannot run here: {dict((o, w) for o, _, w in ops.choices)['ssd3']}")
   b = u.shape[0]
   cd, acc = _dtypes(u, rt)
   state = zero_state(cfg, b) if state is None else state
