@@ -70,7 +70,8 @@ def mamba3_flops_per_token(cfg, runtime, seq_len: int) -> float:
   in_proj 2 d (2i + 2Rgn + 3h + A), out_proj 2 i d (R the MIMO rank, A the rotary
   angles), and the scan (`ops/ssd3.ssd3_chunked`): the SSD's terms over chunks of q
   positions of R ranks each, q R rows, so R * `ssd_flops_per_token` at chunk q R and
-  length l R (C.B and its product with x grow as R^2, the state terms as R). Its
+  length l R (C.B and its product with x grow as R^2, the state terms as R), with
+  C.B per head (g = h: the biases and rotation make B and C each head's own). Its
   chunks always combine in one (c+1) x (c+1) product (the 'parallel' form), at the
   chunk the runtime gives the SSD (`ssd_plan`). The MIMO projections of x, z and the
   output, the rotation and the norms are elementwise, left out as for Mamba-2."""
@@ -78,7 +79,9 @@ def mamba3_flops_per_token(cfg, runtime, seq_len: int) -> float:
   g, n = cfg.ngroups, cfg.d_state
   q = runtime.ssd_plan(cfg.chunk_size)[1]
   proj = 2 * d * (2 * i + 2 * R * g * n + 3 * h + cfg.num_rope_angles) + 2 * i * d
-  return proj + R * ssd_flops_per_token(h, cfg.headdim, n, g, q * R, seq_len * R, "parallel")
+  # The scan's C.B is per head, not per group: the biases and the rotation make B and C
+  # each head's own before the scan (model/mamba3.py passes them with g = h).
+  return proj + R * ssd_flops_per_token(h, cfg.headdim, n, h, q * R, seq_len * R, "parallel")
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> float:

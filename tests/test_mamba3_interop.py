@@ -203,4 +203,4 @@ def test_mamba3_flop_count_matches_xla():
   xla = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, ids).cost_analysis()["flops"] / ids.size
   ours = metrics.forward_flops_per_token(cfg, rt, 256)
   segsum = 2 * cfg.chunk_size ** 2 * cfg.nheads
-  assert 0.85 < (ours + segsum) / xla < 1.0, (ours, segsum, xla)  # 0.905 measured
+  assert 0.9 < (ours + segsum) / xla < 1.0, (ours, segsum, xla)  # 0.968 measured
