@@ -3,7 +3,7 @@ Pallas Mosaic kernel: conv + SiLU, dt, the one-pass SSD, the gate and the norm's
 sums of squares) against its plain form (`layer_math.mixer_core` over the plain
 SSD) in Pallas' interpreter on CPU: float32 outputs and every gradient at 1e-5 over
 packed documents whose boundaries sit inside the conv's reach across a chunk
-boundary, an initial state, a ragged length over several chunks, 3 groups, and two
+boundary, initial states (SSM and conv), a ragged length over several chunks, 3 groups, and two
 head blocks; the model with `layer_impl='fused'` against the XLA model; and the
 kernel compiled for TPU v6e and TPU7x through libtpu (no TPU needed)."""
 
@@ -25,29 +25,33 @@ def _inputs(b, l, h, p, g, n, k=4):
            conv_bc=0.5 * jax.random.normal(ks[6], (k, 2, g * n)),
            conv_bc_bias=0.1 * jax.random.normal(ks[7], (2, g * n)), dt_bias=0.1 * jax.random.normal(ks[8], (h,)),
            A_log=jnp.log(jnp.linspace(1.0, 8.0, h)), D=jax.random.normal(ks[9], (h,)))
+  fronts = jax.random.split(ks[11], 3)
   return (jax.random.normal(ks[0], (b, l, i)), jax.random.normal(ks[1], (b, l, i)),
           jax.random.normal(ks[2], (b, l, 2, g * n)), jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
-          0.1 * jax.random.normal(ks[10], (b, h, p, n)), ks[11])
+          jax.random.normal(fronts[0], (b, k - 1, i)), jax.random.normal(fronts[1], (b, k - 1, 2, g * n)),
+          0.1 * jax.random.normal(ks[10], (b, h, p, n)), fronts[2])
 
 
 def _run(fn, args, seq, chunk, g, dt_limit, grads):
-  z, xr, bc, dt_raw, w, s0, key = args
+  *inputs, key = args
 
-  def outputs(z, xr, bc, dt_raw, w, s0):
-    return fn(z, xr, bc, dt_raw, w, chunk, ngroups=g, dt_limit=dt_limit, initial_state=s0, seq_idx=seq)
+  def outputs(z, xr, bc, dt_raw, w, fx, fbc, s0):
+    return fn(z, xr, bc, dt_raw, w, chunk, ngroups=g, dt_limit=dt_limit, front_x=fx, front_bc=fbc,
+              initial_state=s0, seq_idx=seq)
 
-  out = jax.jit(outputs)(z, xr, bc, dt_raw, w, s0)
+  out = jax.jit(outputs)(*inputs)
   if not grads:
     return out, None
   wts = [jax.random.normal(kk, o.shape) for kk, o in zip(jax.random.split(key, 3), out)]
   loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outputs(*a), wts))
-  return out, jax.jit(jax.grad(loss, argnums=tuple(range(6))))(z, xr, bc, dt_raw, w, s0)
+  return out, jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*inputs)
 
 
 def test_fused_mixer_matches_plain_form_with_documents_and_groups():
   """3 groups of 2 heads, 40 positions in chunks of 16 (the last ragged); documents
   change at 14 and 17, so the conv's taps at positions 16-18 reach back across the
-  chunk boundary into another document; an initial state; dt clamped. Outputs (the
+  chunk boundary into another document; initial states (the SSM's, the conv's fronts
+  of earlier inputs, which the first chunk's taps read); dt clamped. Outputs (the
   gated y, the sums of squares, the final state) and every gradient."""
   b, l, h, p, g, n = 2, 40, 6, 4, 3, 8
   args = _inputs(b, l, h, p, g, n)
@@ -85,6 +89,11 @@ def test_model_with_fused_layer_matches_xla_model():
   cfg = config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8)
   rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True, remat="save_in_proj").resolve("cpu")
   assert ("mixer", "fused", "runtime") in ops_for(cfg, rt).choices
+  from flax import nnx
+
+  from mamba_train import Mamba2LM
+  model = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)  # the kernel runs in the model (not a fallback)
+  assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(jnp.zeros((1, 40), jnp.int32)))
   assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
 
 

@@ -154,11 +154,11 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   b, l, _ = u.shape
   cd = jnp.dtype(rt.compute_dtype)
   z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj)
-  if ops.mixer is not None and state is None and mask is None:
-    # The layer between the matmuls as one op (a fresh, unpadded sequence).
-    return _mixer_fused(p, z, xr, bc, dt_raw, cfg, rt, ops, seq_idx)
   if state is None:
     state = zero_state(cfg, b)
+  if ops.mixer is not None and mask is None:
+    # The layer between the matmuls as one op (an unpadded sequence).
+    return _mixer_fused(p, z, xr, bc, dt_raw, cfg, rt, ops, state, seq_idx)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)
@@ -202,7 +202,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
 _MIXER_WEIGHTS = ("conv_x", "conv_x_bias", "conv_bc", "conv_bc_bias", "dt_bias", "A_log", "D")
 
 
-def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, seq_idx):
+def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, state, seq_idx):
   """`mixer` through `ops.mixer` (`layer_math.mixer_core`'s contract): the op writes the
   gated y and each row's sums of squares per group; the norm is folded into out_proj,
   out = rsqrt(ms) (y @ (diag(w) W)) with one group, so no normalised copy of y is
@@ -212,7 +212,8 @@ def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops,
   b, l, i = xr.shape
   g, k = cfg.ngroups, cfg.d_conv
   gated, ssq, ssm = ops.mixer(z, xr, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
-                              ngroups=g, dt_limit=cfg.dt_limit, seq_idx=seq_idx)
+                              ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
+                              front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
   rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
   cd, prec = rt.compute_dtype, rt.matmul_precision
   adapter = mm.adapter_of(p, "out_proj")
@@ -224,9 +225,9 @@ def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops,
   else:  # a scale per group of a row: on out_proj's operand (XLA fuses it into the GEMM's operand)
     y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i)
     out = mm.linear(y, p["out_proj"] * p["gate_norm"][:, None], cd, prec)
-  # The conv states after the sequence: its last k - 1 inputs (the front was zeros).
-  tail = lambda v: jnp.concatenate([jnp.zeros((b, k - 1, *v.shape[2:]), v.dtype), v], 1)[:, -(k - 1):].astype(F32)
-  return out, {"conv_x": tail(xr), "conv_bc": tail(bc), "ssm": ssm}
+  # The conv states after the sequence: its last k - 1 inputs (the front's where it is shorter).
+  tail = lambda v, front: jnp.concatenate([front.astype(v.dtype), v], 1)[:, -(k - 1):].astype(F32)
+  return out, {"conv_x": tail(xr, state["conv_x"]), "conv_bc": tail(bc, state["conv_bc"]), "ssm": ssm}
 
 
 def fused_decode_weights(p, rt: Runtime, ops: Ops, lead: int = 0) -> dict[str, Array]:

@@ -28,10 +28,11 @@ final state). The backward pass is, for now, the plain form's VJP
 the one-pass SSD kernels, as `layer_impl` 'xla' does; the forward alone moves
 fewer bytes (docs/bench/fused_layer.md says how many, predicted and measured).
 
-Supported: documents (seq_idx), an initial SSM state, any length (padded to whole
-chunks, dt 0 on the padding), ngroups dividing the heads. Not: an initial conv
-state (the front is zeros: a fresh sequence), a padding mask, a window, a split
-sequence; those run the plain forms (`table.build`, `mamba2.mixer`).
+Supported: documents (seq_idx), initial states (the SSM state, and the conv's front
+of earlier inputs, which the first chunk reads as its previous chunk), any length
+(padded to whole chunks, dt 0 on the padding), ngroups dividing the heads. Not: a
+padding mask, a window, a split sequence; those run the plain forms (`table.build`,
+`mamba2.mixer`).
 
 `interpret=True` runs the kernel in Pallas' interpreter (the CPU tests). Imports of
 the package: the plain forms and the one-pass SSD's per-chunk math.
@@ -82,13 +83,13 @@ def _shift(cur, prev, s: int, axis: int):
 
 
 def _kernel(*refs, hb, k, seq, length, dt_limit):
-  n_in = 21 if seq else 15
+  n_in = 24 if seq else 18
   ins, outs = refs[:n_in], refs[n_in:]
   (x_ref, z_ref, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref,
-   dtb_ref, a_ref, d_ref, init_ref) = ins[:15]
+   dtb_ref, a_ref, d_ref, init_ref, fx_ref, fb_ref, fc_ref) = ins[:18]
   row_ref = col_ref = in_ref = end_ref = tap_row = tap_col = None
   if seq:  # the SSD's document masks, then the conv taps' (tap s: position t - s in t's document)
-    row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[15:]
+    row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[18:]
   g_ref, ssq_ref, final_ref, h_scr, px_scr, pb_scr, pc_scr = outs
   zi = pl.program_id(3)
   q = x_ref.shape[-1]
@@ -97,9 +98,10 @@ def _kernel(*refs, hb, k, seq, length, dt_limit):
   @pl.when(zi == 0)
   def _():
     h_scr[...] = init_ref[...]
-    px_scr[...] = jnp.zeros(px_scr.shape, px_scr.dtype)  # the front: zeros (a fresh sequence)
-    pb_scr[...] = jnp.zeros(pb_scr.shape, pb_scr.dtype)
-    pc_scr[...] = jnp.zeros(pc_scr.shape, pc_scr.dtype)
+    # The conv's front (the inputs before position 0) as the previous chunk's last positions.
+    px_scr[...] = fx_ref[...]
+    pb_scr[...] = fb_ref[...]
+    pc_scr[...] = fc_ref[...]
 
   def conv_bc(raw_ref, prev_scr, w_ref, bias_ref):
     """silu(conv) of B or C, (q, n), positions on sublanes, from raw inputs."""
@@ -174,7 +176,7 @@ def _tap_masks(seq_idx, k):
   return jnp.stack(cols, -1)
 
 
-def _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+def _call(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
   b, l, i = xr.shape
   h = dt_raw.shape[-1]
   g, p, k = ngroups, i // h, w["conv_x"].shape[0]
@@ -202,6 +204,11 @@ def _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx
   D = w["D"] if w.get("D") is not None else jnp.zeros((h,), _F32)
   init = (jnp.zeros((b, g, r, p, n), _F32) if initial_state is None
           else initial_state.astype(_F32).reshape(b, g, r, p, n))
+  # The fronts placed at the end of a chunk of zeros: what the first chunk's taps read
+  # as "the previous chunk" (read once per sequence and head block, 1/c of x).
+  at_end = lambda f: jnp.pad(f.astype(cdt), [(0, 0), (q - (k - 1), 0)] + [(0, 0)] * (f.ndim - 2))
+  fx = at_end(front_x).reshape(b, q, g, r, p).transpose(0, 2, 3, 4, 1)  # (b, g, r, p, q)
+  fbc = at_end(front_bc).reshape(b, q, 2, g, n).transpose(2, 0, 3, 1, 4)  # (2, b, g, q, n)
 
   grid = (b, g, nblk, c)
   heads6 = lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0, 0)
@@ -219,9 +226,11 @@ def _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx
               spec((None, k, n), per_group_w), spec((None, 1, n), per_group_w),
               spec((None, k, n), per_group_w), spec((None, 1, n), per_group_w),
               spec((None, hb, 1), per_head), spec((None, hb, 1), per_head), spec((None, hb, 1), per_head),
-              spec((None, None, hb, p, n), state)]
+              spec((None, None, hb, p, n), state), spec((None, None, hb, p, q), state),
+              spec((None, None, q, n), lambda bi, gi, ri, zi: (bi, gi, 0, 0)),
+              spec((None, None, q, n), lambda bi, gi, ri, zi: (bi, gi, 0, 0))]
   args = [xc, zc, dtc, bcc[0], bcc[1], wx, bx, wbc[0], bbc[0], wbc[1], bbc[1],
-          col(w["dt_bias"]), col(A), col(D), init]
+          col(w["dt_bias"]), col(A), col(D), init, fx, fbc[0], fbc[1]]
   if seq:
     sq, doc_in = chunk_documents(seq_idx.astype(jnp.int32), q)  # (c, b, s), (c, b)
     keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]
@@ -244,6 +253,7 @@ def _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx
       # x, z read and the gated y written once; dt raw read, sums of squares written;
       # B and C once per head block; the states; the small weights per head block.
       bytes_accessed=int(3 * xc.size * isz + dtc.size * 4 * 2 + bcc.size * isz * nblk + 2 * init.size * 4
+                         + fx.size * isz + fbc.size * isz * nblk
                          + (wx.size + bx.size + 3 * h) * 4 * b + wbc.size * 4 * b * nblk
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)))
   out_shape = (jax.ShapeDtypeStruct(xc.shape, cdt), jax.ShapeDtypeStruct(dtc.shape, _F32),
@@ -264,39 +274,44 @@ def _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx
   return gated, ssq, final.reshape(b, h, p, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 10))
-def _fused(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
-  return _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 12))
+def _fused(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+  return _call(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx,
+               interpret)
 
 
-def _plain(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+def _plain(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
   ssd = functools.partial(ssd_tpu.ssd_fused, interpret=interpret)
-  return mixer_core(z, xr, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit,
-                    initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
+  return mixer_core(z, xr, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
+                    front_bc=front_bc, initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
 
 
-def _fused_fwd(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
-  out = _call(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret)
-  return out, (z, xr, bc, dt_raw, w, initial_state, seq_idx)
+def _fused_fwd(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx,
+               interpret):
+  out = _call(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx,
+              interpret)
+  return out, (z, xr, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx)
 
 
 def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
   # The plain form's VJP (its SSD the one-pass kernels): recomputes the layer.
-  z, xr, bc, dt_raw, w, initial_state, seq_idx = res
-  f = lambda z, xr, bc, dt_raw, w, s: _plain(z, xr, bc, dt_raw, w, chunk, ngroups, dt_limit, s, seq_idx,
-                                             interpret)
-  _, vjp = jax.vjp(f, z, xr, bc, dt_raw, w, initial_state)
-  dz, dxr, dbc, ddt, dw, ds = vjp(ct)
-  return dz, dxr, dbc, ddt, dw, ds, None
+  z, xr, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx = res
+  f = lambda z, xr, bc, dt_raw, w, fx, fbc, s: _plain(z, xr, bc, dt_raw, w, fx, fbc, chunk, ngroups, dt_limit,
+                                                      s, seq_idx, interpret)
+  _, vjp = jax.vjp(f, z, xr, bc, dt_raw, w, front_x, front_bc, initial_state)
+  return (*vjp(ct), None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def mixer_core_tpu(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
-                   initial_state=None, seq_idx=None, interpret: bool = False):
+                   front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False):
   """`layer_math.mixer_core` as one Pallas TPU kernel forward (see the module doc)."""
+  b, h, k = xr.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
   if initial_state is None:
-    b, h = xr.shape[0], dt_raw.shape[-1]
     initial_state = jnp.zeros((b, h, xr.shape[-1] // h, bc.shape[-1] // ngroups), _F32)
-  return _fused(z, xr, bc, dt_raw, w, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx, interpret)
+  front_x = jnp.zeros((b, k - 1, xr.shape[-1]), _F32) if front_x is None else front_x
+  front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), _F32) if front_bc is None else front_bc
+  return _fused(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx,
+                interpret)
