@@ -14,19 +14,17 @@ import json
 import subprocess
 import sys
 
+import gguf  # the `gguf` extra, in the test extra
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-gguf = pytest.importorskip("gguf")  # the `gguf` extra (in the test extra)
+from mamba_train import Mamba2Config
+from mamba_train.data.tokenizer import EOS_TOKEN, byte_tokenizer
+from mamba_train.interop import export, gguf as gguf_export
 
-from mamba_train import Mamba2Config  # noqa: E402
-from mamba_train.data.tokenizer import EOS_TOKEN, byte_tokenizer  # noqa: E402
-from mamba_train.interop import export  # noqa: E402
-from mamba_train.interop import gguf as gguf_export  # noqa: E402
-
-from helpers import rel, scaled_random_model, script_env  # noqa: E402
+from helpers import rel, scaled_random_model, script_env
 
 forward = nnx.jit(lambda model, ids: model(ids))
 IDS = np.array([[3, 200, 17, 256, 90, 44, 44, 8, 130, 61, 23, 255, 0, 12, 33, 71, 5, 99, 1]])
@@ -82,8 +80,8 @@ def _rms(x, w, eps):
 
 def _mamba2(t, b, h, reader, eps):
   """llama.cpp's build_mamba2_layer on one sequence h (l, d), as a sequential recurrence."""
-  ng, ns = arch_key(reader, "ssm.group_count"), arch_key(reader, "ssm.state_size")
-  k, di, nh = arch_key(reader, "ssm.conv_kernel"), arch_key(reader, "ssm.inner_size"), arch_key(reader, "ssm.time_step_rank")
+  ng, ns, k = (arch_key(reader, f"ssm.{n}") for n in ("group_count", "state_size", "conv_kernel"))
+  di, nh = arch_key(reader, "ssm.inner_size"), arch_key(reader, "ssm.time_step_rank")
   hp, conv_dim = di // nh, di + 2 * ng * ns
   zxbcdt = h @ t[f"{b}ssm_in.weight"].T
   z, xbc, dt = zxbcdt[:, :di], zxbcdt[:, di:di + conv_dim], zxbcdt[:, di + conv_dim:]
