@@ -1,0 +1,154 @@
+"""llama.cpp on our GGUF export: its tokens, logits and greedy continuation beside
+ours (not a test: llama.cpp is built from source, longer than the suite has).
+
+  pip install llama-cpp-python      # builds llama.cpp (CMAKE_ARGS="-DGGML_NATIVE=off" for a portable build)
+  python -m benchmarks.gguf_llamacpp                          # random tiny Mamba-2 and hybrid, byte and BPE tokenizers
+  python -m benchmarks.gguf_llamacpp --model runs/tiny        # a trained model (anything load_model reads)
+
+For each model, tokenizer and --dtypes (float32, bfloat16, q8_0): export with
+`save_gguf`, load the file in llama.cpp (llama-cpp-python, no repair of any kind),
+and compare
+  * tokenization: llama.cpp's ids for --texts against the tokenizer's own (tokenizers);
+  * logits: llama.cpp's over the prompt (one batch) against our float32 forward pass:
+    the largest absolute difference and the relative one (norm of the difference over
+    the norm of ours);
+  * greedy decoding: --new_tokens tokens after the prompt, llama.cpp stepping its own
+    recurrent state one token at a time, against `mamba_train.generate`: how many of
+    them agree before the first difference.
+Without --model the models are random (weights scaled as a trained model's, so the
+next-token distributions are far from uniform). Prints a markdown table
+(docs/bench/gguf.md keeps the dated results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mamba_train import Mamba2Config, generate
+from mamba_train.data.tokenizer import EOS_TOKEN, byte_tokenizer, load_tokenizer
+from mamba_train.interop import gguf as gguf_export
+from mamba_train.model.lm import Mamba2LM
+
+TEXTS = ["The cat sat on the mat.", "  two  spaces,\ttabs\nand newlines\n\n", "naïve café — 東京 🦙 3.14 1000000",
+         "don't won't I'll they've", "<|endoftext|> after a special token"]
+PROMPT = "the cat sat on the mat, then the cat"
+
+
+def random_model(cfg: Mamba2Config, seed: int) -> Mamba2LM:
+  """Weights scaled like a trained model's: norms near 1, A and dt as mamba_ssm draws
+  them, D near 1, matrices by 1/sqrt(fan in)."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    name = path[-1].key
+    if "norm" in name:
+      return 1.0 + 0.1 * rng.standard_normal(s.shape)
+    if name == "A_log":
+      return np.log(rng.uniform(1.0, 16.0, s.shape))
+    if name == "dt_bias":
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), s.shape))
+      return dt + np.log(-np.expm1(-dt))
+    if name == "D":
+      return rng.uniform(0.5, 1.5, s.shape)
+    if "bias" in name:
+      return 0.1 * rng.standard_normal(s.shape)
+    fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
+    return 2.0 * rng.standard_normal(s.shape) / np.sqrt(fan_in)
+
+  shapes = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
+  params = jax.tree_util.tree_map_with_path(draw, shapes)
+  return Mamba2LM.from_params(cfg, jax.tree.map(lambda a: np.asarray(a, np.float32), params))
+
+
+def bpe_tokenizer(path: Path) -> Path:
+  """A small byte-level BPE (GPT-2's split) trained on a few sentences."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  corpus = [PROMPT, "the dog ate the cat's dinner", "I'll say it again: don't", *TEXTS] * 8
+  tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS_TOKEN],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(path))
+  return path
+
+
+def compare(model: Mamba2LM, tok_file: Path, out: Path, dtype: str, args) -> dict:
+  from llama_cpp import Llama
+
+  info = load_tokenizer(str(tok_file))
+  gguf_export.save_gguf(model, out, tokenizer_file=tok_file, eos_token_id=info.eos_id, dtype=dtype,
+                        overwrite=True)
+  llm = Llama(model_path=str(out), n_ctx=512, n_batch=512, logits_all=True, verbose=False,
+              n_threads=args.threads)
+  tok_ok = all(llm.tokenize(t.encode(), add_bos=False, special=True) == info.tokenizer.encode(t).ids
+               for t in TEXTS + [PROMPT])
+  ids = info.tokenizer.encode(PROMPT).ids
+  llm.reset()
+  llm.eval(ids)
+  theirs = np.asarray(llm.scores[:len(ids)], np.float64)
+  ours = np.asarray(model(jnp.asarray([ids]))[0, :, :model.config.vocab_size], np.float64)
+  diff = np.abs(theirs - ours)
+  # Greedy: llama.cpp steps its recurrent state one token at a time.
+  greedy = []
+  for _ in range(args.new_tokens):
+    nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    greedy.append(nxt)
+    llm.eval([nxt])
+  want = np.asarray(generate(model, np.asarray(ids), args.new_tokens))[len(ids):].tolist()
+  agree = next((i for i, (a, b) in enumerate(zip(greedy, want)) if a != b), len(want))
+  return {"dtype": dtype, "tokens_equal": tok_ok, "max_abs": float(diff.max()),
+          "rel": float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)),
+          "logit_std": float(ours.std()), "greedy": f"{agree}/{len(want)}", "bytes": out.stat().st_size}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", help="Anything load_model reads (default: random tiny models).")
+  p.add_argument("--tokenizer", help="Its tokenizer.json (default: found beside --model).")
+  p.add_argument("--dtypes", default="float32,bfloat16,q8_0")
+  p.add_argument("--new_tokens", type=int, default=16)
+  p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+  args = p.parse_args()
+  work = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
+  cases = []
+  if args.model:
+    from mamba_train.interop.load import load_model
+    tok = Path(args.tokenizer or Path(args.model) / "tokenizer.json")
+    cases.append((Path(args.model).name, load_model(args.model).merged(), tok))
+  else:
+    byte = work / "byte.json"
+    byte_tokenizer().save(str(byte))
+    bpe = bpe_tokenizer(work / "bpe.json")
+    n_bpe = load_tokenizer(str(bpe)).vocab_size
+    mamba2 = dict(d_model=128, n_layer=4, d_state=32, headdim=32, ngroups=2, chunk_size=16)
+    hybrid = dict(mamba2, layer_pattern="M*-M", attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=32,
+                  d_intermediate=256, tie_embeddings=False)
+    for name, kw, tok, vocab in (("mamba2 byte", mamba2, byte, 257), ("mamba2 bpe", mamba2, bpe, n_bpe),
+                                 ("nemotron_h byte", hybrid, byte, 257)):
+      cases.append((name, random_model(Mamba2Config(vocab_size=vocab, **kw), seed=len(cases)), tok))
+  print("| model, tokenizer | dtype | file bytes | tokenization equal | max abs logit diff | rel | "
+        "our logit std | greedy agree |")
+  print("|---|---|---|---|---|---|---|---|")
+  results = []
+  for name, model, tok in cases:
+    for dtype in args.dtypes.split(","):
+      r = compare(model, tok, work / f"{name.replace(' ', '_')}_{dtype}.gguf", dtype, args)
+      results.append({"case": name, **r})
+      print(f"| {name} | {dtype} | {r['bytes']} | {r['tokens_equal']} | {r['max_abs']:.2e} | {r['rel']:.2e} | "
+            f"{r['logit_std']:.2f} | {r['greedy']} |", flush=True)
+  (work / "results.json").write_text(json.dumps(results, indent=2))
+  print(f"files and results.json in {work}")
+
+
+if __name__ == "__main__":
+  main()
