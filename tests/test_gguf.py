@@ -212,9 +212,9 @@ def test_quantized_within_their_bounds(written):
       assert err.max() > 0  # it was quantized
 
 
-def test_vocabulary(written, tmp_path):
+def test_byte_vocabulary(written):
   """The byte tokenizer as llama.cpp's gpt2 vocabulary: byte b is GPT-2's stand-in character
-  for b, end-of-text a control token; and a trained BPE tokenizer with its merges."""
+  for b, end-of-text a control token."""
   _, readers = written
   r = readers["q8_0"]
   tokens = field(r, "tokenizer.ggml.tokens")
@@ -230,6 +230,10 @@ def test_vocabulary(written, tmp_path):
   # Its one merge never applies: both halves are longer than a single character.
   assert [len(h) for h in field(r, "tokenizer.ggml.merges")[0].split(" ")] == [2, 2]
 
+
+def test_bpe_vocabulary(tmp_path):
+  """A trained byte-level BPE tokenizer: its tokens, merges and special token, the
+  model's rows past it llama.cpp's unused [PAD<i>] tokens."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
