@@ -82,6 +82,16 @@ def architecture(cfg: Mamba2Config) -> gguf.MODEL_ARCH:
 # ByteLevel's own split (use_regex) is GPT-2's regex: llama.cpp's "gpt-2" (as its
 # converter names GPT-2's and GPT-NeoX's, Mamba-2's released tokenizer, family).
 GPT2_PRE = "gpt-2"
+# A Split by one of these regexes (as tokenizer.json spells them) before a ByteLevel
+# that does not split again: llama.cpp's name for it, and the model's ignore_merges
+# that name implies (llama.cpp's "llama-bpe" looks a whole word up before merging, as
+# Llama 3's tokenizer.json asks with ignore_merges; its "qwen2" merges every word).
+SPLIT_PRES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": ("llama-bpe", True),
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": ("qwen2", False),
+}
 # A merge that never applies. llama.cpp refuses a "gpt2" vocabulary without merges and
 # gguf's writer refuses an empty array, so the byte tokenizer (no merges) carries this
 # one: its halves are two characters each, and with no merge to join them a word's
@@ -98,8 +108,16 @@ class Vocab:
   eos_id: int | None
 
 
-def _pre_name(spec: dict, has_merges: bool) -> str | None:
+def _pre_name(spec: dict, has_merges: bool, ignore_merges: bool) -> str | None:
   """llama.cpp's pre-tokenizer name for a tokenizer.json pre_tokenizer, or None."""
+  steps = spec.get("pretokenizers", []) if spec.get("type") == "Sequence" else [spec]
+  if len(steps) == 2 and steps[0].get("type") == "Split":
+    split, byte_level = steps
+    name, ignore = SPLIT_PRES.get((split.get("pattern") or {}).get("Regex"), (None, None))
+    plain = (split.get("behavior") == "Isolated" and not split.get("invert")
+             and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
+             and not byte_level.get("add_prefix_space", False))
+    return name if plain and ignore == ignore_merges else None
   if spec.get("type") != "ByteLevel" or spec.get("add_prefix_space", False):
     return None
   if spec.get("use_regex", True):
@@ -115,7 +133,7 @@ def read_vocab(tokenizer_file, rows: int, eos_id: int | None) -> Vocab:
   blob = json.loads(Path(tokenizer_file).read_text())
   model, decoder = blob.get("model") or {}, blob.get("decoder") or {}
   merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-  pre = _pre_name(blob.get("pre_tokenizer") or {}, bool(merges))
+  pre = _pre_name(blob.get("pre_tokenizer") or {}, bool(merges), bool(model.get("ignore_merges")))
   norm = (blob.get("normalizer") or {}).get("type")
   problems = []
   if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix") \
@@ -126,7 +144,7 @@ def read_vocab(tokenizer_file, rows: int, eos_id: int | None) -> Vocab:
     problems.append(f"its decoder is {decoder.get('type')}, not ByteLevel")
   if pre is None:
     problems.append(f"its pre_tokenizer {json.dumps(blob.get('pre_tokenizer'))[:120]} is not one this "
-                    f"export maps to llama.cpp's (ByteLevel, GPT-2's split)")
+                    f"export maps to llama.cpp's (ByteLevel; a Split by Llama 3's or Qwen2's regex, then ByteLevel)")
   # NFC: llama.cpp does not normalize; text already in NFC (as most is) tokenizes the same.
   if norm not in (None, "NFC"):
     problems.append(f"its normalizer is {norm}")
