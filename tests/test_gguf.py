@@ -249,6 +249,20 @@ def test_bpe_vocabulary(tmp_path):
   assert v.tokens[n:] == [f"[PAD{i}]" for i in range(n, 300)] and v.pre == "gpt-2"
   assert v.types[tok.token_to_id(EOS_TOKEN)] == gguf.TokenType.CONTROL
   assert set(v.types[n:]) == {gguf.TokenType.UNUSED}
+  # Split by Llama 3's regex (whole words looked up first) or Qwen2's, then ByteLevel: the
+  # names llama.cpp knows them by; Llama 3's split with merges applied to every word has none.
+  for regex, (name, ignore_merges) in gguf_export.SPLIT_PRES.items():
+    for ignore in (True, False):
+      blob["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+          {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+          {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+      blob["model"]["ignore_merges"] = ignore
+      (tmp_path / "split.json").write_text(json.dumps(blob))
+      if ignore == ignore_merges:
+        assert gguf_export.read_vocab(tmp_path / "split.json", 300, None).pre == name
+      else:
+        with pytest.raises(gguf_export.TokenizerNotExpressibleError, match="pre_tokenizer"):
+          gguf_export.read_vocab(tmp_path / "split.json", 300, None)
 
 
 def test_refusals(byte_tok, tmp_path):
