@@ -62,7 +62,7 @@ def random_model(cfg: Mamba2Config, seed: int) -> Mamba2LM:
     if "bias" in name:
       return 0.1 * rng.standard_normal(s.shape)
     fan_in = s.shape[1] if len(s.shape) > 2 else s.shape[-1]
-    return 2.0 * rng.standard_normal(s.shape) / np.sqrt(fan_in)
+    return rng.standard_normal(s.shape) / np.sqrt(fan_in)
 
   shapes = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))).params()
   params = jax.tree_util.tree_map_with_path(draw, shapes)
