@@ -99,6 +99,8 @@ def _export_gguf() -> None:
     if e.name != "gguf":
       raise
     _fail("--format gguf needs the gguf package (llama.cpp's writer): pip install -e '.[gguf]'")
+  import logging
+  logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs each file's size at INFO
   from mamba_train.interop.load import load_config, load_model
   # Everything that can refuse does so before the weights are read.
   gguf_export.architecture(load_config(_CKPT.value))
