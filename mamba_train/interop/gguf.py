@@ -120,11 +120,11 @@ def _pre_name(spec: dict, has_merges: bool, ignore_merges: bool) -> str | None:
     return name if plain and ignore == ignore_merges else None
   if spec.get("type") != "ByteLevel" or spec.get("add_prefix_space", False):
     return None
-  if spec.get("use_regex", True):
+  if not has_merges:  # every byte its own token (the byte tokenizer): no split changes an id
     return GPT2_PRE
-  # No split at all: llama.cpp always splits, which changes no id only without merges
-  # (every byte its own token): the byte tokenizer.
-  return None if has_merges else GPT2_PRE
+  # GPT-2's split, merging every word (llama.cpp's "gpt-2" looks no whole word up first);
+  # ByteLevel without its split has no llama.cpp equivalent (llama.cpp always splits).
+  return GPT2_PRE if spec.get("use_regex", True) and not ignore_merges else None
 
 
 def read_vocab(tokenizer_file, rows: int, eos_id: int | None) -> Vocab:
