@@ -22,7 +22,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0  # parameter init and data order
 
   # --- periodic work (0 turns one off) ---
-  c.log_every = 10  # metrics.jsonl, W&B and progress bar
+  c.log_every = 10  # metrics.jsonl, W&B, TensorBoard and progress bar
+  # Every logged number also as a TensorBoard scalar in <workdir>/tensorboard/, the config
+  # in its text and hparams panels (tensorboard --logdir <workdir>/tensorboard).
+  c.tensorboard = True
+  # A jax.profiler trace of steps start_step+1 .. start_step+num_steps into
+  # <workdir>/profile/ (TensorBoard's profile plugin, XProf, Perfetto). num_steps=0: off.
+  # The default start skips the compile and the first steps, which are not the steady state.
+  # processes: the process indices that capture one, comma separated ('all': every one).
+  c.profile = ml_collections.ConfigDict(dict(start_step=5, num_steps=0, processes="0"))
   c.eval_every = 200  # eval loss on the held-out split
   c.eval_batches = 4  # batches (of batch_size) per evaluation
   c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)

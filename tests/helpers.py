@@ -136,6 +136,31 @@ def complete_steps(workdir) -> list[int]:
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} as TensorBoard itself reads the event files of `logdir`
+  (its EventAccumulator), every event kept, in the order written: its purge of the steps
+  a restarted writer repeats is off, so a step written twice shows twice."""
+  from tensorboard.backend.event_processing import event_accumulator
+  acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0},
+                                           purge_orphaned_data=False)
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def record_scalars(rows) -> dict[str, list[tuple[int, float]]]:
+  """What TensorBoard should hold of a run record's rows: every finite number of each
+  measurement row (not the marker rows, which carry "event"; not the goodput's run id),
+  at the row's step, as float32."""
+  out = {}
+  for r in rows:
+    if "event" in r:
+      continue
+    for k, v in r.items():
+      if k not in ("step", "goodput/run") and type(v) in (int, float) and np.isfinite(v):
+        out.setdefault(k, []).append((r["step"], float(np.float32(v))))
+  return out
+
+
 def script_env(**extra) -> dict:
   """The environment of a scripts/*.py subprocess: CPU, this checkout's library first."""
   return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
