@@ -42,7 +42,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import metrics  # noqa: E402
+from mamba_train import cli, metrics  # noqa: E402
 from mamba_train.parallel.topology import is_gpu_topology  # noqa: E402
 from mamba_train.tools import aot  # noqa: E402
 from mamba_train.train import run_config  # noqa: E402
@@ -150,4 +150,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
