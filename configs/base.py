@@ -30,7 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
   # <workdir>/profile/ (TensorBoard's profile plugin, XProf, Perfetto). num_steps=0: off.
   # The default start skips the compile and the first steps, which are not the steady state.
   # processes: the process indices that capture one, comma separated ('all': every one).
-  c.profile = ml_collections.ConfigDict(dict(start_step=5, num_steps=0, processes="0"))
+  # python: also trace every Python call (the input pipeline's; a hundred thousand events a
+  # step, and slower steps while tracing).
+  c.profile = ml_collections.ConfigDict(dict(start_step=5, num_steps=0, processes="0", python=False))
   c.eval_every = 200  # eval loss on the held-out split
   c.eval_batches = 4  # batches (of batch_size) per evaluation
   c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)

@@ -206,15 +206,18 @@ class PreemptionWatcher:
 class StepTrace:
   """A `jax.profiler` trace of steps `first`..`last` into `log_dir` (TensorBoard's
   profile plugin and XProf read `log_dir/plugins/profile/<run>/*.xplane.pb`; Perfetto
-  (ui.perfetto.dev) opens
-  the `*.trace.json.gz` beside it), each step marked by a `StepTraceAnnotation` so the
+  (ui.perfetto.dev) opens the `*.trace.json.gz` beside it), each step marked by a `StepTraceAnnotation` so the
   tools split the trace by step. `before(step)` before the step is dispatched,
   `after(step, outputs)` once it has been: the trace stops when the last step's outputs
   are ready, so it holds the device's work, not only its dispatch. A loop that has no
   trace to take makes none of these (`from_config` returns None): nothing per step."""
 
-  def __init__(self, log_dir: str, first: int, last: int):
+  def __init__(self, log_dir: str, first: int, last: int, python: bool = False):
     self.log_dir, self.first, self.last = log_dir, first, last
+    # The host's and the devices' activity; Python's calls only when asked (each call is an
+    # event: the trace grows a hundredfold and the steps slow while it runs).
+    self.options = jax.profiler.ProfileOptions()
+    self.options.python_tracer_level = 1 if python else 0
     self._annotation = None
     self.active = False
 
@@ -228,11 +231,11 @@ class StepTrace:
         logging.warning("profile: steps %d..%d are before this run's start (step %d): no trace; "
                         "set profile.start_step >= %d", first, last, start_step, start_step)
       return None
-    return cls(os.path.join(os.fspath(workdir), "profile"), first, last)
+    return cls(os.path.join(os.fspath(workdir), "profile"), first, last, python=profile.python)
 
   def before(self, step: int) -> None:
     if step == self.first:
-      jax.profiler.start_trace(self.log_dir)
+      jax.profiler.start_trace(self.log_dir, profiler_options=self.options)
       self.active = True
     if self.active:
       self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
