@@ -68,8 +68,17 @@ def accelerators() -> list[str]:
 
 
 def _chosen_in_jax() -> bool:
+  """A list set through JAX's config, or backends already started (too late to choose)."""
   jax = sys.modules.get("jax")
-  return jax is not None and jax.config.jax_platforms is not None
+  if jax is None:
+    return False
+  if jax.config.jax_platforms is not None:
+    return True
+  try:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    return xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):  # moved in a later jax: choosing is then harmless
+    return False
 
 
 def choose(environ=os.environ) -> str | None:

@@ -153,7 +153,7 @@ def test_gcs_workdir_trains_resumes_past_a_damaged_step_and_exports(gcs_env, tmp
   events = [n for n in names if n.startswith("tensorboard/")]
   assert len(events) == 1 and events[0].startswith("tensorboard/events.out.tfevents."), events
   (tmp_path / "tb").mkdir()
-  (tmp_path / events[0]).write_bytes(storage.path(f"{work}/{events[0]}").read_bytes())
+  (tmp_path / "tb" / os.path.basename(events[0])).write_bytes(storage.path(f"{work}/{events[0]}").read_bytes())
   assert tensorboard_scalars(tmp_path / "tb") == record_scalars(rows)
 
   r = export_cli(work, tmp_path / "exp", env=gcs_env)
