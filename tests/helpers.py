@@ -6,6 +6,7 @@ puts tests/ on the path)."""
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -150,14 +151,15 @@ def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
 def record_scalars(rows) -> dict[str, list[tuple[int, float]]]:
   """What TensorBoard should hold of a run record's rows: every finite number of each
   measurement row (not the marker rows, which carry "event"; not the goodput's run id),
-  at the row's step, as float32."""
+  at the row's step, as float32, its name as a TensorBoard tag may spell it (letters,
+  digits and -_/. kept, any other character an underscore)."""
   out = {}
   for r in rows:
     if "event" in r:
       continue
     for k, v in r.items():
       if k not in ("step", "goodput/run") and type(v) in (int, float) and np.isfinite(v):
-        out.setdefault(k, []).append((r["step"], float(np.float32(v))))
+        out.setdefault(re.sub(r"[^-/\w.]", "_", k), []).append((r["step"], float(np.float32(v))))
   return out
 
 

@@ -140,6 +140,10 @@ CASES = [
     ("generate.py", ["--model", ".", "--prompt", "hi", "--top_p", "0"],
      "error: flag --top_p=0.0: --top_p must be in (0, 1] (flags: --help)"),
     ("generate.py", ["--prompt", "hi"], "error: --model is required (flags: --help)"),
+    ("generate.py", ["--checkpoint", "/nonexistent/dir", "--ids", "1,2"],  # the alias and token ids
+     "error: --model /nonexistent/dir does not exist (flags: --help)"),
+    ("export.py", ["--checkpoint", "/nonexistent/dir", "--out", "/nonexistent/out"],
+     "error: /nonexistent/dir does not exist"),
     ("eval.py", ["--model", "/nonexistent/dir", "--tasks", "arc_easy"],
      "error: --model /nonexistent/dir does not exist (flags: --help)"),
     ("export.py", ["--model", "/nonexistent/dir", "--out", "/nonexistent/out", "--no_such_flag"],

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Iterable, Mapping
@@ -35,6 +36,11 @@ DIR = "tensorboard"
 _PREFIX = "events.out.tfevents."
 
 
+# The characters a TensorBoard tag may hold (tensorboardX's rule, which would rename the
+# others itself and log a line each time): a reward function's name `module:function`
+# becomes `module_function`.
+_NOT_IN_TAGS = re.compile(r"[^-/\w.]")
+
 # Numbers of a row that name rather than measure: the goodput's run id (its start time,
 # which a float32 scalar could not even hold).
 _NOT_MEASURES = frozenset({"step", "goodput/run"})
@@ -42,12 +48,13 @@ _NOT_MEASURES = frozenset({"step", "goodput/run"})
 
 def scalars(row: Mapping[str, Any]) -> dict[str, float]:
   """The numbers of a record row that TensorBoard plots: finite ints and floats, not
-  booleans, lists (the router's per-expert token counts) or strings; none of a marker
+  booleans, lists (the router's per-expert token counts) or strings, under TensorBoard's
+  spelling of the name (`_NOT_IN_TAGS`); none of a marker
   row (`"event"`: a resume, a roll-back, the closing goodput of a step already logged),
   so that each scalar has one value a step."""
   if "event" in row:
     return {}
-  return {k: float(v) for k, v in row.items()
+  return {_NOT_IN_TAGS.sub("_", k): float(v) for k, v in row.items()
           if k not in _NOT_MEASURES and isinstance(v, (int, float)) and not isinstance(v, bool)
           and math.isfinite(v)}
 
