@@ -48,9 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(Mamba2Config().to_dict())
 
   # --- how the model runs (mamba_train/model/runtime.py); changes no weight ---
-  # Each field's values and what `auto` picks: the README's "config.runtime" section; who
-  # runs each operation (ssd_impl, layer_impl, decode_impl, moe_impl, attention, interpret):
-  # the selection table, mamba_train/ops/table.py (the README shows it).
+  # Each field's values and what `auto` picks: docs/performance.md; who runs each operation
+  # (ssd_impl, layer_impl, decode_impl, moe_impl, attention, interpret): the selection table,
+  # mamba_train/ops/table.py (shown at the end of docs/configuration.md).
   # pallas_interpret: the old name of `interpret`, kept so that command lines naming it still run.
   c.runtime = ml_collections.ConfigDict({**Runtime().to_dict(), **dict.fromkeys(FIELD_ALIASES, False)})
 

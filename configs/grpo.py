@@ -4,7 +4,7 @@ Any model init_from takes runs, fully or with LoRA / QLoRA adapters (lora.rank, 
 
 The default is the synthetic task (copy the last digit; scripts/grpo_task.py) on a tiny
 byte-level model from scratch: the mean reward rises from about 0.05 to about 0.7 in 40 steps on
-a CPU (README, GRPO).
+a CPU (docs/finetuning.md, GRPO).
 
   python scripts/grpo_task.py --out=data/grpo_task.jsonl
   python train.py --config configs/grpo.py --workdir runs/grpo-task --config.grpo.prompts=data/grpo_task.jsonl

@@ -211,14 +211,14 @@ def test_ssd_plan_per_backend(monkeypatch, backend, chunk, want):
   assert model.runtime.ssd_plan(chunk) == want
 
 
-def test_readme_shows_the_selection_table_and_every_old_spelling():
-  """The README's table of implementations is the selection table's own (`table.markdown`),
-  and it names every old spelling the runtime still reads."""
+def test_the_configuration_guide_shows_the_selection_table_and_every_old_spelling():
+  """docs/configuration.md's table of implementations is the selection table's own
+  (`table.markdown`), and it names every old spelling the runtime still reads."""
   from mamba_train.model.runtime import ALIASES, FIELD_ALIASES, Runtime
   from mamba_train.ops import table
 
   from helpers import ROOT
-  readme = (ROOT / "README.md").read_text()
+  readme = (ROOT / "docs" / "configuration.md").read_text()
   assert table.markdown() in readme
   for field, old in ALIASES.items():
     for value, (name, interpret) in old.items():

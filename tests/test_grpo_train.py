@@ -30,7 +30,7 @@ TIMING = ("goodput", "rollout/", "train/", "event")
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-  """The synthetic task's prompts file, as the README makes it (scripts/grpo_task.py)."""
+  """The synthetic task's prompts file, as docs/finetuning.md makes it (scripts/grpo_task.py)."""
   path = tmp_path_factory.mktemp("task") / "task.jsonl"
   r = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpo_task.py"), f"--out={path}", "--n=400"],
                      cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,

@@ -43,7 +43,7 @@ IMPL_FIELDS = {"ssd_impl": SSD_IMPLS, "layer_impl": LAYER_IMPLS, "decode_impl": 
                "moe_impl": MOE_IMPLS, "attention": ATTENTION_FORMS}
 
 # Old spellings, still read (a run's saved config.json, users' command lines), each
-# named once in the README: field -> {old value: (its name now, whether it asked for
+# named once in docs/configuration.md: field -> {old value: (its name now, whether it asked for
 # Pallas' interpreter)}; and the field `pallas_interpret`, now `interpret`.
 ALIASES = {
     "ssd_impl": {"pallas": ("mosaic", False), "interpret": ("mosaic", True), "triton_interpret": ("triton", True)},

@@ -113,7 +113,7 @@ def names(field: str) -> tuple[str, ...]:
 
 
 def markdown() -> str:
-  """The table as the README shows it (a test holds the two equal)."""
+  """The table as docs/configuration.md shows it (generated from this; a test holds the two equal)."""
   rows = ["| operation (runtime field) | implementation | backends | supports | what it is |",
           "|---|---|---|---|---|"]
   for (op, impl), row in TABLE.items():
