@@ -154,7 +154,8 @@ CASES = [
     ("aot_compile.py", ["--config", "configs/tiny.py", "--config.no_such_key=1"],
      "error: the config has no key 'no_such_key' (its keys: configs/base.py) (flags: --help)"),
     ("grpo_task.py", ["--n", "0"], "error: flag --n=0: 0 is not a positive integer (flags: --help)"),
-    ("gen_config_reference.py", ["--chek"], "error: Unknown command line flag 'chek' (flags: --help)"),
+    ("gen_config_reference.py", ["--chek"],
+     "error: Unknown command line flag 'chek'. Did you mean: check ? (flags: --help)"),
     ("plot.py", ["/nonexistent/run", "--out", "x.png"],
      "error: /nonexistent/run holds no metrics.jsonl: pass a run's workdir (flags: --help)"),
 ]
