@@ -110,7 +110,8 @@ def figure(runs: list[Run], smooth: float = 0.6):
     if key == "lr":
       ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     if not drawn:
-      ax.text(0.5, 0.5, "not recorded" + (" (no config.json)" if x == "tokens" else ""),
+      why = {"tokens": " (no config.json)", "peak_memory_gib": " (a CPU reports none)"}
+      ax.text(0.5, 0.5, "not recorded" + why.get(x if x == "tokens" else key, ""),
               ha="center", va="center", transform=ax.transAxes, color="0.5")
   axes[0].legend(loc="upper right")
   return fig
