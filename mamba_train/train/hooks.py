@@ -205,12 +205,13 @@ class PreemptionWatcher:
 
 class StepTrace:
   """A `jax.profiler` trace of steps `first`..`last` into `log_dir` (TensorBoard's
-  profile plugin and XProf read `log_dir/plugins/profile/<run>/*.xplane.pb`; Perfetto
-  (ui.perfetto.dev) opens the `*.trace.json.gz` beside it), each step marked by a `StepTraceAnnotation` so the
-  tools split the trace by step. `before(step)` before the step is dispatched,
-  `after(step, outputs)` once it has been: the trace stops when the last step's outputs
-  are ready, so it holds the device's work, not only its dispatch. A loop that has no
-  trace to take makes none of these (`from_config` returns None): nothing per step."""
+  profile plugin and XProf read `log_dir/plugins/profile/<run>/*.xplane.pb`; Perfetto,
+  at ui.perfetto.dev, opens the `*.trace.json.gz` beside it), each step marked by a
+  `StepTraceAnnotation` so the tools split the trace by step. `before(step)` before the
+  step is dispatched, `after(step, outputs)` once it has been: the trace stops when the
+  last step's outputs are ready, so it holds the device's work, not only its dispatch.
+  A loop with no trace to take makes none of these (`from_config` returns None): it
+  does nothing more a step than test `if trace`."""
 
   def __init__(self, log_dir: str, first: int, last: int, python: bool = False):
     self.log_dir, self.first, self.last = log_dir, first, last
