@@ -141,33 +141,11 @@ def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
   """{tag: [(step, value), ...]} as TensorBoard itself reads the event files of `logdir`
   (its EventAccumulator), every event kept, in the order written: its purge of the steps
   a restarted writer repeats is off, so a step written twice shows twice."""
-  try:
-    from tensorboard.backend.event_processing import event_accumulator
-  except ImportError:  # the newest-JAX leg of .ci/run installs no TensorBoard
-    return _scalars_from_records(logdir)
+  from tensorboard.backend.event_processing import event_accumulator
   acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0},
                                            purge_orphaned_data=False)
   acc.Reload()
   return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def _scalars_from_records(logdir) -> dict[str, list[tuple[int, float]]]:
-  """tensorboard_scalars without TensorBoard: the event files' records (TFRecord framing:
-  a length, its CRC, the Event, its CRC) read here, each Event parsed with the writer's proto."""
-  import struct
-
-  from tensorboardX.proto import event_pb2
-  out = {}
-  for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
-    data, at = path.read_bytes(), 0
-    while at < len(data):
-      (n,) = struct.unpack("<Q", data[at:at + 8])
-      event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
-      at += 12 + n + 4
-      for v in event.summary.value:
-        if v.metadata.plugin_data.plugin_name in ("", "scalars") and v.WhichOneof("value") == "simple_value":
-          out.setdefault(v.tag, []).append((event.step, float(np.float32(v.simple_value))))
-  return out
 
 
 def record_scalars(rows) -> dict[str, list[tuple[int, float]]]:

@@ -92,7 +92,7 @@ def test_tensorboard_holds_every_scalar_of_the_record_at_its_step(run):
   # The config in the text panel, and as hparams.
   acc = event_accumulator.EventAccumulator(str(work / "tensorboard"), size_guidance={event_accumulator.TENSORS: 0})
   acc.Reload()
-  text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+  text = acc.Tensors("config")[0].tensor_proto.string_val[0].decode()
   assert json.loads(text) == json.loads((work / "config.json").read_text())
   from tensorboard.plugins.hparams import plugin_data_pb2
   start = plugin_data_pb2.HParamsPluginData.FromString(
