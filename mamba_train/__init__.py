@@ -19,7 +19,7 @@ def __getattr__(name):
   # machine with the test extra's plugins then prints no plugin tracebacks.
   if name in ("generate", "load_model"):
     from mamba_train import platforms
-    platforms.choose()
+    platforms.choose(one_line_failures=False)
   if name == "generate":
     from mamba_train.generation import generate
     return generate

@@ -81,9 +81,11 @@ def _chosen_in_jax() -> bool:
     return False
 
 
-def choose(environ=os.environ) -> str | None:
+def choose(environ=os.environ, *, one_line_failures: bool = True) -> str | None:
   """Set the platforms JAX starts to this machine's accelerators and the CPU, unless a
-  choice was made; the list set, or None. Call before JAX's first computation."""
+  choice was made; the list set, or None. Call before JAX's first computation.
+  `one_line_failures`: an accelerator's plugin that fails is reported in one line at exit
+  (entry points); the library's first use leaves JAX's exception to its caller."""
   if "JAX_PLATFORMS" in environ or (environ is os.environ and _chosen_in_jax()):
     return None
   platforms = ",".join(accelerators() + ["cpu"])
@@ -91,7 +93,7 @@ def choose(environ=os.environ) -> str | None:
   if environ is os.environ:
     if "jax" in sys.modules:  # JAX reads the variable when imported: tell its config too
       sys.modules["jax"].config.update("jax_platforms", platforms)
-    if platforms != "cpu":
+    if platforms != "cpu" and one_line_failures:
       _hold_plugin_errors()
   return platforms
 
