@@ -254,12 +254,12 @@ def test_cached_decoding_matches_the_full_forward():
 
 
 def test_training_lowers_the_loss():
-  """A few Adam steps on one batch of a pure SISO Mamba-3 model lower its loss."""
+  """A few Adam steps on one batch of a pure MIMO (rank 2) Mamba-3 model lower its loss."""
   import optax
 
   from helpers import scaled_random_model
   from mamba_train import Mamba2LM
-  cfg = _cfg(layer_pattern="33")
+  cfg = _cfg(layer_pattern="33", is_mimo=True, mimo_rank=2)
   model = scaled_random_model(cfg, seed=1)
   model = Mamba2LM.from_params(cfg, model.params(), Runtime(remat="full"))
   params = model.params()
@@ -327,9 +327,7 @@ def _worker(out_dir):
   from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   assert jax.device_count() == 8
-  # SISO: XLA:CPU (jax 0.10.2) segfaults running the float32 gradient of a MIMO layer
-  # (float64 runs; docs/mamba3.md, "Known problems").
-  cfg = _lm_cfg(ngroups=2, is_outproj_norm=True)
+  cfg = _lm_cfg(is_mimo=True, mimo_rank=2, ngroups=2, is_outproj_norm=True)
   rt = Runtime().resolve("cpu")
   params = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt).params()
   rng = np.random.default_rng(0)
@@ -348,10 +346,8 @@ def _worker(out_dir):
     with sharding.use_rules(mesh):
       return jax.value_and_grad(f)(params)
 
-  # (The sharded program first: tracing it after the unsharded one crashed jax 0.10.2's
-  # tracer in a reduction inside the layer, a segfault, on this machine.)
-  got = jax.jit(sharded)(params)
   ref = jax.jit(jax.value_and_grad(f))(params)
+  got = jax.jit(sharded)(params)
   res = {"loss": [float(ref[0]), float(got[0])],
          "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])))}
   text = jax.jit(sharded).lower(params).compile().as_text()
@@ -367,7 +363,8 @@ def _worker(out_dir):
 
 
 def test_eight_devices_equal_one(tmp_path, on_simulated_devices):
-  """Data 2 x tensor 4 (heads of the Mamba-3 layers, grouped, over tensor; packed documents):
+  """Data 2 x tensor 4 (heads of the Mamba-3 layers, MIMO and grouped, over tensor; packed
+  documents):
   loss and gradients equal one device's; the sequence axis is refused by name."""
   res = on_simulated_devices(__file__, tmp_path)
   a, b = res["loss"]
@@ -378,5 +375,8 @@ def test_eight_devices_equal_one(tmp_path, on_simulated_devices):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from mamba_train.xla_flags import apply_cpu_defaults
+  # As every entry point does: YNNPACK's CPU fusions segfault running a MIMO layer's
+  # float32 gradient (mamba_train/xla_flags.py).
+  apply_cpu_defaults()
   _worker(sys.argv[1])
