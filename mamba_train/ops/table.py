@@ -79,7 +79,8 @@ TABLE: dict[tuple[str, str], Impl] = {
                              "a Pallas TPU kernel (whole groups on each device)"),
     ("norm", "triton"): _row("layer_gpu", "gated_rms_norm_gpu", ["gpu"], True, [MESH, FLOAT32],
                              "a Pallas Triton kernel (whole groups on each device)"),
-    ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False, [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
+    ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
+                          [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                           "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
     ("decode", "xla"): _row("ssd", "ssd_step", ALL, False, [WINDOW, MESH, FLOAT32],
                             "the plain step, about 50 XLA ops a layer"),
@@ -158,7 +159,7 @@ class Ops:
   """The implementations a model runs with (`build`); what the model calls."""
   ssd: Callable  # ssd_chunked's arguments and results
   ssd_chunk: int
-  ssd3: Callable | None  # ssd3_chunked's; None where Mamba-3 cannot run (`choices` says why)
+  ssd3: Callable | None  # ssd3_chunked's (None: the model has no Mamba-3 layer)
   ssd3_chunk: int
   ssd3_step: Callable  # ssd3_step's
   ssd_chunk_major: bool  # the kernel reads x, and writes y, chunk-major with positions minor (whole chunks)
@@ -246,14 +247,12 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   ssd3, step3, chunk3 = None, TABLE["decode3", "xla"].load(), min(cfg.chunk_size, runtime.parallel_chunk_size)
   if cfg.count("3"):
     ask = runtime.ssd_impl
-    if seq is not None:
-      choices.append(("ssd3", "none", "Mamba-3 layers do not yet split the sequence over devices (the "
-                      "'sequence' mesh axis): set mesh.sequence = 1 and shard the batch (data, fsdp) or heads (tensor)"))
-    else:
-      choices.append(("ssd3", "xla", "runtime" if ask == "xla" else f"{ask} has no Mamba-3 form"))
-      ssd3 = TABLE["ssd3", "xla"].load()
-      if ask == "xla" and runtime.ssd_form == "scan":
-        chunk3 = min(cfg.chunk_size, runtime.scan_chunk_size)
+    choices.append(("ssd3", "xla", "runtime" if ask == "xla" else f"{ask} has no Mamba-3 form"))
+    ssd3 = TABLE["ssd3", "xla"].load()
+    if ask == "xla" and runtime.ssd_form == "scan":
+      chunk3 = min(cfg.chunk_size, runtime.scan_chunk_size)
+    if seq is not None:  # per slice, the carries exchanged (parallel/sequence.py)
+      ssd3 = functools.partial(seq.ssd3, ssd3, importlib.import_module("mamba_train.ops.ssd3").state_outputs3)
     dec3 = runtime.decode_impl
     choices.append(("decode3", "xla", "runtime" if dec3 == "xla" else f"{dec3} has no Mamba-3 step"))
 

@@ -18,7 +18,7 @@ import ml_collections
 from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
-from mamba_train.model.config import FINETUNE_MAY_CHANGE, MAMBA3, Mamba2Config
+from mamba_train.model.config import FINETUNE_MAY_CHANGE, Mamba2Config
 from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -206,10 +206,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
       problems.append("objective='grpo' needs mesh.sequence = 1 (rollouts decode one token at a time)")
   elif mesh is not None and isinstance(cfg.get("batch_size"), int):
     problems += _layout_problems(cfg, model, mesh, accum, process_count)
-  if mesh is not None and model is not None and mesh["sequence"] > 1 and MAMBA3 in model.pattern:
-    problems.append(f"mesh.sequence = {mesh['sequence']}: Mamba-3 layers ('3' in the layer pattern) do not "
-                    "yet split the sequence over devices; set mesh.sequence = 1 and shard the batch "
-                    "(mesh.data, mesh.fsdp) or the heads (mesh.tensor)")
   # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
   lora_lr = cfg.get("lora", {}).get("lr", 0.0)
