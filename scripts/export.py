@@ -25,7 +25,9 @@ from mamba_train.xla_flags import apply_cpu_defaults
 
 apply_cpu_defaults()  # before JAX starts its CPU backend
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from mamba_train import cli  # noqa: E402
 
 _CKPT = flags.DEFINE_string("model", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
 flags.DEFINE_alias("checkpoint", "model")
@@ -105,4 +107,4 @@ def _export(export) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
