@@ -16,6 +16,8 @@ import math
 import os
 import re
 
+from mamba_train import platforms
+
 # Slice names count TensorCores for these generations (two per chip). TPU7x
 # (Ironwood): MaxText's tpu7x-8 is tpu7x:2x2x1, four chips whose eight TensorCores
 # libtpu shows as eight devices; its slices are 3-D tori like v5p's.
@@ -55,6 +57,13 @@ def topology_name(name: str) -> tuple[str, str]:
   return gen, f"{gen}:" + "x".join(map(str, shape))
 
 
+def _accelerator_type(gen: str, topo: str) -> str:
+  """Cloud TPU's name of a slice ('v5litepod-4', 'v5p-16'), as its VMs' TPU_ACCELERATOR_TYPE
+  reads: v4 and v5p count TensorCores, v5e and v6e chips."""
+  chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
+  return f"{'v5litepod' if gen == 'v5e' else gen}-{chips * _CORES_PER_CHIP[gen]}"
+
+
 def tpu_devices(name: str):
   """(generation, topology name, devices) for a TPU slice, via libtpu, on any host."""
   gen, topo = topology_name(name)
@@ -62,6 +71,13 @@ def tpu_devices(name: str):
   # processes (parallel tests, benchmarks) load it at once. Set before libtpu loads.
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if "tpu" not in platforms.accelerators():
+    # With no TPU here libtpu cannot find the slice's type and workers, and says so in five
+    # lines of warnings and a source trace; naming them quiets it (the devices and the
+    # compile come from the topology asked for either way). Not on a TPU VM, whose runtime
+    # reads its own.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(gen, topo))
   try:
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   except ImportError as e:  # pragma: no cover - every supported jax has it

@@ -215,6 +215,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if model is not None and "lora" in cfg:
     lora = _attempt(problems, lambda: _lora(cfg["lora"], model), lora_lib.LoraError)
   problems += _period_problems(cfg)
+  problems += _profile_problems(cfg.get("profile", {}), process_count)
   problems += _choice_problems(cfg)
   # The objective, the experts' balance, the data mixture and the harness.
   dpo, dpo_problems = _dpo(cfg)
@@ -372,6 +373,33 @@ def _period_problems(cfg: Mapping) -> list[str]:
     if not isinstance(cfg.get(key), int) or cfg[key] < 0:
       problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
   return problems + _tier_problems(cfg.get("checkpoint", {}))
+
+
+def profile_processes(spec: str, process_count: int) -> tuple[int, ...]:
+  """config.profile.processes ('0', '0,3', 'all') as process indices; ValueError when bad."""
+  if str(spec).strip() == "all":
+    return tuple(range(process_count))
+  try:
+    ids = tuple(sorted({int(p) for p in str(spec).split(",")}))
+  except ValueError:
+    raise ValueError(f"profile.processes must be 'all' or process indices separated by commas, "
+                     f"got {spec!r}") from None
+  if any(not 0 <= i < process_count for i in ids):
+    raise ValueError(f"profile.processes {spec!r} names a process the job does not have "
+                     f"(it has {process_count}: 0..{process_count - 1})")
+  return ids
+
+
+def _profile_problems(profile: Mapping, process_count: int) -> list[str]:
+  problems = [f"profile.{key} must be an integer >= 0, got {profile.get(key)!r}"
+              for key in ("start_step", "num_steps")
+              if key in profile and (not isinstance(profile[key], int) or profile[key] < 0)]
+  if profile.get("num_steps"):
+    try:
+      profile_processes(profile.get("processes", "0"), process_count)
+    except ValueError as e:
+      problems.append(str(e))
+  return problems
 
 
 def _choice_problems(cfg: Mapping) -> list[str]:
