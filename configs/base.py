@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0  # parameter init and data order
 
   # --- periodic work (0 turns one off) ---
-  c.log_every = 10  # metrics.jsonl, W&B and progress bar
+  c.log_every = 10  # metrics.jsonl, W&B, TensorBoard and progress bar
   c.eval_every = 200  # eval loss on the held-out split
   c.eval_batches = 4  # batches (of batch_size) per evaluation
   c.checkpoint_every = 1000  # Orbax saves to <workdir>/checkpoints/<step> (and at the end)
@@ -121,6 +121,19 @@ def get_config() -> ml_collections.ConfigDict:
   # replaces (a line says which fields it changed), but for ssd_window, the run's own, and
   # the model fields set on the command line, which must agree with it.
   c.init_from = ""
+
+  # --- TensorBoard and profiles (docs/observability.md) ---
+  # Every logged number also as a TensorBoard scalar in <workdir>/tensorboard/, the config
+  # in its text and hparams panels (tensorboard --logdir <workdir>/tensorboard).
+  c.tensorboard = True
+  # A jax.profiler trace of chosen steps into <workdir>/profile/ (TensorBoard's profile
+  # plugin, XProf, Perfetto); off unless num_steps > 0.
+  c.profile = ml_collections.ConfigDict(dict(
+      start_step=5,  # the trace starts after this step (the compile and first steps are not the steady state)
+      num_steps=0,  # steps traced; 0 = no trace
+      processes="0",  # the processes that trace: indices, comma separated, or 'all'
+      python=False,  # also trace every Python call (a hundred thousand events a step)
+  ))
 
   # --- what the run minimises ---
   # lm: cross entropy on the unmasked tokens (pretraining, finetuning, SFT).

@@ -2,7 +2,8 @@
 
 The public API. Importing the package changes nothing global (no environment
 variables, no XLA flags); entry points set those (see `xla_flags`). It loads the
-model only: generation, loading and the workdir stack come in on first use.
+model only: generation, loading and the workdir stack come in on first use, which
+also chooses the platforms JAX starts unless something has (`platforms`).
 """
 
 from mamba_train.model.config import SIZES, Mamba2Config, config_for
@@ -14,6 +15,11 @@ __all__ = ["Mamba2Config", "Mamba2LM", "Runtime", "SIZES", "config_for", "genera
 
 def __getattr__(name):
   # Lazy: `generate` brings the decode loop, `load_model` safetensors and the checkpoint stack.
+  # Their first use chooses the platforms JAX starts, if nothing has (`platforms`): a CPU
+  # machine with the test extra's plugins then prints no plugin tracebacks.
+  if name in ("generate", "load_model"):
+    from mamba_train import platforms
+    platforms.choose(one_line_failures=False)
   if name == "generate":
     from mamba_train.generation import generate
     return generate

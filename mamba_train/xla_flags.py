@@ -1,6 +1,8 @@
 """XLA flags that survive releases, and the XLA:CPU default that mamba_train's entry
 points apply before JAX starts a backend (train.py, scripts/, benchmarks/ and the test
-suite call `apply_cpu_defaults` first; importing the library changes nothing).
+suite call `apply_cpu_defaults` first; importing the library changes nothing). The same
+call chooses the platforms JAX starts (`mamba_train.platforms`: the accelerators this
+machine has and the CPU, so absent hardware's plugins print nothing).
 
 XLA aborts the whole process at its first backend when XLA_FLAGS holds a flag it does
 not define (`parse_flags_from_env.cc: Unknown flag in XLA_FLAGS`, fatal), and flags come
@@ -35,6 +37,8 @@ import os
 import re
 import subprocess
 import sys
+
+from mamba_train import platforms
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 _NAME = re.compile(r"--(xla_[A-Za-z0-9_]+)")
@@ -99,7 +103,8 @@ def apply_cpu_defaults(environ=os.environ) -> bool:
   """Check XLA_FLAGS and append the CPU default unless opted out; True when it was added.
 
   A flag in XLA_FLAGS that the installed XLA does not define ends the process here with
-  one line naming it (exit 2), where XLA would abort later with its own fatal log."""
+  one line naming it (exit 2), where XLA would abort later with its own fatal log. Then
+  the platforms JAX starts are chosen (`platforms.choose`), unless JAX_PLATFORMS is set."""
   flags = environ.get("XLA_FLAGS", "")
   bad = unknown(flags)
   if bad:
@@ -108,6 +113,7 @@ def apply_cpu_defaults(environ=os.environ) -> bool:
                      f"(jaxlib {jaxlib.version.__version__}) does not define: remove it from XLA_FLAGS "
                      "(XLA's flags change between releases)\n")
     raise SystemExit(2)
+  platforms.choose(environ)
   if environ.get("MAMBA_TRAIN_KEEP_XLA_FLAGS") == "1" or "xla_cpu_experimental_ynn_fusion_type" in flags:
     return False
   if unknown(YNN_FLAG):

@@ -42,10 +42,15 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import metrics  # noqa: E402
+from mamba_train import cli, metrics, platforms  # noqa: E402
 from mamba_train.parallel.topology import is_gpu_topology  # noqa: E402
 from mamba_train.tools import aot  # noqa: E402
 from mamba_train.train import run_config  # noqa: E402
+
+# Only the platforms, not apply_cpu_defaults' XLA:CPU flag: libtpu reads XLA_FLAGS too and
+# aborts on a CPU-only flag. On a machine with no accelerator JAX then starts only its CPU
+# client, which compiling for a slice or GPU hosts needs, and no plugin prints its failure.
+platforms.choose()
 
 GIB = metrics.GIB
 
@@ -150,4 +155,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

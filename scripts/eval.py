@@ -35,6 +35,8 @@ import os  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from mamba_train import cli  # noqa: E402
+
 _MODEL = flags.DEFINE_string("model", None, "Workdir, checkpoint, transformers or mamba_ssm dir.",
                              required=True)
 flags.DEFINE_alias("checkpoint", "model")  # the name scripts/export.py once took
@@ -66,6 +68,7 @@ _INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for a
 
 def main(argv):
   del argv
+  cli.must_exist(_MODEL.value, "--model")  # before lm-eval reads its thousands of task files
   from mamba_train.parallel import distributed  # pylint: disable=import-outside-toplevel
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
@@ -129,4 +132,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

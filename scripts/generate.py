@@ -24,6 +24,7 @@ apply_cpu_defaults()  # before JAX starts its CPU backend
 from absl import app, flags  # noqa: E402
 
 import mamba_train  # noqa: E402
+from mamba_train import cli  # noqa: E402
 from mamba_train.generation import MAX_PROMPT_LEN, generate_with_stats  # noqa: E402
 from mamba_train.metrics import Timer  # noqa: E402
 from mamba_train.workdir import storage  # noqa: E402
@@ -36,9 +37,9 @@ _IDS = flags.DEFINE_list("ids", None, "Prompt token ids, comma separated.")
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer", None, "'byte', a tokenizer.json path or a transformers name; default: "
     "the model directory's tokenizer.json.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Most tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sample.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Most tokens to generate.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sample.", lower_bound=0.0)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).", lower_bound=0)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1].")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _EOS = flags.DEFINE_integer("eos_id", None, "Stop at this id (default: the tokenizer's EOS).")
@@ -47,7 +48,8 @@ _PRECISION = flags.DEFINE_enum(
     "matmul_precision", None, ["default", "fp8", "int8"],
     "Run the matmuls in this format (runtime.matmul_precision; default: the model's own). "
     "int8: weights quantized once per generate call, the state and recurrence float32.")
-_MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", MAX_PROMPT_LEN, "Longest prompt accepted.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", MAX_PROMPT_LEN, "Longest prompt accepted.", lower_bound=1)
+flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 
 
 def _tokenizer():
@@ -66,6 +68,7 @@ def main(argv):
   del argv
   if (_PROMPT.value is None) == (_IDS.value is None):
     raise app.UsageError("give exactly one of --prompt and --ids")
+  cli.must_exist(_MODEL.value, "--model")
   tok = None
   if _PROMPT.value is not None:
     tok = _tokenizer()
@@ -106,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

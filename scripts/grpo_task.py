@@ -14,11 +14,13 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from mamba_train import cli
 
 _OUT = flags.DEFINE_string("out", "data/grpo_task.jsonl", "The prompts file to write.")
-_N = flags.DEFINE_integer("n", 1000, "Prompts.")
-_DIGITS = flags.DEFINE_integer("digits", 4, "Digits per prompt.")
+_N = flags.DEFINE_integer("n", 1000, "Prompts.", lower_bound=1)
+_DIGITS = flags.DEFINE_integer("digits", 4, "Digits per prompt.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed.")
 
 
@@ -41,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -27,7 +27,7 @@ import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from mamba_train import data  # noqa: E402
+from mamba_train import cli, data  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Files, directory, glob or hub dataset name.")
 _NAME = flags.DEFINE_string("name", None, "Output directory name under --root.")
@@ -92,4 +92,4 @@ def prepare():
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

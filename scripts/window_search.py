@@ -19,9 +19,10 @@ from mamba_train.xla_flags import apply_cpu_defaults
 
 apply_cpu_defaults()  # before JAX starts its CPU backend
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 import mamba_train  # noqa: E402
+from mamba_train import cli  # noqa: E402
 from mamba_train.data import prepare  # noqa: E402
 from mamba_train.data.loader import make_eval_loader, validate_for_model  # noqa: E402
 from mamba_train.errors import UserError  # noqa: E402
@@ -45,6 +46,8 @@ _OUT = flags.DEFINE_string("out", None, "Write the report as JSON here.")
 
 def main(argv):
   del argv
+  cli.must_exist(_MODEL.value, "--model")
+  cli.must_exist(_DATA.value, "--data")
   windows = ([int(w) for w in _WINDOWS.value] if _WINDOWS.value
              else list(range(_MIN.value, _MAX.value + 1, _STEP.value)))
   try:
@@ -64,4 +67,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -6,6 +6,7 @@ puts tests/ on the path)."""
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -134,6 +135,32 @@ def complete_steps(workdir) -> list[int]:
   """The finished checkpoint steps of a workdir."""
   d = Path(workdir) / "checkpoints"
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} as TensorBoard itself reads the event files of `logdir`
+  (its EventAccumulator), every event kept, in the order written: its purge of the steps
+  a restarted writer repeats is off, so a step written twice shows twice."""
+  from tensorboard.backend.event_processing import event_accumulator
+  acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0},
+                                           purge_orphaned_data=False)
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def record_scalars(rows) -> dict[str, list[tuple[int, float]]]:
+  """What TensorBoard should hold of a run record's rows: every finite number of each
+  measurement row (not the marker rows, which carry "event"; not the goodput's run id),
+  at the row's step, as float32, its name as a TensorBoard tag may spell it (letters,
+  digits and -_/. kept, any other character an underscore)."""
+  out = {}
+  for r in rows:
+    if "event" in r:
+      continue
+    for k, v in r.items():
+      if k not in ("step", "goodput/run") and type(v) in (int, float) and np.isfinite(v):
+        out.setdefault(re.sub(r"[^-/\w.]", "_", k), []).append((r["step"], float(np.float32(v))))
+  return out
 
 
 def script_env(**extra) -> dict:

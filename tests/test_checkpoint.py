@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import FAST_XLA, ROOT, TRAIN_BASE, complete_steps, train_command
+from helpers import FAST_XLA, ROOT, TRAIN_BASE, complete_steps, record_scalars, tensorboard_scalars, train_command
 
 # Runs that a signal stops: far longer than any test waits, so that however fast the
 # machine the signal always lands mid-run (they never get near the end).
@@ -171,6 +171,10 @@ def test_sigkill_and_restart_gives_identical_losses(tmp_path, start):
   rows = [json.loads(l) for l in open(work / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, end + 1))
   assert {"step": killed_at, "event": "resumed"}.items() <= rows[killed_at].items()
+  # TensorBoard holds the same record: every scalar of every kept row (the router's
+  # figures among them), once a step; the killed run's later steps gone with their rows.
+  assert tensorboard_scalars(work / "tensorboard") == record_scalars(rows)
+  assert {"loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "goodput", "moe_aux_loss"} <= set(record_scalars(rows))
   # The routers' statistics, bit-exact too: tokens per expert of the one 'E' layer.
   loads = {r["step"]: r["moe_tokens_per_expert"] for r in rows if "loss" in r}
   assert all(sum(loads[s][0]) == 8 * 32 * 2 for s in loads)

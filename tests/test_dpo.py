@@ -27,7 +27,7 @@ from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import dpo, run_config, step as steps
 from mamba_train.train.loss import row_cross_entropy
 
-from helpers import FAST_XLA, ROOT, SMALL_MODEL, random_model, rel, script_env
+from helpers import FAST_XLA, ROOT, SMALL_MODEL, random_model, record_scalars, rel, script_env, tensorboard_scalars
 
 SEQ_LEN = 96
 
@@ -200,6 +200,9 @@ def test_a_short_dpo_run_from_a_tiny_base_learns_to_prefer_the_chosen_responses(
   assert train[8]["rewards/accuracies"] == 1.0 and train[8]["rewards/margins"] > 1.0
   assert train[8]["loss"] < 0.5 * math.log(2)
   assert [row["eval_loss"] for row in rows if "eval_loss" in row][0] < 0.5 * math.log(2)
+  # DPO's figures in TensorBoard too, each at its step once.
+  scalars = tensorboard_scalars(tmp_path / "dpo" / "tensorboard")
+  assert scalars == record_scalars(rows) and "rewards/margins" in scalars
 
 
 def test_a_model_field_set_on_the_command_line_that_init_from_contradicts_is_one_line(prefs, tmp_path):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, export_cli, free_port, train_command
+from helpers import ROOT, export_cli, free_port, record_scalars, tensorboard_scalars, train_command
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,13 @@ def test_gcs_workdir_trains_resumes_past_a_damaged_step_and_exports(gcs_env, tmp
   assert {"step": 4, "event": "resumed", "set_aside": "metrics.jsonl.after-4"} in rows
   aside = storage.path(f"{work}/metrics.jsonl.after-4").read_text().splitlines()
   assert [json.loads(l)["step"] for l in aside if '"loss"' in l] == [5, 6]
+  # TensorBoard's events in the bucket: one file, rebuilt at the resume, each scalar of
+  # the record once a step.
+  events = [n for n in names if n.startswith("tensorboard/")]
+  assert len(events) == 1 and events[0].startswith("tensorboard/events.out.tfevents."), events
+  (tmp_path / "tb").mkdir()
+  (tmp_path / "tb" / os.path.basename(events[0])).write_bytes(storage.path(f"{work}/{events[0]}").read_bytes())
+  assert tensorboard_scalars(tmp_path / "tb") == record_scalars(rows)
 
   r = export_cli(work, tmp_path / "exp", env=gcs_env)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -22,7 +22,7 @@ from mamba_train import rollout
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.train import grpo_loop, grpo_step, run_config
 
-from helpers import FAST_XLA, ROOT, patched
+from helpers import FAST_XLA, ROOT, patched, record_scalars, tensorboard_scalars
 
 # Numbers of the run that are not timings.
 TIMING = ("goodput", "rollout/", "train/", "event")
@@ -83,6 +83,9 @@ def test_grpo_run_on_the_synthetic_task_raises_the_mean_reward(task):
   assert r["goodput/rollout_s"] > 0 and r["goodput/step_s"] > 0
   evals = [row for row in map(json.loads, open(full / "metrics.jsonl")) if "eval_reward" in row]
   assert [e["step"] for e in evals] == [10, 20] and all(0 <= e["eval_reward"] <= 1 for e in evals)
+  # GRPO's figures in TensorBoard too, each at its step once.
+  scalars = tensorboard_scalars(full / "tensorboard")
+  assert scalars == record_scalars(map(json.loads, open(full / "metrics.jsonl"))) and "eval_reward" in scalars
 
 
 def test_grpo_run_resumed_from_a_checkpoint_continues_to_the_uninterrupted_metrics(task, tmp_path):

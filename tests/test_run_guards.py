@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from helpers import ROOT, complete_steps, patched, run_train, train_command
+from helpers import ROOT, complete_steps, patched, record_scalars, run_train, tensorboard_scalars, train_command
 
 
 def test_validate_refuses_settings_that_cannot_train():
@@ -85,6 +85,8 @@ def test_loss_spike_rolls_back_and_skips_the_batches(tmp_path):
   spiked = next(row["loss"] for row in aside if row["step"] == POISON)
   assert spiked > 1.5 * max(row["loss"] for row in rows if "loss" in row and row["step"] > 8)
   assert complete_steps(work)[-1] == 18
+  # TensorBoard's events were rebuilt at the roll-back: the spiking steps' first values gone.
+  assert tensorboard_scalars(work / "tensorboard") == record_scalars(rows)
 
 BOMB = 7
 

@@ -206,8 +206,6 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   state (`zero_state`) to continue from; ops: `select.ops_for(cfg, rt)` unless given.
   Returns (b, l, d) in float32 and the layer state after the last position."""
   ops = ops_for(cfg, rt) if ops is None else ops
-  if ops.ssd3 is None:
-    raise ValueError(f"Mamba-3 layers cannot run here: {dict((o, w) for o, _, w in ops.choices)['ssd3']}")
   b = u.shape[0]
   cd, acc = _dtypes(u, rt)
   state = zero_state(cfg, b) if state is None else state

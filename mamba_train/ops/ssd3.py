@@ -213,6 +213,21 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   return y, (final.reshape(b, h, p, n), B[:, -1], x[:, -1])
 
 
+def state_outputs3(C, state, dt, A, *, keep_in=None):
+  """What a state entering a segment adds to its outputs: y_{t,i} = exp(sum_{k<=t} dt_k
+  A_k) h q_{t,i}, zero where keep_in (b, l) is False (another document). C: (b, l, h, n)
+  SISO or (b, l, R, h, n) MIMO, per head; state (b, h, p, n); dt, A (b, l, h).
+  Returns (b, l, [R,] h, p) float32. The exponent is a running sum of one sign."""
+  f32 = _acc_dtype(state)
+  decay = jnp.exp(jnp.cumsum(dt.astype(f32) * A.astype(f32), axis=1))  # (b, l, h)
+  if keep_in is not None:
+    decay = jnp.where(keep_in[..., None], decay, 0.0)
+  Cr = C[:, :, None] if C.ndim == 4 else C
+  y = jnp.einsum("blihn,bhpn->blihp", Cr.astype(f32), state.astype(f32), precision=_HIGHEST)
+  y = y * decay[:, :, None, :, None]
+  return y[:, :, 0] if C.ndim == 4 else y
+
+
 def ssd3_step(cache, x, dt, A, lam, B, C, *, D=None, x_proj=None):
   """One step of the recurrence, for decoding.
 

@@ -76,7 +76,8 @@ def run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_li
   # ===== hooks =====
   writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
                                                     or f"{config.name}-{stamp}"},
-                                run_config=plan.config_dict(), is_main=is_main, resumed_from=restored_step)
+                                run_config=plan.config_dict(), is_main=is_main, resumed_from=restored_step,
+                                tensorboard=config.tensorboard)
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
   save = session.guarded_save(ckpt, stream, run_record, writer)
   guard = hooks.NonFiniteGuard(config.optim.max_nonfinite_steps, config.steps * g.num_iterations)

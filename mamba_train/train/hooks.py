@@ -1,12 +1,15 @@
 """Periodic work on the training loop: hooks with a period, the guard that stops
-a run whose loss stays non-finite, the loss-spike guard, the throughput meter, and
-the SIGTERM watcher that stops the loop at a step boundary."""
+a run whose loss stays non-finite, the loss-spike guard, the throughput meter, the
+profiler trace of chosen steps, and the SIGTERM watcher that stops the loop at a step
+boundary."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
+import os
 import signal
 from typing import Any, Callable, Iterable
 
@@ -198,3 +201,66 @@ class PreemptionWatcher:
     from jax.experimental import multihost_utils
     flags = multihost_utils.process_allgather(np.array(self._flag))
     return bool(np.any(flags))
+
+
+class StepTrace:
+  """A `jax.profiler` trace of steps `first`..`last` into `log_dir` (TensorBoard's
+  profile plugin and XProf read `log_dir/plugins/profile/<run>/*.xplane.pb`; Perfetto,
+  at ui.perfetto.dev, opens the `*.trace.json.gz` beside it), each step marked by a
+  `StepTraceAnnotation` so the tools split the trace by step. `before(step)` before the
+  step is dispatched, `after(step, outputs)` once it has been: the trace stops when the
+  last step's outputs are ready, so it holds the device's work, not only its dispatch.
+  A loop with no trace to take makes none of these (`from_config` returns None): it
+  does nothing more a step than test `if trace`."""
+
+  def __init__(self, log_dir: str, first: int, last: int, python: bool = False):
+    self.log_dir, self.first, self.last = log_dir, first, last
+    # The host's and the devices' activity; Python's calls only when asked (each call is an
+    # event: the trace grows a hundredfold and the steps slow while it runs).
+    self.options = jax.profiler.ProfileOptions()
+    self.options.python_tracer_level = 1 if python else 0
+    self._annotation = None
+    self.active = False
+
+  @classmethod
+  def from_config(cls, profile, workdir: str, start_step: int, process_index: int, processes):
+    """The trace `profile` (config.profile) asks of this process, or None: off, another
+    process's, or steps this run (resumed at `start_step`) has already passed."""
+    first, last = profile.start_step + 1, profile.start_step + profile.num_steps
+    if profile.num_steps <= 0 or process_index not in processes or first <= start_step:
+      if profile.num_steps > 0 and first <= start_step and process_index in processes:
+        logging.warning("profile: steps %d..%d are before this run's start (step %d): no trace; "
+                        "set profile.start_step >= %d", first, last, start_step, start_step)
+      return None
+    return cls(os.path.join(os.fspath(workdir), "profile"), first, last, python=profile.python)
+
+  def before(self, step: int) -> None:
+    if step == self.first:
+      jax.profiler.start_trace(self.log_dir, profiler_options=self.options)
+      self.active = True
+    if self.active:
+      self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
+      self._annotation.__enter__()
+
+  def after(self, step: int, outputs) -> None:
+    if not self.active:
+      return
+    if step == self.last:
+      jax.block_until_ready(outputs)
+    self._annotation.__exit__(None, None, None)
+    self._annotation = None
+    if step == self.last:
+      self.stop(step)
+
+  def stop(self, step: int) -> None:
+    """End the trace (after its last step, or where the run stopped before it)."""
+    if not self.active:
+      return
+    if self._annotation is not None:
+      self._annotation.__exit__(None, None, None)
+      self._annotation = None
+    jax.profiler.stop_trace()
+    self.active = False
+    logging.info("profile of steps %d..%d in %s (tensorboard --logdir %s, or xprof; Perfetto: the "
+                 "*.trace.json.gz)", self.first, step, os.path.join(self.log_dir, "plugins", "profile"),
+                 self.log_dir)

@@ -23,7 +23,7 @@ import tqdm
 
 from mamba_train import data, metrics as metrics_lib
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import goodput as goodput_lib, hooks, inputs, session, step as steps
+from mamba_train.train import goodput as goodput_lib, hooks, inputs, run_config, session, step as steps
 from mamba_train.train.run_config import ConfigError, Plan
 from mamba_train.train.state import trainable, with_frozen
 from mamba_train.workdir import checkpoint, record, storage
@@ -97,12 +97,15 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
   with gp.phase("compile"), metrics_lib.Timer() as compile_time:
     train_step = built.train_step.lower(state, first_batch).compile()
   logging.info("train step compiled in %.1f s", compile_time.seconds)
+  log_memory_estimate(train_step)
 
   # ===== hooks =====
   writer = record.MetricsWriter(workdir, wandb_cfg={**config.wandb, "name": config.wandb.name
                                                     or f"{config.name}-{stamp}"},
                                 run_config=plan.config_dict(), is_main=is_main,
-                                resumed_from=restored_step)
+                                resumed_from=restored_step, tensorboard=config.tensorboard)
+  trace = hooks.StepTrace.from_config(config.profile, workdir, start_step, jax.process_index(),
+                                      run_config.profile_processes(config.profile.processes, jax.process_count()))
   throughput = hooks.Throughput()
   share = data.SourceShare(list(held_out), config.seq_len)  # realised token share per source
   bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True)
@@ -135,7 +138,11 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
     while step < config.steps:
       with gp.phase("step"):  # the step and its hooks; their saves and evaluations apart
         step += 1
+        if trace:
+          trace.before(step)
         state, step_metrics = train_step(state, batch)
+        if trace:
+          trace.after(step, step_metrics)
         done = step
         throughput.tick()
         bar.update(1)
@@ -158,12 +165,26 @@ def _run(plan: Plan, workdir: str, stamp: str, force_resume: bool, gp: goodput_l
     if final != ckpt.last_saved and final not in ckpt.steps():  # at the end and on preemption
       gp.hook("checkpoint_save", save)(final, state, step_metrics, force=True)
   finally:
+    if trace:
+      trace.stop(done)
     bar.close()
     session.close(ckpt, writer, gp, guard, done=done, steps=config.steps, workdir=workdir)
 
 
 # ----------------------------------------------------------------------------
 # The sections' parts (the state built, the resume, the saves and the close: session.py).
+
+
+def log_memory_estimate(compiled) -> None:
+  """XLA's estimate of a compiled step's memory a device, in one line, where the backend
+  gives one: what the step will need before it runs (per logged row, the record has what
+  the device reports in use and at peak, `metrics.memory_stats`)."""
+  mem = metrics_lib.compiled_memory(compiled)
+  if mem:
+    gib = {k: v / 2**30 for k, v in mem.items()}
+    logging.info("XLA's memory estimate of the train step: %.3f GiB a device at peak (arguments %.3f, "
+                 "outputs %.3f, temporaries %.3f, donated %.3f GiB)", gib["peak_bytes"], gib["argument_bytes"],
+                 gib["output_bytes"], gib["temp_bytes"], gib["alias_bytes"])
 
 
 def log_hook(plan: Plan, mesh, writer, throughput: hooks.Throughput, share, gp: goodput_lib.Goodput, bar):
@@ -182,7 +203,7 @@ def log_hook(plan: Plan, mesh, writer, throughput: hooks.Throughput, share, gp: 
            "param_norm": m["param_norm"], "update_norm": m["update_norm"], "lr": m["lr"], **speed,
            "mfu": metrics_lib.mfu(speed["tokens_per_sec"], flops_per_token, peak, mesh.size),
            "nonfinite_streak": m["nonfinite_streak"], "weight_jump": m["weight_jump"],
-           **metrics_lib.memory_stats(jax.devices()[0]),
+           **metrics_lib.memory_stats(jax.local_devices()[0]),
            **share.read(), **{k: m[k] for k in steps.DPO_METRICS + steps.ROUTER_METRICS if k in m}, **gp.row()}
     writer.write(step, row)
     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{speed['tokens_per_sec']:.0f}")

@@ -18,7 +18,7 @@ import ml_collections
 from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
-from mamba_train.model.config import FINETUNE_MAY_CHANGE, MAMBA3, Mamba2Config
+from mamba_train.model.config import FINETUNE_MAY_CHANGE, Mamba2Config
 from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import resolve_mesh_shape
@@ -206,10 +206,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
       problems.append("objective='grpo' needs mesh.sequence = 1 (rollouts decode one token at a time)")
   elif mesh is not None and isinstance(cfg.get("batch_size"), int):
     problems += _layout_problems(cfg, model, mesh, accum, process_count)
-  if mesh is not None and model is not None and mesh["sequence"] > 1 and MAMBA3 in model.pattern:
-    problems.append(f"mesh.sequence = {mesh['sequence']}: Mamba-3 layers ('3' in the layer pattern) do not "
-                    "yet split the sequence over devices; set mesh.sequence = 1 and shard the batch "
-                    "(mesh.data, mesh.fsdp) or the heads (mesh.tensor)")
   # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
   lora_lr = cfg.get("lora", {}).get("lr", 0.0)
@@ -219,6 +215,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if model is not None and "lora" in cfg:
     lora = _attempt(problems, lambda: _lora(cfg["lora"], model), lora_lib.LoraError)
   problems += _period_problems(cfg)
+  problems += _profile_problems(cfg.get("profile", {}), process_count)
   problems += _choice_problems(cfg)
   # The objective, the experts' balance, the data mixture and the harness.
   dpo, dpo_problems = _dpo(cfg)
@@ -376,6 +373,33 @@ def _period_problems(cfg: Mapping) -> list[str]:
     if not isinstance(cfg.get(key), int) or cfg[key] < 0:
       problems.append(f"{key} must be an integer >= 0 (0 turns it off), got {cfg.get(key)!r}")
   return problems + _tier_problems(cfg.get("checkpoint", {}))
+
+
+def profile_processes(spec: str, process_count: int) -> tuple[int, ...]:
+  """config.profile.processes ('0', '0,3', 'all') as process indices; ValueError when bad."""
+  if str(spec).strip() == "all":
+    return tuple(range(process_count))
+  try:
+    ids = tuple(sorted({int(p) for p in str(spec).split(",")}))
+  except ValueError:
+    raise ValueError(f"profile.processes must be 'all' or process indices separated by commas, "
+                     f"got {spec!r}") from None
+  if any(not 0 <= i < process_count for i in ids):
+    raise ValueError(f"profile.processes {spec!r} names a process the job does not have "
+                     f"(it has {process_count}: 0..{process_count - 1})")
+  return ids
+
+
+def _profile_problems(profile: Mapping, process_count: int) -> list[str]:
+  problems = [f"profile.{key} must be an integer >= 0, got {profile.get(key)!r}"
+              for key in ("start_step", "num_steps")
+              if key in profile and (not isinstance(profile[key], int) or profile[key] < 0)]
+  if profile.get("num_steps"):
+    try:
+      profile_processes(profile.get("processes", "0"), process_count)
+    except ValueError as e:
+      problems.append(str(e))
+  return problems
 
 
 def _choice_problems(cfg: Mapping) -> list[str]:

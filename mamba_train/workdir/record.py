@@ -1,5 +1,6 @@
 """The run record: `<workdir>/metrics.jsonl`, one JSON object a row, mirrored to Weights &
-Biases; and the rows a resumed or rolled-back run sets aside so each step is logged once.
+Biases and to TensorBoard's event files (`events.py`); and the rows a resumed or
+rolled-back run sets aside so each step is logged once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import tempfile
 import time
 from typing import Any, Mapping
 
-from mamba_train.workdir import storage
+from mamba_train.workdir import events, storage
 
 
 def _plain(v):
@@ -53,10 +54,21 @@ def set_aside_after(path, step: int) -> str | None:
   return aside.name
 
 
+def _rows(text: str):
+  """The complete rows of a record's text (set_aside_after has moved any torn line)."""
+  for line in text.splitlines():
+    try:
+      yield json.loads(line)
+    except ValueError:
+      continue
+
+
 class MetricsWriter:
   """Appends one JSON object per call to `workdir/metrics.jsonl` and logs the
   same values to a W&B run (mode 'offline' needs no network or account;
-  'disabled' writes nothing there). Only process 0 writes.
+  'disabled' writes nothing there) and, `tensorboard`, as TensorBoard scalars in
+  `workdir/tensorboard/` (`events.TensorBoardView`, rebuilt from the kept rows whenever
+  rows are set aside). Only process 0 writes.
 
   `resumed_from`: the step a resumed run restored. Rows of later steps, logged by
   the run that stopped, are set aside (`set_aside_after`) and a marker row
@@ -69,7 +81,8 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir, *, wandb_cfg: Mapping[str, Any], run_config: Mapping[str, Any],
-               is_main: bool = True, resumed_from: int | None = None, sync_every_s: float = 60.0):
+               is_main: bool = True, resumed_from: int | None = None, sync_every_s: float = 60.0,
+               tensorboard: bool = True):
     self.is_main = is_main
     self.path = storage.path(workdir) / "metrics.jsonl"
     self._remote = storage.is_remote(workdir)
@@ -81,6 +94,7 @@ class MetricsWriter:
     self.sync_every_s = sync_every_s
     self._synced = time.monotonic()
     self._file = None
+    self._tb = events.TensorBoardView(workdir, run_config) if is_main and tensorboard else None
     if is_main:
       self.rewind(resumed_from or 0, {"event": "resumed" if resumed_from else "restarted"},
                   always=bool(resumed_from))
@@ -101,9 +115,12 @@ class MetricsWriter:
       self._file.close()
       self.sync()  # the whole record where set_aside_after reads it
     aside = set_aside_after(self.path, step)
+    kept = self.path.read_text() if self.path.exists() else ""
     if self._remote:  # the local copy starts from the bucket's record
       with open(self._local, "w") as f:
-        f.write(self.path.read_text() if self.path.exists() else "")
+        f.write(kept)
+    if self._tb is not None:
+      self._tb.rebuild(_rows(kept))
     self._file = open(self._local, "a")
     if always or aside:
       self._file.write(json.dumps({"step": int(step), **marker, "set_aside": aside}) + "\n")
@@ -118,6 +135,8 @@ class MetricsWriter:
     self._file.flush()
     if self._remote and time.monotonic() - self._synced > self.sync_every_s:
       self.sync()
+    if self._tb is not None:
+      self._tb.write(step, row)
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(step))
 
@@ -126,6 +145,8 @@ class MetricsWriter:
     if self._remote and self.is_main and os.path.exists(self._local):
       with open(self._local) as f:
         storage.write_text(self.path, f.read())
+    if self._tb is not None and self.is_main:
+      self._tb.sync()
     self._synced = time.monotonic()
 
   def close(self) -> None:
@@ -133,6 +154,9 @@ class MetricsWriter:
       self._file.close()
       self._file = None
       self.sync()
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
     if self._staging is not None:
       shutil.rmtree(self._staging, ignore_errors=True)
       self._staging = None
