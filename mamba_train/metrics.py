@@ -140,6 +140,7 @@ class Chip:
   hbm_bandwidth: float
   peak_int8: float = 0.0
   peak_fp8: float = 0.0
+  devices_per_chip: int = 1  # JAX devices one chip shows (TPU7x: each of its two TensorCores)
 
   def matmul_peak(self, precision: str) -> float:
     """The dense peak of matmuls in `precision` (`Runtime.matmul_precision`)."""
@@ -150,7 +151,9 @@ class Chip:
 # Vendor datasheets, per chip (TPU) or per GPU; every peak dense (no 2:4 sparsity).
 # int8 / fp8: TPU v5e 394 TOP/s, v5p 918, v6e 1836 (int8; no fp8 unit before v7); A100
 # 624 TOP/s int8 (no fp8); H100 / H200 SXM 1979 TFLOP/s fp8 and TOP/s int8; B200 4500.
-# TPU v4's int8 runs at its bfloat16 rate.
+# TPU v4's int8 runs at its bfloat16 rate. TPU7x (Ironwood): 2307 TFLOP/s bf16, 4614 fp8,
+# 192 GiB at about 7.37 TB/s a chip, split between two TensorCores that JAX shows as two
+# devices; GB200 2.5 PFLOP/s bf16 (5 fp8), 186 GB at 8 TB/s.
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", ("TPU v4",), 275e12, 32 * GIB, 1.2e12),
     "v5e": Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 819e9, peak_int8=394e12),
@@ -161,8 +164,12 @@ CHIPS: dict[str, Chip] = {
                  peak_fp8=1979e12),
     "h200": Chip("NVIDIA H200", ("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12, peak_int8=1979e12,
                  peak_fp8=1979e12),
+    "tpu7x": Chip("TPU7x", ("TPU7x",), 2307e12, 192 * GIB, 7.37e12, peak_fp8=4614e12,
+                  devices_per_chip=2),
     "b200": Chip("NVIDIA B200", ("NVIDIA B200",), 2250e12, 180 * 10**9, 8e12, peak_int8=4500e12,
                  peak_fp8=4500e12),
+    "gb200": Chip("NVIDIA GB200", ("NVIDIA GB200",), 2500e12, 186 * 10**9, 8e12, peak_int8=5000e12,
+                  peak_fp8=5000e12),
 }
 
 # CPUs vary too much for a table; a nominal float32 matmul rate of a 2-core
@@ -184,7 +191,7 @@ def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float | 
     return float(override)
   chip = chip_of(device)
   if chip is not None:
-    return chip.peak_flops
+    return chip.peak_flops / chip.devices_per_chip
   if device.platform == "cpu":
     return CPU_PEAK_FLOPS
   return None

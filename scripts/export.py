@@ -1,4 +1,4 @@
-"""Export a model to the transformers or mamba_ssm layout. A hybrid
+"""Export a model to the transformers or mamba_ssm layout, or to llama.cpp's GGUF. A hybrid
 (`layer_pattern`) exports as transformers' NemotronHForCausalLM (--format hf) or
 mamba_ssm's hybrid layout (when its pattern fits mamba_ssm's blocks). A LoRA run
 exports with its adapters merged into the weights, or, with --peft, its adapters
@@ -9,11 +9,14 @@ alone in peft's format (adapter_config.json, adapter_model.safetensors) for
   python scripts/export.py --model runs/tiny/checkpoints/100 --out exported/tiny-ssm --format mamba_ssm
   python scripts/export.py --model runs/tiny --out exported/tiny-bf16 --dtype bfloat16
   python scripts/export.py --model runs/lora --out exported/lora-adapters --peft
+  python scripts/export.py --model runs/tiny --out exported/tiny.gguf --format gguf --dtype q8_0
 
 --model (alias --checkpoint) takes anything `mamba_train.load_model` reads: a training
 workdir or one of its checkpoint steps, a transformers directory or a mamba_ssm directory.
 The tokenizer (tokenizer.json) is shipped when one is found beside the checkpoint,
-in the workdir, or given with --tokenizer.
+in the workdir, or given with --tokenizer. --format gguf writes one file (NAME.gguf)
+for llama.cpp, tokenizer included (it needs one), in float32, bfloat16 or q8_0
+(docs/gguf.md; the `gguf` extra).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from mamba_train import cli  # noqa: E402
 _CKPT = flags.DEFINE_string("model", None, "Workdir, checkpoint step, transformers or mamba_ssm dir.")
 flags.DEFINE_alias("checkpoint", "model")
 _OUT = flags.DEFINE_string("out", None, "Output directory (must not exist or be empty).")
-_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm"], "Output layout.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight dtype on disk.")
+_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "mamba_ssm", "gguf"], "Output layout (gguf: one file, NAME.gguf).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "q8_0"],
+                           "Weight dtype on disk (q8_0: llama.cpp's 8-bit blocks, --format gguf only).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json to ship (default: found beside the checkpoint).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds a previous export.")
 _PEFT = flags.DEFINE_bool("peft", False, "Write a LoRA run's adapters alone, in peft's format.")
@@ -63,10 +67,16 @@ def main(argv):
   del argv
   if not _CKPT.value or not _OUT.value:
     _fail("export.py needs --model and --out (see --help)")
+  if _DTYPE.value == "q8_0" and _FORMAT.value != "gguf":
+    _fail(f"--dtype q8_0 is llama.cpp's quantization: it needs --format gguf (--format {_FORMAT.value} "
+          "takes float32 or bfloat16)")
   from mamba_train.interop import export
   try:
     export.check_out(_OUT.value, _CKPT.value)
-    _export(export)
+    if _FORMAT.value == "gguf" and not _PEFT.value:
+      _export_gguf()
+    else:
+      _export(export)
   except (FileExistsError, FileNotFoundError, ValueError) as e:
     # The --out checks, a wrong path, not a model, a damaged checkpoint step: the message says.
     _fail(str(e))
@@ -75,6 +85,38 @@ def main(argv):
 def _fail(message: str) -> None:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
+
+
+def _tokenizer() -> Path | None:
+  tok = Path(_TOKENIZER.value) if _TOKENIZER.value else find_tokenizer(_CKPT.value)
+  if tok is not None and not tok.exists():
+    _fail(f"--tokenizer {tok} does not exist")
+  return tok
+
+
+def _export_gguf() -> None:
+  try:
+    from mamba_train.interop import gguf as gguf_export
+  except ImportError as e:
+    if e.name != "gguf":
+      raise
+    _fail("--format gguf needs the gguf package (llama.cpp's writer): pip install -e '.[gguf]'")
+  import logging
+  logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs each file's size at INFO
+  from mamba_train.interop.load import load_config, load_model
+  # Everything that can refuse does so before the weights are read.
+  gguf_export.architecture(load_config(_CKPT.value))
+  gguf_export.check_out(_OUT.value, _OVERWRITE.value)
+  tok = _tokenizer()
+  if tok is None:
+    _fail(f"--format gguf needs the model's tokenizer: none found beside {_CKPT.value}; "
+          "pass --tokenizer PATH/tokenizer.json")
+  _, eos_id = eos_of(tok)
+  model = load_model(_CKPT.value).merged()  # a LoRA run's adapters go into the weights
+  out = gguf_export.save_gguf(model, _OUT.value, tokenizer_file=tok, eos_token_id=eos_id,
+                              dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
+  arch = "mamba2" if model.config.pattern == "M" * model.config.n_layer else "nemotron_h"
+  print(f"wrote GGUF ({arch}, {_DTYPE.value}) to {out} with tokenizer {tok}")
 
 
 def _export(export) -> None:
@@ -93,9 +135,7 @@ def _export(export) -> None:
     return
   model = model.merged()  # a LoRA run's adapters go into the weights
   if _FORMAT.value == "hf":
-    tok = Path(_TOKENIZER.value) if _TOKENIZER.value else find_tokenizer(ckpt)
-    if tok is not None and not tok.exists():
-      _fail(f"--tokenizer {tok} does not exist")
+    tok = _tokenizer()
     eos, eos_id = eos_of(tok) if tok else (None, None)
     export.save_hf(model, out, dtype=_DTYPE.value, tokenizer_file=tok, eos_token=eos,
                    eos_token_id=eos_id, overwrite=_OVERWRITE.value)

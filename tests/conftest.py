@@ -39,6 +39,7 @@ def on_simulated_devices():
   def run(script, out_dir, devices=8, timeout=600):
     flags = f"--xla_force_host_platform_device_count={devices} {FAST_XLA}"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    apply_cpu_defaults(env)  # the YNNPACK default train.py runs with (the flags above replaced it)
     proc = subprocess.run([sys.executable, script, str(out_dir)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -55,7 +56,7 @@ def on_simulated_devices():
 LONGEST_FIRST = ("test_multihost.py", "test_checkpoint.py", "test_precision.py", "test_aot.py",
                  "test_tiers.py", "test_lora.py", "test_sequence_parallel.py", "test_run_guards.py",
                  "test_expert_parallel.py", "test_train_sharding.py", "test_window.py", "test_parity.py",
-                 "test_eval_harness.py", "test_grpo_multihost.py")
+                 "test_eval_harness.py", "test_grpo_multihost.py", "test_docs.py", "test_mamba3.py")
 
 
 def pytest_collection_modifyitems(items):

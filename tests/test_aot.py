@@ -1,6 +1,6 @@
 """scripts/aot_compile.py, mamba_train/tools/aot.py and mamba_train/parallel/topology.py:
 TPU slice and GPU host names, and the real train step compiled for a TPU slice
-(libtpu from PyPI) and for H100s (the CUDA plugin and ptxas: the `gpu` extra), both
+(libtpu from PyPI; TPU7x too) and for B200s (the CUDA plugin and ptxas: the `gpu` extra), both
 in the `test` extra, on this CPU, its memory report, and the refusal of a config
 that cannot fit a chip's HBM."""
 
@@ -25,13 +25,16 @@ from mamba_train.parallel.topology import topology_name  # noqa: E402
     ("v5e-16", ("v5e", "v5e:4x4")),
     ("v5litepod-8", ("v5e", "v5e:2x4")),
     ("v6e-256", ("v6e", "v6e:16x16")),
+    ("tpu7x-8", ("tpu7x", "tpu7x:2x2x1")),  # MaxText's name: 8 TensorCores = 4 chips
+    ("tpu7x-512", ("tpu7x", "tpu7x:4x8x8")),
+    ("TPU7x:2x2x2", ("tpu7x", "tpu7x:2x2x2")),
 ])
 def test_topology_names(name, expected):
   assert topology_name(name) == expected
 
 
 def test_bad_topology_names():
-  for bad in ("v5p-3", "v7x:2x2", "tpu"):
+  for bad in ("v5p-3", "v7x:2x2", "tpu", "tpu7x-3"):
     with pytest.raises(ValueError):
       topology_name(bad)
 
@@ -81,8 +84,10 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   assert "the layers unrolled, each counted as compiled" in r.stdout, r.stdout
 
 
-def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
-  """The real train step for two H100s (CUDA plugin and ptxas, no GPU): ssd_impl and
+def test_tiny_train_step_compiles_for_b200_with_the_gpu_kernels(tmp_path):
+  """The real train step for two B200s (CUDA plugin and the nvcc 12.9 wheel's ptxas
+  for sm_100a, no GPU; H100's sm_90a compiles the same kernels in
+  test_ssd_gpu.py): ssd_impl and
   layer_impl auto resolve to the GPU kernels (the SSD's and the layer's), whose cost
   estimates join XLA's counts (XLA counts a Pallas call as nothing on GPUs). Skips,
   saying why, without the gpu extra."""
@@ -94,13 +99,13 @@ def test_tiny_train_step_compiles_for_h100_with_the_gpu_kernels(tmp_path):
   out = tmp_path / "report.json"
   narrow = ("--config.model.d_model=64", "--config.model.headdim=16", "--config.model.d_state=16",
             "--config.model.n_layer=2")
-  r = _run("--topology", "h100-2", *_SMALL, *narrow, "--config.runtime.compute_dtype=bfloat16",
+  r = _run("--topology", "b200-2", *_SMALL, *narrow, "--config.runtime.compute_dtype=bfloat16",
            "--json", str(out), "--every_layer=false")
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "Pallas kernels per device" in r.stdout and "of 80.00 GiB HBM" in r.stdout, r.stdout
+  assert "Pallas kernels per device" in r.stdout and "of 167.64 GiB HBM" in r.stdout, r.stdout
   import json
   rep = json.loads(out.read_text())
-  assert rep["devices"] == 2 and rep["chip"] == "NVIDIA H100" and rep["runtime"]["ssd_impl"] == "triton"
+  assert rep["devices"] == 2 and rep["chip"] == "NVIDIA B200" and rep["runtime"]["ssd_impl"] == "triton"
   assert rep["runtime"]["layer_impl"] == "triton"
   k, xla = rep["kernel_cost"], rep["cost"]
   assert k["flops"] > 0 and k["bytes accessed"] > 0 and xla["flops"] > 0
@@ -113,7 +118,9 @@ def test_gpu_topology_names():
   assert gpu_topology_name("h100-8") == ("h100", 1, 8)
   assert gpu_topology_name("H200-64") == ("h200", 8, 8)
   assert gpu_topology_name("h100-2") == ("h100", 1, 2)
-  for bad in ("h100-12", "a100-8", "h100-0", "h100"):
+  assert gpu_topology_name("b200-16") == ("b200", 2, 8)
+  assert gpu_topology_name("gb200-72") == ("gb200", 18, 4)  # NVL72: compute trays of 4
+  for bad in ("h100-12", "a100-8", "h100-0", "h100", "gb200-6"):
     with pytest.raises(ValueError):
       gpu_topology_name(bad)
 
@@ -169,6 +176,12 @@ for remat in ("full", "save_in_proj"):
   out[remat] = aot.cost_with_layers(plan, mesh, 1, unroll=False)["flops"]
 m = plan.model
 out["in_proj"] = 2 * c.seq_len * m.d_model * (2 * m.d_inner + 2 * m.ngroups * m.d_state + m.nheads)
+# The same one-layer step (the Pallas SSD kernels inside) for one TensorCore of a TPU7x,
+# in this process: the newest chip as a compile target at the cost of one small compile.
+devices7 = tpu_devices("tpu7x-8")[2]
+mesh7 = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices7[:1])
+plan7 = run_config.validate(c, num_devices=1, platform=devices7[0].platform)
+out["tpu7x"] = [devices7[0].device_kind, len(devices7), aot.cost_with_layers(plan7, mesh7, 1, unroll=False)["flops"]]
 print(json.dumps(out))
 """
 
@@ -178,7 +191,8 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   layer, two unrolled), where a remat with prevent_cse=False let XLA:TPU merge the
   backward's recomputation with the forward: `full` and `save_in_proj` counted the
   same FLOPs. The one-layer train step for one v6e must count `full` above
-  `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h)."""
+  `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h). In the
+  same process the `save_in_proj` step compiles for a TPU7x TensorCore (tpu7x-8)."""
   require_libtpu()
   import json
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
@@ -188,6 +202,10 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   assert r.returncode == 0, r.stderr[-3000:]
   flops = json.loads(r.stdout.strip().splitlines()[-1])
   assert flops["full"] - flops["save_in_proj"] == pytest.approx(flops["in_proj"], rel=0.02), flops
+  # TPU7x: eight TensorCores of four chips as eight devices, and the same program's FLOPs.
+  kind, n, flops7 = flops["tpu7x"]
+  assert kind == "TPU7x" and n == 8, flops
+  assert flops7 == pytest.approx(flops["save_in_proj"], rel=0.02), flops
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])

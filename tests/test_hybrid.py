@@ -4,6 +4,8 @@ cached decoding against the full forward, packed documents against each
 document alone, the attention forms against the reference, and how patterns
 are planned into scans."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,17 @@ def test_export_then_from_pretrained(tmp_path):
   ref = reference_checks.export_to_transformers(ours, tmp_path / "out")
   back = reference_checks.assert_export_round_trip(ref, ours, tmp_path / "out")
   assert back.config.pattern == cfg.pattern and not back.config.tie_embeddings
+  # What serving engines read: the pattern as either key gives transformers the same
+  # layers (hybrid_override_pattern alone, as older readers take it), and the SSM
+  # state's dtype.
+  written = files.read_json(tmp_path / "out" / files.CONFIG_FILE)
+  assert written["hybrid_override_pattern"] == "M*-M" and ref.config.mamba_ssm_cache_dtype == "float32"
+  (tmp_path / "older").mkdir()
+  (tmp_path / "older" / files.CONFIG_FILE).write_text(
+      json.dumps({k: v for k, v in written.items() if k != "layers_block_type"}))
+  older = NemotronHConfig.from_pretrained(tmp_path / "older")
+  assert older.layers_block_type == ref.config.layers_block_type == [
+      "linear_attention", "full_attention", "mlp", "linear_attention"]
   for k, v in ours.params().items():
     if k != "embedding":
       jax.tree.map(np.testing.assert_array_equal, back.params()[k], v)

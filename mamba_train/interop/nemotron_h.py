@@ -113,6 +113,7 @@ def _moe_shapes(cfg: Mamba2Config) -> tables.Shapes:
 NEMOTRON_H_KINDS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
                     "attention": ATTENTION, "mlp": MLP, "moe": MOE}
 NEMOTRON_H_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+NEMOTRON_H_PATTERN_CHARS = {ours: theirs for theirs, ours in NEMOTRON_H_CHARS.items()}
 # NemotronHConfig's mixture-of-experts fields that are ours under the same name,
 # with transformers' defaults.
 NEMOTRON_H_MOE_FIELDS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
@@ -203,8 +204,17 @@ def ours_to_nemotron_h_config(cfg: Mamba2Config, *, vocab_rows: int | None = Non
   return {
       "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
       "hidden_size": cfg.d_model, "vocab_size": vocab_rows or cfg.padded_vocab_size,
+      # The pattern twice: transformers 5 reads layers_block_type (in the kinds' older
+      # names, which it maps to its present ones, so that releases between read it too);
+      # vLLM's and NVIDIA's own NemotronH config classes and llama.cpp's converter read
+      # hybrid_override_pattern (our layer characters are NemotronH's).
       "layers_block_type": [names[k] for k in cfg.pattern],
+      "hybrid_override_pattern": "".join(NEMOTRON_H_PATTERN_CHARS[k] for k in cfg.pattern),
       "num_hidden_layers": cfg.n_layer,
+      # The dtype a server keeps the Mamba-2 layers' recurrent state in: ours decodes with
+      # it in float32 (model/cache.py: a running product of decays), and vLLM, when this
+      # key is absent, has taken float16 in some releases.
+      "mamba_ssm_cache_dtype": "float32",
       "ssm_state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "mamba_num_heads": cfg.nheads,
       "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups, "chunk_size": cfg.chunk_size,
       # NemotronH's lower clamp of dt (see nemotron_h_config_to_ours); 0 is none.

@@ -2,7 +2,9 @@
 
 Per Mamba-2 layer it is the last d_conv-1 inputs of the two depthwise
 convolutions and the SSM state (h, p, n); nothing grows with the number of
-tokens seen, which is the point of a state-space model. The arrays are stacked
+tokens seen, which is the point of a state-space model. Per Mamba-3 layer it is the
+rotary angle, the SSM state, and the last position's rotated key and input (the
+trapezoid's carried term); nothing grows either. The arrays are stacked
 over layers (leading axis L) to match the scanned blocks, and are float32
 whatever the compute dtype: the state is a running product of decays and
 rounding it to bfloat16 every step compounds over thousands of steps.
@@ -19,8 +21,8 @@ SSM state, O(W) per layer like a sliding-window attention layer's keys and value
 (`window_bytes_per_position`), because a position leaving the window must leave
 the output exactly and a state cannot forget it without a subtraction.
 
-Shapes: L Mamba-2 layers, A attention layers, b batch, k conv kernel,
-i d_inner, g groups, n d_state, h heads, p headdim, S capacity, kv key/value
+Shapes: L Mamba-2 layers, M Mamba-3 layers, A attention layers, b batch, k conv kernel,
+i d_inner, g groups, n d_state, h heads, p headdim, R MIMO rank, a rotary angles, S capacity, kv key/value
 heads, e attention head dim.
 """
 
@@ -32,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from mamba_train.model import attention as attn_lib
-from mamba_train.model.config import ATTENTION, MAMBA, Mamba2Config
+from mamba_train.model import mamba3
+from mamba_train.model.config import ATTENTION, MAMBA, MAMBA3, Mamba2Config
 from mamba_train.model.mamba2 import zero_state
 from mamba_train.parallel import sharding
 
@@ -51,6 +54,10 @@ CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "v": ("layers", "batch", None, "act_kv_heads", None),  # (A, b, S, kv, e)
     "kv_valid": ("layers", "batch", None),  # (A, b, S)
     "kv_pos": ("layers",),  # (A,)
+    "m3_angle": ("layers", "batch", "act_inner", None),  # (M, b, h, a)
+    "m3_ssm": ("layers", "batch", "act_inner", None, None),  # (M, b, h, p, n)
+    "m3_k": ("layers", "batch", None, "act_inner", None),  # (M, b, R, h, n)
+    "m3_v": ("layers", "batch", "act_inner", None),  # (M, b, h, p)
 }
 
 
@@ -71,13 +78,17 @@ class Mamba2Cache:
   v: Array | None = None  # (A, b, S, kv, e) float32
   kv_valid: Array | None = None  # (A, b, S) bool: positions holding a key
   kv_pos: Array | None = None  # (A,) int32: where the next key goes
+  m3_angle: Array | None = None  # (M, b, h, a) float32, Mamba-3 layers: the rotary angle
+  m3_ssm: Array | None = None  # (M, b, h, p, n) float32: the SSM state
+  m3_k: Array | None = None  # (M, b, R, h, n) float32: the last position's rotated key
+  m3_v: Array | None = None  # (M, b, h, p) float32: the last position's x
 
   @classmethod
   def init(cls, cfg: Mamba2Config, batch: int, capacity: int = 0) -> "Mamba2Cache":
     """The empty cache: the state before any token, with room for `capacity`
     positions in each attention layer."""
     out = {}
-    for kind, one in ((MAMBA, lambda: zero_state(cfg, batch)),
+    for kind, one in ((MAMBA, lambda: zero_state(cfg, batch)), (MAMBA3, lambda: mamba3.zero_state(cfg, batch)),
                       (ATTENTION, lambda: attn_lib.empty_kv(cfg, batch, capacity))):
       if cfg.count(kind):
         out.update({k: jnp.broadcast_to(v, (cfg.count(kind),) + v.shape) for k, v in one().items()})

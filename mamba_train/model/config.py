@@ -6,7 +6,8 @@ attn_*, ...). Derived sizes (d_inner, nheads, padded vocabulary, the layer
 kinds) are properties, never configured.
 
 `layer_pattern` makes a hybrid: one character per layer, as Megatron-Core's
-`--hybrid-override-pattern` and Nemotron-H write it: 'M' a Mamba-2 layer, '*'
+`--hybrid-override-pattern` and Nemotron-H write it: 'M' a Mamba-2 layer, '3' a
+Mamba-3 layer (model/mamba3.py; its fields named as mamba_ssm's Mamba3 names them), '*'
 causal self-attention, '-' an MLP, 'E' a mixture-of-experts layer (model/moe.py;
 its fields are named as transformers' NemotronHConfig names them). Empty (the default) is 'M' * n_layer, the
 pure Mamba-2 model, whose parameters and files are unchanged by the option. How the
@@ -29,12 +30,16 @@ INIT_ONLY = ("dt_min", "dt_max", "dt_init_floor", "A_init_range")
 FINETUNE_MAY_CHANGE = ("ssd_window",)
 
 # The layer kinds of `layer_pattern`, by their character.
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts"}
+MAMBA, ATTENTION, MLP, MOE, MAMBA3 = "M", "*", "-", "E", "3"
+KINDS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts", MAMBA3: "Mamba-3"}
 # Characters other tools use for kinds this library does not build.
 UNSUPPORTED_KINDS: dict[str, str] = {}
 MLP_ACTS = ("relu2", "swiglu")  # squared ReLU (Nemotron-H); gated SiLU (mamba_ssm's GatedMLP, Granite)
 ROUTER_SCORES = ("sigmoid", "softmax")  # NemotronH's; GraniteMoeHybrid's (`moe.route`)
+# Mamba-3's A = -max(f(dd_A), A_floor): f is mamba_ssm's heavy-tail activation (1 + u for
+# u >= 0, 1 / (1 - u) below) since its PR #962, softplus before; checkpoints use either.
+A_ACTIVATIONS = ("heavy_tail", "softplus")
+ROPE_FRACTIONS = (0.5, 1.0)  # mamba_ssm's Mamba3 asserts these two
 
 
 class FrozenFields:
@@ -137,6 +142,23 @@ class Mamba2Config(FrozenFields):
   # (NemotronH's mamba_num_heads: Nemotron-3-Nano has 64 heads of 64 on d_model
   # 2688); 0, the default, derives them as expand * d_model / headdim.
   mamba_num_heads: int = 0
+  # Mamba-3 layers ('3', model/mamba3.py; docs/mamba3.md), named as mamba_ssm's Mamba3
+  # names its arguments. They share d_state, expand, headdim, ngroups, chunk_size and
+  # dt_min/dt_max/dt_init_floor with the Mamba-2 fields above (no conv, A_log or dt_limit).
+  # The share of each B/C head's d_state rotated by the data-dependent angle: 0.5 or 1.0
+  # (num_rope_angles angles).
+  rope_fraction: float = 0.5
+  # A = -max(f(dd_A), A_floor).
+  A_floor: float = 1e-4
+  # f above: 'heavy_tail' (mamba_ssm since its PR #962) or 'softplus' (before). Our name:
+  # mamba_ssm hard-codes f, so its checkpoints' configs cannot say which.
+  A_activation: str = "heavy_tail"
+  # A gated RMSNorm per head (norm before the gate, weight gate_norm) where y * silu(z) is.
+  is_outproj_norm: bool = False
+  # Multi-input multi-output of rank mimo_rank (mimo_x, mimo_z, mimo_o).
+  is_mimo: bool = False
+  # The MIMO rank R (a model without is_mimo has rank 1 whatever this says, as in mamba_ssm).
+  mimo_rank: int = 4
 
   def __post_init__(self):
     object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
@@ -175,6 +197,8 @@ class Mamba2Config(FrozenFields):
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
       problems.append(f"attention_multiplier must be 0 (1/sqrt(attn_head_dim)) or a scale > 0, got {v!r}")
     problems += self._pattern_problems()
+    if not problems and MAMBA3 in self.pattern:
+      problems += self._mamba3_problems()
     if problems:
       raise ValueError("Invalid Mamba2Config: " + "; ".join(problems))
 
@@ -248,6 +272,31 @@ class Mamba2Config(FrozenFields):
       out.append(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
     return out
 
+  def _mamba3_problems(self) -> list[str]:
+    out = []
+    if self.rope_fraction not in ROPE_FRACTIONS:
+      out.append(f"rope_fraction must be one of {ROPE_FRACTIONS} (as mamba_ssm's Mamba3), got {self.rope_fraction!r}")
+    elif self.num_rope_angles < 1:
+      out.append(f"d_state ({self.d_state}) leaves no rotary angle at rope_fraction {self.rope_fraction}: "
+                 "use d_state >= 4")
+    if self.A_activation not in A_ACTIVATIONS:
+      out.append(f"A_activation must be one of {A_ACTIVATIONS}, got {self.A_activation!r}")
+    if not isinstance(self.A_floor, (int, float)) or isinstance(self.A_floor, bool) or not self.A_floor > 0:
+      out.append(f"A_floor must be a number > 0, got {self.A_floor!r}")
+    for name in ("is_outproj_norm", "is_mimo"):
+      if not isinstance(getattr(self, name), bool):
+        out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+    r = self.mimo_rank
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+      out.append(f"mimo_rank must be a positive integer, got {r!r}")
+    if self.is_mimo is True and self.d_state % 2:
+      out.append(f"a MIMO Mamba-3 layer rotates the pairs (i, i + d_state/2): d_state ({self.d_state}) must be even")
+    if self.ssd_window:
+      out.append(f"ssd_window ({self.ssd_window}) is Mamba-2's truncated horizon; Mamba-3 layers ('3') "
+                 "have no exact windowed form (the trapezoid's look-ahead and the rotation angle run over "
+                 "the whole history): set ssd_window=0")
+    return out
+
   def weight_differences(self, other: "Mamba2Config", *, init: bool = True) -> dict[str, tuple]:
     """{field: (self's value, other's)} for each field that differs and that the
     weights depend on: every field but NOT_IN_WEIGHTS, and, with init=False (weights
@@ -287,6 +336,18 @@ class Mamba2Config(FrozenFields):
   @property
   def nheads(self) -> int:
     return self.d_inner // self.headdim
+
+  @property
+  def mamba3_rank(self) -> int:
+    """A Mamba-3 layer's MIMO rank R (1 unless is_mimo, as mamba_ssm's Mamba3 sets it)."""
+    return self.mimo_rank if self.is_mimo else 1
+
+  @property
+  def num_rope_angles(self) -> int:
+    """A Mamba-3 layer's rotary angles: int(d_state * rope_fraction), made even, halved
+    (mamba_ssm's Mamba3.num_rope_angles)."""
+    split = int(self.d_state * self.rope_fraction)
+    return (split - split % 2) // 2
 
   @property
   def conv_dim(self) -> int:
@@ -332,6 +393,10 @@ SIZES["nemotron3-nano"] = dict(
     attn_num_heads=32, attn_num_heads_kv=2, attn_head_dim=128,
     n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
     moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True)
+# Mamba-3 (mamba_ssm's Mamba3 defaults: chunk 64, rope_fraction 0.5), pure and hybrid.
+SIZES["tiny-mamba3"] = dict(SIZES["tiny"], layer_pattern="3333")
+SIZES["tiny-mamba3-hybrid"] = dict(SIZES["tiny"], layer_pattern="33*-", attn_num_heads=4,
+                                   attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 SIZES["tiny-hybrid"] = dict(SIZES["tiny"], layer_pattern="MM*-", attn_num_heads=4,
                             attn_num_heads_kv=2, attn_head_dim=64, d_intermediate=512)
 

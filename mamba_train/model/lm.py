@@ -27,11 +27,12 @@ from flax import nnx
 from mamba_train.model import (
   attention as attn_lib,
   lora as lora_lib,
+  mamba3 as m3,
   matmul as mm,
   moe as moe_lib,
   pattern as pattern_lib,
 )
-from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
+from mamba_train.model.config import ATTENTION, MAMBA, MAMBA3, MLP, MOE, Mamba2Config
 from mamba_train.model.mamba2 import (
   IN_PROJ_NAMES,
   block,
@@ -170,12 +171,17 @@ class Mamba2LM(nnx.Module):
         out, st = attn_lib.attention_step(p, norm(p, h), cfg, rt, st)
         return residual(h, out, cfg), st
       return {MAMBA: lambda p, h, st: block_step(p, h, cfg, rt, st, ops), ATTENTION: attn,
+              MAMBA3: lambda p, h, st: m3.block_step(p, h, cfg, rt, st, ops),
               MLP: lambda p, h, st: (residual(h, attn_lib.mlp(p, norm(p, h), cfg, rt), cfg), None),
               MOE: lambda p, h, st: (residual(h, moe_lib.moe(p, norm(p, h), cfg, rt, ops)[0], cfg), None)}
     act = lambda h: sharding.constrain(h, ("batch", "act_length", "act_embed"))
 
     def mamba(p, h, st):
       h, st = block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=st, ops=ops)
+      return act(h), st
+
+    def mamba3(p, h, st):
+      h, st = m3.block(p, h, cfg, rt, seq_idx=seq_idx, mask=mask, state=st, ops=ops)
       return act(h), st
 
     def attn(p, h, _):
@@ -189,7 +195,7 @@ class Mamba2LM(nnx.Module):
       out, stats = moe_lib.moe(p, norm(p, h), cfg, rt, ops)
       return act(residual(h, out, cfg)), stats
 
-    fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe}
+    fns = {MAMBA: mamba, ATTENTION: attn, MLP: mlp, MOE: moe, MAMBA3: mamba3}
     if self.lora is not None:  # inside the remat: the backward pass merges again, nothing is kept
       fns = {k: (lambda p, h, st, f=f: f(self._merged_layer(p), h, st)) for k, f in fns.items()}
     return fns
@@ -282,9 +288,10 @@ class Mamba2LM(nnx.Module):
       raise ValueError(f"backbone cannot continue a windowed model (ssd_window={cfg.ssd_window}) "
                        "from earlier states: run the whole prefix, or decode with `step`")
     init = {}
-    if cfg.count(MAMBA):
-      init[MAMBA] = (states if states is not None else
-                     jax.vmap(lambda _: zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA))))
+    for kind, zero in ((MAMBA, zero_state), (MAMBA3, m3.zero_state)):
+      if cfg.count(kind):
+        init[kind] = ({n: states[n] for n in state_keys(cfg, kind)} if states is not None else
+                      jax.vmap(lambda _, zero=zero: zero(cfg, b))(jnp.arange(cfg.count(kind))))
     ops = ops_for(cfg, self.runtime)
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(ops, seq_idx=seq_idx, mask=mask),
                              {k: self._compute_params(k) for k in self._kinds()}, init, h,
@@ -325,7 +332,7 @@ class Mamba2LM(nnx.Module):
   def _decode_weights(self, params: dict[str, Array], lead: int) -> dict[str, Array]:
     rt = self.runtime
     ops = ops_for(self.config, rt)
-    if "in_proj_zx" in params and ops.decode is not None:
+    if "A_log" in params and ops.decode is not None:  # a Mamba-2 layer's fused step
       return fused_decode_weights(params, rt, ops, lead)
     return {n: (mm.quantize_weights(a, rt.matmul_precision, 2 if n == "o_proj" else 1, rt.compute_dtype, lead)
                 if n in MATMUL_WEIGHTS else a) for n, a in params.items()}

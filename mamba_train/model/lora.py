@@ -6,8 +6,10 @@ W's input and output axes flattened; B starts at zero, so a fresh adapter leaves
 the model as it was. Every matmul is a target, by name:
 
   in_proj   one adapter over the joined z|x|B|C|dt output (the one nn.Linear of
-            mamba_ssm and transformers; stored split into in_proj_zx / _bc / _dt)
-  out_proj  the Mamba-2 mixer's output projection
+            mamba_ssm and transformers; stored split into in_proj_zx / _bc / _dt);
+            in a Mamba-3 layer over z|x|B|C|dd_dt|dd_A|trap|angles (in_proj_zx / _bc /
+            _heads / _angles)
+  out_proj  the Mamba-2 and Mamba-3 mixers' output projection
   q_proj, k_proj, v_proj, o_proj     a hybrid's attention layers
   up_proj, gate_proj, down_proj      a hybrid's MLP layers
   lm_head   the LM head (with tied embeddings: the head only, not the lookup)
@@ -68,6 +70,12 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], int]] = {
     "gate_proj": ("mlp", ("gate_proj",), 1),
     "down_proj": ("mlp", ("down_proj",), 1),
 }
+# Targets a second stack has too (the Mamba-3 layers' in_proj and out_proj):
+# (target, stack) -> (its weights, the number of leading input axes).
+MORE_STACKS: dict[tuple[str, str], tuple[tuple[str, ...], int]] = {
+    ("in_proj", "mamba3"): (("in_proj_zx", "in_proj_bc", "in_proj_heads", "in_proj_angles"), 1),
+    ("out_proj", "mamba3"): (("out_proj",), 1),
+}
 HEAD = "lm_head"
 DEFAULT_TARGETS = ",".join(TARGETS)  # every layer matmul; the head on request
 BASE_DTYPES = ("", "int8", "int4")  # '' = the base as stored (float32)
@@ -78,6 +86,16 @@ INT4_BLOCK = 64
 
 class LoraError(ValueError):
   pass
+
+
+def entries(target: str) -> list[tuple[str, tuple[str, ...], int]]:
+  """Every (stack, weights, leading input axes) a target adapts."""
+  return [TARGETS[target]] + [(s, *v) for (t, s), v in MORE_STACKS.items() if t == target]
+
+
+def _entry_for(target: str, p: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+  """The weights and input axes of `target` in a layer whose weights are `p`."""
+  return next((names, n_in) for _, names, n_in in entries(target) if all(n in p for n in names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +138,7 @@ def resolve_targets(patterns: str, present: set[str]) -> tuple[str, ...]:
     hit = [n for n in names if fnmatch.fnmatchcase(n, pat)]
     if not hit:
       bad.append(pat)
-    out += [n for n in hit if n not in out and (n == HEAD or TARGETS[n][1][0] in present)]
+    out += [n for n in hit if n not in out and (n == HEAD or any(e[1][0] in present for e in entries(n)))]
   if bad:
     raise LoraError(f"lora.targets {bad} match no LoRA target; targets are {names} "
                     "(glob patterns, comma-separated)")
@@ -155,7 +173,7 @@ def spec_from_config(c: dict, present: set[str]) -> LoraSpec | None:
 
 
 def _in_out(stack: dict[str, Any], target: str) -> tuple[int, int]:
-  _, names, n_in = TARGETS[target]
+  names, n_in = _entry_for(target, stack)
   fan_in = math.prod(stack[names[0]].shape[1:1 + n_in])
   return fan_in, sum(math.prod(stack[n].shape[1 + n_in:]) for n in names)
 
@@ -171,10 +189,13 @@ def adapter_shapes(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
       v, d = params.get("lm_head", params["embedding"]).shape
       out[HEAD] = {"a": sds(d, r), "b": sds(r, v)}
       continue
-    stack = params[TARGETS[t][0]]
-    layers = stack[TARGETS[t][1][0]].shape[0]
-    fan_in, fan_out = _in_out(stack, t)
-    out.setdefault(TARGETS[t][0], {})[t] = {"a": sds(layers, fan_in, r), "b": sds(layers, r, fan_out)}
+    for name, names, _ in entries(t):
+      if name not in params:
+        continue
+      stack = params[name]
+      layers = stack[names[0]].shape[0]
+      fan_in, fan_out = _in_out(stack, t)
+      out.setdefault(name, {})[t] = {"a": sds(layers, fan_in, r), "b": sds(layers, r, fan_out)}
   return out
 
 
@@ -227,10 +248,12 @@ def quantize_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
       if key == "lm_head":  # a tied head is also the embedding lookup: kept whole
         out[key] = quantize(params[key], spec.base_dtype, 1, stacked=False, packed_int4=spec.packed_int4)
       continue
-    stack, names, n_in = TARGETS[t]
-    for n in names:
-      out[stack][n] = quantize(params[stack][n], spec.base_dtype, n_in, stacked=True,
-                               packed_int4=spec.packed_int4)
+    for stack, names, n_in in entries(t):
+      if stack not in params:
+        continue
+      for n in names:
+        out[stack][n] = quantize(params[stack][n], spec.base_dtype, n_in, stacked=True,
+                                 packed_int4=spec.packed_int4)
   return out
 
 
@@ -256,7 +279,7 @@ def merge_layer(p: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> 
   adapters ({target: {'a', 'b'}}, unstacked) added: float32 weights out."""
   out = {n: dense(w) for n, w in p.items()}
   for t, ab in adapters.items():
-    _, names, n_in = TARGETS[t]
+    names, n_in = _entry_for(t, p)
     d = _delta(ab["a"], ab["b"], spec.scale)  # (in, sum of outs)
     start = 0
     for n in names:

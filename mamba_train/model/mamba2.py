@@ -156,6 +156,9 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj)
   if state is None:
     state = zero_state(cfg, b)
+  if ops.mixer is not None and mask is None:
+    # The layer between the matmuls as one op (an unpadded sequence).
+    return _mixer_fused(p, z, xr, bc, dt_raw, cfg, rt, ops, state, seq_idx)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)
@@ -194,6 +197,46 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
     return out, {"conv_x": conv_x, "conv_bc": conv_bc,
                  **window_tail(x, dt, A, ssd_args[3], cfg.ssd_window, seq_idx)}
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
+
+
+_MIXER_WEIGHTS = ("conv_x", "conv_x_bias", "conv_bc", "conv_bc_bias", "dt_bias", "A_log", "D")
+
+
+def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, state, seq_idx):
+  """`mixer` through `ops.mixer` (`layer_math.mixer_core`'s contract): the op writes the
+  gated y and each row's sums of squares per group; the norm is folded into out_proj,
+  out = rsqrt(ms) (y @ (diag(w) W)) with one group, so no normalised copy of y is
+  written: the weight scaling is weight-sized, the row scaling fuses into the GEMM's
+  output. Several groups scale y per group on the GEMM's operand; with an adapter on
+  out_proj, which reads the normalised y, the whole norm is applied to y first."""
+  b, l, i = xr.shape
+  g, k, chunk = cfg.ngroups, cfg.d_conv, ops.ssd_chunk
+  # The kernel reads x and z, and writes the gated y, chunk-major with positions
+  # minor: in_proj's GEMMs write them so, and y turns channels-minor in its dtype
+  # for out_proj (as `mixer` does around the SSD kernel), not through relayout copies.
+  whole = l % chunk == 0
+  major = lambda v: with_layout_constraint(v.reshape(b, l // chunk, chunk, i), _CHUNK_MAJOR).reshape(b, l, i)
+  if whole:
+    z, xr = major(z), major(xr)
+  gated, ssq, ssm = ops.mixer(z, xr, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
+                              ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
+                              front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
+  if whole:
+    gated = with_layout_constraint(major(gated), Layout(major_to_minor=(0, 1, 2)))
+  rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
+  cd, prec = rt.compute_dtype, rt.matmul_precision
+  adapter = mm.adapter_of(p, "out_proj")
+  if adapter is not None:
+    y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i) * p["gate_norm"]
+    out = mm.linear(y, p["out_proj"], cd, prec, 1, adapter)
+  elif g == 1:
+    out = mm.linear(gated, p["out_proj"] * p["gate_norm"][:, None], cd, prec) * rstd
+  else:  # a scale per group of a row: on out_proj's operand (XLA fuses it into the GEMM's operand)
+    y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i)
+    out = mm.linear(y, p["out_proj"] * p["gate_norm"][:, None], cd, prec)
+  # The conv states after the sequence: its last k - 1 inputs (the front's where it is shorter).
+  tail = lambda v, front: jnp.concatenate([front.astype(v.dtype), v], 1)[:, -(k - 1):].astype(F32)
+  return out, {"conv_x": tail(xr, state["conv_x"]), "conv_bc": tail(bc, state["conv_bc"]), "ssm": ssm}
 
 
 def fused_decode_weights(p, rt: Runtime, ops: Ops, lead: int = 0) -> dict[str, Array]:

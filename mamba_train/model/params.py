@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mamba_train.model import attention as attn_lib, matmul as mm, moe as moe_lib
-from mamba_train.model.config import ATTENTION, MAMBA, MLP, MOE, Mamba2Config
+from mamba_train.model.config import ATTENTION, MAMBA, MAMBA3, MLP, MOE, Mamba2Config
 
 F32 = jnp.float32
 Array = jax.Array
@@ -43,9 +43,94 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 }
 
 
+# A Mamba-3 layer's parameters (model/mamba3.py), named as mamba_ssm's Mamba3 names
+# them, but for two, as the Mamba-2 layer's: its one in_proj is stored split so that
+# tensor parallelism cuts whole heads (interop joins the pieces back in mamba_ssm's
+# order [z, x, B, C, dd_dt, dd_A, trap, angles]), and `mixer.norm` (is_outproj_norm)
+# is `gate_norm`, since `norm` is the block's pre-norm (mamba_ssm's block `norm`).
+# R = mimo_rank (1 without is_mimo), A_n = num_rope_angles; B and C are "(r g n)".
+MAMBA3_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "norm": ("embed",),
+    "in_proj_zx": ("embed", None, "inner"),  # (d, 2, i): z then x
+    "in_proj_bc": ("embed", None, "state"),  # (d, 2, R*g*n): B then C
+    "in_proj_heads": ("embed", None, "heads"),  # (d, 3, h): dd_dt, dd_A, trap
+    "in_proj_angles": ("embed", None),  # (d, A_n): shared by the heads
+    "dt_bias": ("heads",),
+    "B_norm": ("state",),  # (n,)
+    "C_norm": ("state",),
+    "B_bias": ("heads", None, "state"),  # (h, R, n)
+    "C_bias": ("heads", None, "state"),
+    "mimo_x": ("heads", None, None),  # (h, R, p), is_mimo only
+    "mimo_z": ("heads", None, None),
+    "mimo_o": ("heads", None, None),
+    "D": ("heads",),
+    "gate_norm": ("inner",),  # (i,), is_outproj_norm only
+    "out_proj": ("inner", "embed"),  # (i, d)
+}
+MAMBA3_MIMO_ONLY = ("mimo_x", "mimo_z", "mimo_o")
+MAMBA3_NORM_ONLY = ("gate_norm",)
+
+
+def mamba3_axes(cfg: Mamba2Config) -> dict[str, tuple[str | None, ...]]:
+  """A Mamba-3 layer's parameter names and logical axes for `cfg` (the MIMO
+  projections with is_mimo, the output norm with is_outproj_norm)."""
+  skip = (() if cfg.is_mimo else MAMBA3_MIMO_ONLY) + (() if cfg.is_outproj_norm else MAMBA3_NORM_ONLY)
+  return {k: v for k, v in MAMBA3_PARAM_AXES.items() if k not in skip}
+
+
+def mamba3_shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
+  """A Mamba-3 layer's parameter shapes (`mamba3_axes`' names)."""
+  d, i, h, p, n, R = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.headdim, cfg.d_state, cfg.mamba3_rank
+  shapes = {"norm": (d,), "in_proj_zx": (d, 2, i), "in_proj_bc": (d, 2, R * cfg.ngroups * n),
+            "in_proj_heads": (d, 3, h), "in_proj_angles": (d, cfg.num_rope_angles), "dt_bias": (h,),
+            "B_norm": (n,), "C_norm": (n,), "B_bias": (h, R, n), "C_bias": (h, R, n),
+            "mimo_x": (h, R, p), "mimo_z": (h, R, p), "mimo_o": (h, R, p), "D": (h,), "gate_norm": (i,),
+            "out_proj": (i, d)}
+  return {k: shapes[k] for k in mamba3_axes(cfg)}
+
+
+# The uniform draws of one Mamba-3 layer: its matmul weights and dt.
+_M3_DRAWS = ("in_proj_zx", "in_proj_bc", "in_proj_heads", "in_proj_angles", "out_proj")
+
+
+def init_mamba3_params(cfg: Mamba2Config, u: Array) -> dict[str, Array]:
+  """One Mamba-3 layer's parameters, initialised as mamba_ssm's Mamba3 inside its
+  MambaLMHeadModel: in_proj torch's nn.Linear default (uniform +-1/sqrt(d_model)),
+  out_proj the same then scaled by 1/sqrt(n_layer) (`_init_weights`); dt_bias the
+  inverse softplus of a log-uniform dt in [dt_min, dt_max] floored at dt_init_floor;
+  B_bias, C_bias, the norms' weights and D ones; mimo_x and mimo_o 1/R, mimo_z ones.
+  u: a flat vector of uniform [0, 1) draws (`init_params`)."""
+  shapes = mamba3_shapes(cfg)
+  draw = {k: shapes[k] for k in _M3_DRAWS} | {"dt": (cfg.nheads,)}
+  pieces = jnp.split(u, list(itertools.accumulate(math.prod(s) for s in draw.values()))[:-1])
+  parts = {k: c.reshape(s) for (k, s), c in zip(draw.items(), pieces)}
+  lin = lambda k, fan_in: (2.0 * parts[k] - 1.0) / math.sqrt(fan_in)
+  dt = jnp.exp(parts["dt"] * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+  dt = jnp.maximum(dt, cfg.dt_init_floor)
+  R = cfg.mamba3_rank
+  out = {k: lin(k, cfg.d_model) for k in _M3_DRAWS[:-1]}
+  out.update(
+      norm=jnp.ones(shapes["norm"], F32), dt_bias=dt + jnp.log(-jnp.expm1(-dt)),
+      B_norm=jnp.ones(shapes["B_norm"], F32), C_norm=jnp.ones(shapes["C_norm"], F32),
+      B_bias=jnp.ones(shapes["B_bias"], F32), C_bias=jnp.ones(shapes["C_bias"], F32),
+      D=jnp.ones(shapes["D"], F32),
+      out_proj=lin("out_proj", cfg.d_inner) / math.sqrt(cfg.n_layer))
+  if cfg.is_mimo:
+    out.update(mimo_x=jnp.full(shapes["mimo_x"], 1.0 / R, F32), mimo_z=jnp.ones(shapes["mimo_z"], F32),
+               mimo_o=jnp.full(shapes["mimo_o"], 1.0 / R, F32))
+  if cfg.is_outproj_norm:
+    out["gate_norm"] = jnp.ones(shapes["gate_norm"], F32)
+  return {k: out[k] for k in shapes}
+
+
+def _mamba3_draws(cfg: Mamba2Config) -> int:
+  shapes = mamba3_shapes(cfg)
+  return sum(math.prod(shapes[k]) for k in _M3_DRAWS) + cfg.nheads
+
+
 # The parameters each layer multiplies by in the compute dtype (its projections);
 # every other parameter enters float32 math.
-MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "out_proj", "q_proj", "k_proj",
+MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "in_proj_heads", "in_proj_angles", "out_proj", "q_proj", "k_proj",
                             "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"}) | moe_lib.MATMUL_WEIGHTS
 
 
@@ -56,11 +141,14 @@ ADAPTERS = mm.ADAPTERS
 # Each layer kind: its name in `Mamba2LM.params()` and the keys of its decoding
 # state. The Mamba-2 stack is `layers` in pure models and hybrids alike, so a pure
 # model's parameters and checkpoints carry no hybrid-only name.
-KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp", MOE: "moe"}
+KIND_PARAMS = {MAMBA: "layers", ATTENTION: "attn", MLP: "mlp", MOE: "moe", MAMBA3: "mamba3"}
 # (A mixture-of-experts layer has no decoding state; over a sequence it returns
 # its router statistics, moe.STATS, in the place of one.)
+# A Mamba-3 layer's: its rotary angle (b, h, A_n), SSM state (b, h, p, n), and the
+# last position's rotated k (b, R, h, n) and x (b, h, p) (mamba_ssm's angle_dt_state,
+# ssm_state, k_state, v_state).
 STATE_KEYS = {MAMBA: ("conv_x", "conv_bc", "ssm"), ATTENTION: ("k", "v", "kv_valid", "kv_pos"),
-              MLP: (), MOE: ()}
+              MLP: (), MOE: (), MAMBA3: ("m3_angle", "m3_ssm", "m3_k", "m3_v")}
 # A windowed Mamba-2 layer (`Mamba2Config.ssd_window`) holds its last W positions'
 # inputs instead of an SSM state (`ssd.ssd_window_step`).
 WINDOW_KEYS = ("conv_x", "conv_bc", "win_x", "win_B", "win_a")
@@ -75,6 +163,8 @@ def kind_axes(cfg: Mamba2Config, kind: str) -> dict[str, tuple[str | None, ...]]
   """One layer's parameter names of `kind` and their logical axes."""
   if kind == MAMBA:
     return BLOCK_PARAM_AXES
+  if kind == MAMBA3:
+    return mamba3_axes(cfg)
   if kind == ATTENTION:
     return attn_lib.param_axes(attn_lib.attn_shapes(cfg), attn_lib.ATTN_PARAM_AXES)
   if kind == MOE:
@@ -154,6 +244,9 @@ def init_params(cfg: Mamba2Config, key) -> dict[str, Any]:
   if cfg.count(MOE):
     keys = jax.random.split(jax.random.fold_in(key, 3), cfg.count(MOE))
     out[KIND_PARAMS[MOE]] = jax.vmap(lambda k: moe_lib.init_params(cfg, k))(keys)
+  if cfg.count(MAMBA3):
+    u = jax.random.uniform(jax.random.fold_in(key, 4), (cfg.count(MAMBA3), _mamba3_draws(cfg)), F32)
+    out[KIND_PARAMS[MAMBA3]] = jax.vmap(lambda r: init_mamba3_params(cfg, r))(u)
   if not cfg.tie_embeddings:
     out["lm_head"] = emb[1]
   return out

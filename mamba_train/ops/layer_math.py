@@ -8,7 +8,8 @@ padding to whole blocks and SiLU's derivative.
 
 Float32 inside: the conv's taps and the norm's mean of squares are float32 whatever
 the compute dtype of their inputs. Shapes: b batch, l length, k conv kernel, c
-channels (any trailing shape), i d_inner, g groups. Imports nothing of the package.
+channels (any trailing shape), i d_inner, g groups. Imports nothing of the package
+(`mixer_core`, the layer between the matmuls, takes the SSD it runs as an argument).
 """
 
 from __future__ import annotations
@@ -78,3 +79,37 @@ def causal_conv_silu(x, w, bias, front, seq_idx=None, front_idx=None):
   channels as the SSD takes them (float32)."""
   out, front = causal_conv(x, w, bias, front, seq_idx, front_idx)
   return jax.nn.silu(out), front
+
+
+def mixer_core(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
+               front_x=None, front_bc=None, initial_state=None, seq_idx=None, ssd):
+  """The Mamba-2 layer between in_proj and out_proj: conv + SiLU of x and B|C (after
+  their fronts of earlier inputs, zeros by default), dt = clip(softplus(dt_raw +
+  dt_bias)), the SSD (`ssd`) with the D skip, and the
+  gate y * silu(z); the norm's row statistics as each row's sums of squares per
+  group, which the caller folds into the norm (g * rsqrt(ssq / (i / g) + eps) * w).
+
+  z, xr: (b, l, i) in the compute dtype; bc: (b, l, 2, g n); dt_raw: (b, l, h)
+  float32; w: the layer's conv_x (k, i), conv_x_bias, conv_bc (k, 2, g n),
+  conv_bc_bias, dt_bias, A_log and D (or None); front_x (b, k-1, i), front_bc
+  (b, k-1, 2, g n): `causal_conv`'s fronts; ssd: the SSD, `ssd.ssd_chunked` or a
+  kernel with its arguments. Returns the gated y (b, l, i) in the compute dtype, ssq
+  (b, l, g) float32 and the final state (b, h, p, n).
+  """
+  b, l, i = xr.shape
+  h, g, k = dt_raw.shape[-1], ngroups, w["conv_x"].shape[0]
+  n, cd = bc.shape[-1] // g, xr.dtype
+  front_x = jnp.zeros((b, k - 1, i), cd) if front_x is None else front_x
+  front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), cd) if front_bc is None else front_bc
+  x, _ = causal_conv_silu(xr, w["conv_x"], w["conv_x_bias"], front_x, seq_idx)
+  bcs, _ = causal_conv_silu(bc, w["conv_bc"], w["conv_bc_bias"], front_bc, seq_idx)
+  dt = jax.nn.softplus(dt_raw.astype(F32) + w["dt_bias"])
+  lo, hi = dt_limit
+  if lo > 0.0 or hi < float("inf"):
+    dt = jnp.clip(dt, lo, hi)
+  y, final = ssd(x.astype(cd).reshape(b, l, h, i // h), dt, -jnp.exp(w["A_log"].astype(F32)),
+                 bcs[:, :, 0].reshape(b, l, g, n), bcs[:, :, 1].reshape(b, l, g, n), chunk, D=w.get("D"),
+                 initial_state=initial_state, seq_idx=seq_idx)
+  gated = y.reshape(b, l, i).astype(F32) * jax.nn.silu(z.astype(F32))
+  ssq = jnp.sum(jnp.square(gated.reshape(b, l, g, i // g)), axis=-1)
+  return gated.astype(cd), ssq, final

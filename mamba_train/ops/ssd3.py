@@ -100,7 +100,8 @@ def empty_cache(x, B):
           jnp.zeros(B.shape[:1] + B.shape[2:], B.dtype), jnp.zeros((b, h, p), x.dtype))
 
 
-def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, initial=None):
+def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, initial=None,
+                 seq_idx=None):
   """Chunked exponential-trapezoidal scan.
 
   Args:
@@ -114,6 +115,10 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
     x_proj: (h, R, p) MIMO's per-channel projections of x to its R values; None for SISO.
     initial: optional cache (state (b, h, p, n), k (b, [R,] g, n), x (b, h, p)): the
       state after the previous position and that position's key and raw input.
+    seq_idx: optional (b, l) nondecreasing document ids of packed sequences: a
+      document's first position starts from a zero state and a zero carried (k, x)
+      (its look-ahead term is not taken back into the document before it); the
+      initial cache belongs to position 0's document.
 
   Returns:
     y: (b, l, h, p) SISO or (b, l, R, h, p) MIMO, in x's dtype; and the cache after
@@ -135,6 +140,9 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   gamma = lam32 * dt32  # weight of v_s k_s^T at its own step
   carried = (1.0 - lam32) * dt32  # beta / alpha: weight of v_{s-1} k_{s-1}^T at step s
   look = jnp.concatenate([carried[:, 1:], jnp.zeros_like(carried[:, :1])], axis=1)  # at step s + 1
+  if seq_idx is not None:  # no look-ahead into the next document
+    next_same = jnp.concatenate([seq_idx[:, 1:] == seq_idx[:, :-1], jnp.ones_like(seq_idx[:, :1], bool)], 1)
+    look = jnp.where(next_same[..., None], look, 0.0)
 
   # Chunk-major, head-major layout as in ssd.py. Padding has dt = 0: no decay, no
   # input, and a zero look-ahead for the last real position (its step s + 1 is the
@@ -151,6 +159,16 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   #    with w_ts = gamma_s + [s < t] look_s (the look-ahead term is not yet in h_s).
   seg, cs = _segsums(ac)  # (c, b, g, r, t, s), (c, b, g, r, t)
   causal, strict = jnp.tril(jnp.ones((q, q), bool)), jnp.tril(jnp.ones((q, q), bool), -1)
+  keep_in = doc_end = None
+  if seq_idx is not None:
+    # Padding joins the last document (it carries no input).
+    sq = jnp.pad(seq_idx, [(0, 0), (0, pad)], mode="edge").reshape(b, nc, q).transpose(1, 0, 2)  # (c, b, s)
+    doc_in = jnp.concatenate([sq[:1, :, 0], sq[:-1, :, -1]], axis=0)  # the entering state's document
+    same = (sq[..., :, None] == sq[..., None, :])[:, :, None, None]  # (c, b, 1, 1, t, s)
+    causal, strict = causal & same, strict & same
+    keep_in = (sq == doc_in[..., None])[:, :, None, None]  # (c, b, 1, 1, t)
+    to_last = (sq == sq[..., -1:])[:, :, None, None]  # sources that reach the chunk's end
+    doc_end = jnp.concatenate([doc_in[:1], sq[:, :, -1]], axis=0)  # (c+1, b): each slot's document
   w = gc[..., None, :] + jnp.where(strict, lc[..., None, :], 0.0)
   w = jnp.where(causal, jnp.exp(seg), 0.0) * w
   cb = jnp.einsum("...gtin,...gsjn->...gtisj", Cc, Bc, preferred_element_type=f32)
@@ -160,6 +178,8 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   # 2. Each chunk's end state from its own inputs, look-ahead included: the state
   #    the next chunk's first step decays.
   to_end = jnp.exp(seg[..., -1, :]) * (gc + lc)  # (c, b, g, r, s)
+  if seq_idx is not None:
+    to_end = jnp.where(to_last, to_end, 0.0)
   vw = (vc.astype(f32) * to_end[..., None, None]).astype(cdt)
   states = jnp.einsum("...grsjp,...gsjn->...grpn", vw, Bc, preferred_element_type=f32)
 
@@ -173,13 +193,17 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   all_states = jnp.concatenate([init.reshape(1, b, g, r, p, n), states], axis=0)
   totals = jnp.concatenate([jnp.zeros_like(cs[:1, ..., -1]), cs[..., -1]], axis=0)  # (c+1, b, g, r)
   zseg, _ = _segsums(jnp.moveaxis(totals, 0, -1))  # (b, g, r, z_out, z_in)
-  zdecay = jnp.where(jnp.tril(jnp.ones((nc + 1,) * 2, bool)), jnp.exp(zseg), 0.0)
+  zkeep = jnp.tril(jnp.ones((nc + 1,) * 2, bool))
+  if seq_idx is not None:  # a state reaches a later slot only within its document
+    zkeep = zkeep & (doc_end[:, None] == doc_end[None, :]).transpose(2, 0, 1)[:, None, None]
+  zdecay = jnp.where(zkeep, jnp.exp(zseg), 0.0)
   passed = jnp.einsum("bgrzy,ybgrpn->zbgrpn", zdecay, all_states, precision=_HIGHEST)
   prev, final = passed[:-1], passed[-1]
 
   # 4. Output of the entering state: y_{t,i} += exp(a_{1..t}) h_in q_{t,i}.
   y_in = jnp.einsum("...gtin,...grpn->...grtip", Cc, prev.astype(cdt), preferred_element_type=f32)
-  y = y + y_in * jnp.exp(cs)[..., None, None]
+  decay_in = jnp.exp(cs) if keep_in is None else jnp.where(keep_in, jnp.exp(cs), 0.0)
+  y = y + y_in * decay_in[..., None, None]
   if D is not None:
     y = y + vc.astype(f32) * D.astype(f32).reshape(g, r, 1, 1, 1)
 
@@ -187,6 +211,21 @@ def ssd3_chunked(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, i
   if B.ndim == 4:
     y = y[:, :, 0]
   return y, (final.reshape(b, h, p, n), B[:, -1], x[:, -1])
+
+
+def state_outputs3(C, state, dt, A, *, keep_in=None):
+  """What a state entering a segment adds to its outputs: y_{t,i} = exp(sum_{k<=t} dt_k
+  A_k) h q_{t,i}, zero where keep_in (b, l) is False (another document). C: (b, l, h, n)
+  SISO or (b, l, R, h, n) MIMO, per head; state (b, h, p, n); dt, A (b, l, h).
+  Returns (b, l, [R,] h, p) float32. The exponent is a running sum of one sign."""
+  f32 = _acc_dtype(state)
+  decay = jnp.exp(jnp.cumsum(dt.astype(f32) * A.astype(f32), axis=1))  # (b, l, h)
+  if keep_in is not None:
+    decay = jnp.where(keep_in[..., None], decay, 0.0)
+  Cr = C[:, :, None] if C.ndim == 4 else C
+  y = jnp.einsum("blihn,bhpn->blihp", Cr.astype(f32), state.astype(f32), precision=_HIGHEST)
+  y = y * decay[:, :, None, :, None]
+  return y[:, :, 0] if C.ndim == 4 else y
 
 
 def ssd3_step(cache, x, dt, A, lam, B, C, *, D=None, x_proj=None):

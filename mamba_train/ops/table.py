@@ -11,7 +11,8 @@ math never branches on an implementation name.
 
 The runtime field that picks each operation's row (`Runtime` spells each name
 once; old spellings are aliases there): ssd_impl -> ssd; layer_impl -> conv and
-norm; decode_impl -> decode; moe_impl -> experts; attention -> attention. A Pallas
+norm, or with 'fused' the mixer (the layer between in_proj and out_proj as one op,
+the conv and norm plain where it does not run); decode_impl -> decode; moe_impl -> experts; attention -> attention. A Pallas
 kernel runs on any backend in Pallas' interpreter (`Runtime.interpret`: for tests).
 
 Kernel modules are imported when a row is chosen, not before: importing the model
@@ -79,10 +80,19 @@ TABLE: dict[tuple[str, str], Impl] = {
                              "a Pallas TPU kernel (whole groups on each device)"),
     ("norm", "triton"): _row("layer_gpu", "gated_rms_norm_gpu", ["gpu"], True, [MESH, FLOAT32],
                              "a Pallas Triton kernel (whole groups on each device)"),
+    ("mixer", "fused"): _row("layer_fused_tpu", "mixer_core_tpu", ["tpu"], True,
+                             [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
+                             "one Pallas TPU kernel from in_proj's outputs to the gated y and its norm "
+                             "statistics (conv, SSD, gate; forward: the backward is the plain VJP)"),
+    ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
+                          [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
+                          "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
     ("decode", "xla"): _row("ssd", "ssd_step", ALL, False, [WINDOW, MESH, FLOAT32],
                             "the plain step, about 50 XLA ops a layer"),
     ("decode", "mosaic"): _row("decode_tpu", "mixer_step_fused", ["tpu"], True, [FLOAT32],
                                "three Pallas TPU kernels a layer: pre-norm + in_proj, the step, out_proj + residual"),
+    ("decode3", "xla"): _row("ssd3", "ssd3_step", ALL, False, [MESH, FLOAT32],
+                             "Mamba-3's one-step recurrence, plain XLA ops"),
     ("experts", "xla"): _row("experts", "expert_mlp_xla", ALL, False, [MESH, FLOAT32],
                              "jax.lax.ragged_dot, XLA's grouped matmul"),
     ("experts", "megablox"): _row("experts_tpu", "expert_mlp_megablox", ["tpu"], True, [MESH, FLOAT32],
@@ -102,7 +112,8 @@ TABLE: dict[tuple[str, str], Impl] = {
 }
 
 # The runtime field that chooses each operation's row.
-FIELDS = {"ssd": "ssd_impl", "conv": "layer_impl", "norm": "layer_impl", "decode": "decode_impl",
+FIELDS = {"ssd": "ssd_impl", "ssd3": "ssd_impl", "decode3": "decode_impl", "conv": "layer_impl", "norm": "layer_impl",
+          "mixer": "layer_impl", "decode": "decode_impl",
           "experts": "moe_impl", "attention": "attention"}
 
 
@@ -154,12 +165,18 @@ class Ops:
   """The implementations a model runs with (`build`); what the model calls."""
   ssd: Callable  # ssd_chunked's arguments and results
   ssd_chunk: int
+  ssd3: Callable | None  # ssd3_chunked's (None: the model has no Mamba-3 layer)
+  ssd3_chunk: int
+  ssd3_step: Callable  # ssd3_step's
   ssd_chunk_major: bool  # the kernel reads x, and writes y, chunk-major with positions minor (whole chunks)
   ssd_y_positions_minor: bool  # the kernel writes y positions-minor (the gate reads it channels-minor)
   ssd_save_names: tuple[str, ...]  # what `save_in_proj_ssd` keeps of the SSD kernel
   ssd_saved_with_matmuls: tuple[str, ...]  # what `save_matmuls` keeps of it
   conv: Callable  # causal_conv_silu's
   norm: Callable  # gated_rms_norm's
+  # layer_math.mixer_core's (the layer between in_proj and out_proj for an
+  # unpadded sequence), or None: conv, SSD and norm run one by one
+  mixer: Callable | None
   split_in_proj: bool  # z, x and B|C as three GEMM outputs (the TPU layer kernels read operands whole)
   decode: DecodeKernels | None  # None: the plain step
   expert_mlp: Callable  # experts.expert_mlp_xla's
@@ -186,6 +203,8 @@ class Mesh:
 
 def _impl(op: str, runtime) -> str:
   impl = getattr(runtime, FIELDS[op])
+  if impl == "fused" and op in ("conv", "norm"):  # the fused mixer holds them; plain where it does not run
+    return "xla"
   if impl == "auto":
     raise ValueError(f"runtime.{FIELDS[op]} 'auto' is not resolved: call Runtime.resolve(backend) first")
   if (op, impl) not in TABLE:
@@ -235,6 +254,19 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
       ssd = functools.partial(seq.ssd, ssd, _state_outputs(), kernel=True)
   save_names = () if impl == "xla" else _module("ssd", impl).SAVE_NAMES
 
+  # --- Mamba-3's scan (its plain forms; a kernel's runtime name falls back to them) ---
+  ssd3, step3, chunk3 = None, TABLE["decode3", "xla"].load(), min(cfg.chunk_size, runtime.parallel_chunk_size)
+  if cfg.count("3"):
+    ask = runtime.ssd_impl
+    choices.append(("ssd3", "xla", "runtime" if ask == "xla" else f"{ask} has no Mamba-3 form"))
+    ssd3 = TABLE["ssd3", "xla"].load()
+    if ask == "xla" and runtime.ssd_form == "scan":
+      chunk3 = min(cfg.chunk_size, runtime.scan_chunk_size)
+    if seq is not None:  # per slice, the carries exchanged (parallel/sequence.py)
+      ssd3 = functools.partial(seq.ssd3, ssd3, importlib.import_module("mamba_train.ops.ssd3").state_outputs3)
+    dec3 = runtime.decode_impl
+    choices.append(("decode3", "xla", "runtime" if dec3 == "xla" else f"{dec3} has no Mamba-3 step"))
+
   # --- the conv + SiLU and the gated norm ---
   # A split sequence keeps the plain forms: its conv exchanges a halo inside its own map.
   layer = choose("conv", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)"})
@@ -251,6 +283,18 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   norm = _kernel("norm", norm_impl, runtime)
   if norm_impl != "xla" and mesh.heads is not None:
     norm = functools.partial(mesh.heads.norm, norm)
+
+  # --- the layer between the matmuls as one op ---
+  mixer = None
+  if runtime.layer_impl == "fused":
+    split_groups = mesh.heads is not None and mesh.heads.head_devices > 1 and cfg.ngroups % mesh.heads.head_devices
+    m = choose("mixer", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)",
+                         WINDOW: bool(cfg.ssd_window) and "window (ssd_window)",
+                         SPLIT_GROUPS: bool(split_groups) and "group split over devices (ngroups % heads' devices)"})
+    if m != "xla":
+      mixer = _kernel("mixer", m, runtime)
+      if mesh.heads is not None:
+        mixer = functools.partial(mesh.heads.mixer, mixer)
 
   # --- decoding ---
   # The fused step holds the (h, p, n) state, not a window's inputs; XLA cannot
@@ -279,13 +323,13 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   # The TPU layer kernels take z, x and B|C as operands of their own, whatever runs
   # the conv here (`mamba2._project_in`).
   split_in_proj = _impl("conv", runtime) == "mosaic"
-  return Ops(ssd=ssd, ssd_chunk=chunk, ssd_chunk_major=impl == "mosaic" and seq is None,
+  return Ops(ssd=ssd, ssd_chunk=chunk, ssd3=ssd3, ssd3_chunk=chunk3, ssd3_step=step3, ssd_chunk_major=impl == "mosaic" and seq is None,
              ssd_y_positions_minor=impl == "mosaic", ssd_save_names=tuple(save_names),
              # The GPU kernels' output and entering states: without them the backward pass
              # runs the forward kernel again (docs/bench/gpu.md); the TPU step's counts
              # were taken without (docs/bench/tpu_ssd.md).
              ssd_saved_with_matmuls=tuple(save_names) if impl == "triton" else (), conv=conv, norm=norm,
-             split_in_proj=split_in_proj,
+             split_in_proj=split_in_proj or mixer is not None, mixer=mixer,
              decode=decode, expert_mlp=expert_mlp, expert_mlp_checks_vma=experts == "xla",
              attend=attend, choices=tuple(choices))
 

@@ -60,6 +60,30 @@ class HeadSplit:
 
     return self._map(local, specs, (specs[0], specs[6]), *args)
 
+  def mixer(self, kernel: Callable, z, xr, bc, dt_raw, w, chunk_size: int, *, ngroups: int, dt_limit,
+            front_x, front_bc, initial_state, seq_idx=None):
+    """`kernel(...)` (`layer_fused_tpu.mixer_core_tpu`: the layer between in_proj and
+    out_proj) on each device's part of the batch and heads, whole groups on each
+    device (the caller checks that they divide), with `layer_math.mixer_core`'s
+    arguments and results. w: the layer's conv, dt, A and D parameters by name."""
+    bt, hd = self.batch, self.heads
+    gs = hd if ngroups > 1 else None  # one group: B|C whole on every device
+    inner = P(bt, None, hd)
+    wspecs = {"conv_x": P(None, hd), "conv_x_bias": P(hd), "conv_bc": P(None, None, gs),
+              "conv_bc_bias": P(None, gs), "dt_bias": P(hd), "A_log": P(hd), "D": P(hd)}
+    w = {k: w[k] for k in wspecs}
+    bcs = P(bt, None, None, gs)
+    specs = (inner, inner, bcs, inner, wspecs, inner, bcs, P(bt, hd, None, None))
+    args = (z, xr, bc, dt_raw, w, front_x, front_bc, initial_state)
+    if seq_idx is not None:
+      specs, args = specs + (P(bt, None),), args + (seq_idx,)
+    local_groups = ngroups // self.head_devices if ngroups > 1 else 1
+
+    def local(z, xr, bc, dt_raw, w, fx, fbc, h0, seq=None):
+      return kernel(z, xr, bc, dt_raw, w, chunk_size, ngroups=local_groups, dt_limit=dt_limit,
+                    front_x=fx, front_bc=fbc, initial_state=h0, seq_idx=seq)
+    return self._map(local, specs, (inner, P(bt, None, gs), specs[7]), *args)
+
   def _map(self, local, in_specs, out_specs, *args):
     # Inside another map (a split sequence's, manual over its axis) the kernel's map
     # takes the context's mesh, which says which axes are manual already.

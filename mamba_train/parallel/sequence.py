@@ -138,6 +138,62 @@ class SequenceSplit:
                          out_specs=(seq, P(ax)), check_vma=not kernel)(x, dt, B, C, seq_idx, A, D, initial_state)
     return y, final[-1]
 
+  def ssd3(self, scan: Callable, state_outputs: Callable, x, dt, A, lam, B, C, chunk_size: int, *, D=None,
+           x_proj=None, initial=None, seq_idx=None):
+    """Mamba-3's scan (`ssd3.ssd3_chunked`'s arguments and results) on a sequence split
+    over the axis. Each device scans its slice from a zero state, its first position's
+    carried term taken from the previous device's last key and input (a ppermute; device
+    0's from `initial`; none where a document starts there); the entering states are
+    composed over the devices as for Mamba-2 (`_scan_over_devices`), and what each adds
+    to the outputs is `state_outputs` (`ssd3.state_outputs3`). B and C come rotated by
+    the caller (the angle is a prefix over the whole length, which XLA partitions)."""
+    b, l, h, p = x.shape
+    self._check_length(l)
+    ax, size = self.axis, self.size
+    siso = B.ndim == 4
+    if seq_idx is None:
+      seq_idx = jnp.zeros((b, l), jnp.int32)
+    if initial is None:
+      initial = (jnp.zeros((b, h, p, B.shape[-1]), jnp.float32), jnp.zeros(B.shape[:1] + B.shape[2:], B.dtype),
+                 jnp.zeros((b, h, p), x.dtype))
+    xp = x_proj
+
+    def local(x, dt, A, lam, B, C, ids, D, xp, init):
+      state0, k0, v0 = init
+      i = jax.lax.axis_index(ax)
+      first = i == 0
+      prev_ids = _shift(ids[:, -1], ax, size, 1)
+      doc_in = jnp.where(first, ids[:, 0], prev_ids)
+      # The carried (k, x) of the position before the slice: the previous device's last.
+      k_prev, v_prev = _shift((B[:, -1], x[:, -1]), ax, size, 1)
+      k_prev = jnp.where(_bcast(first, k_prev), k0.astype(B.dtype), k_prev)
+      v_prev = jnp.where(_bcast(first, v_prev), v0.astype(x.dtype), v_prev)
+      cont = ids[:, 0] == doc_in  # the slice's first position continues that document
+      k_prev = jnp.where(_bcast(cont, k_prev), k_prev, 0)
+      v_prev = jnp.where(_bcast(cont, v_prev), v_prev, 0)
+      zero = jax.lax.pcast(jnp.zeros_like(state0, jnp.float32), (ax,), to="varying")
+      y, (own, k_last, v_last) = scan(x, dt, A, lam, B, C, chunk_size, D=D, x_proj=xp,
+                                      initial=(zero, k_prev, v_prev), seq_idx=ids)
+      total = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)  # (b, h)
+      summary = (total, own, ids[:, -1] == doc_in)
+      prev = _shift(summary, ax, size, 1)
+      start = (jnp.zeros_like(total), state0.astype(jnp.float32), jnp.ones_like(doc_in, bool))
+      elem = jax.tree.map(lambda s, q: jnp.where(_bcast(first, q), s, q), start, prev)
+      entering = _scan_over_devices(elem, ax, size, i)
+      final = _compose(entering, summary)[1]
+      y = y.astype(jnp.float32) + state_outputs(C, entering[1], dt, A, keep_in=ids == doc_in[:, None])
+      return y.astype(x.dtype), final[None], k_last[None], v_last[None]
+
+    seq = P(None, ax)
+    xp_arg = jnp.zeros((h, 1, p), x.dtype) if xp is None else xp
+    run = lambda x, dt, A, lam, B, C, ids, D, xpa, init: local(x, dt, A, lam, B, C, ids, D,
+                                                              None if xp is None else xpa, init)
+    y, final, k_last, v_last = self._map(
+        run, in_specs=(seq, seq, seq, seq, seq, seq, seq, P(), P(), P()),
+        out_specs=(seq, P(ax), P(ax), P(ax)))(x, dt, A, lam, B, C, seq_idx,
+                                              jnp.zeros((h,), x.dtype) if D is None else D, xp_arg, initial)
+    return y, (final[-1], k_last[-1], v_last[-1])
+
   def _windowed(self, scan, x, dt, A, B, C, *args, D, seq_idx, window, **kw):
     """The windowed SSD on a split sequence: each device prepends the `window`
     positions before its slice (from its left neighbour when the slice is at least

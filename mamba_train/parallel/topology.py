@@ -3,10 +3,11 @@
 With `libtpu` installed (from PyPI; no TPU needed), `jax.experimental.topologies`
 describes any slice, and `jax.jit(...).lower(...).compile()` with its devices
 compiles for it on a CPU host. Names: those `topologies` knows (v4:2x2x2, v5e:4x4,
-v5p:4x4x4, v6e:2x2, ...) or Cloud TPU slice names (v5p-128, v5e-16, v6e-8, v4-32;
-v4 and v5p names count TensorCores, two per chip, v5e and v6e names count chips).
-With the CUDA plugin, ptxas and XLA's GPU target descriptions (the `gpu` extra),
-the same holds for NVIDIA GPUs named h100-N / h200-N (`gpu_devices`).
+v5p:4x4x4, v6e:2x2, tpu7x:2x2x1, ...) or Cloud TPU slice names (v5p-128, v5e-16, v6e-8,
+v4-32, tpu7x-8; v4, v5p and tpu7x names count TensorCores, two per chip, v5e and v6e
+names count chips). With the CUDA plugin, ptxas and XLA's GPU target descriptions (the
+`gpu` extra), the same holds for NVIDIA GPUs named h100-N / h200-N / b200-N / gb200-N
+(`gpu_devices`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import re
 
 from mamba_train import platforms
 
-# Slice names count TensorCores for these generations (two per chip).
-_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+# Slice names count TensorCores for these generations (two per chip). TPU7x
+# (Ironwood): MaxText's tpu7x-8 is tpu7x:2x2x1, four chips whose eight TensorCores
+# libtpu shows as eight devices; its slices are 3-D tori like v5p's.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1, "tpu7x": 2}
+_GENERATIONS = "v4|v5e|v5p|v6e|tpu7x"
 
 
 def _grid(chips: int, dims: int) -> tuple[int, ...]:
@@ -37,18 +41,18 @@ def _grid(chips: int, dims: int) -> tuple[int, ...]:
 def topology_name(name: str) -> tuple[str, str]:
   """('v5e', 'v5e:2x2') from 'v5e:2x2', 'v5litepod-4', 'v5e-4', 'v5p-128', ..."""
   name = name.strip().lower().replace("v5litepod", "v5e").replace("v6litepod", "v6e")
-  m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)*)", name)
+  m = re.fullmatch(rf"({_GENERATIONS}):(\d+(?:x\d+)*)", name)
   if m:
     return m.group(1), name
-  m = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
+  m = re.fullmatch(rf"({_GENERATIONS})-(\d+)", name)
   if not m:
     raise ValueError(f"unknown TPU topology {name!r}: use e.g. v5e:2x2, v6e:4x4, v5p:4x4x4, "
-                     f"v4:2x2x2, or a slice name such as v5p-128 or v5e-16")
+                     f"v4:2x2x2, tpu7x:2x2x1, or a slice name such as v5p-128, v5e-16 or tpu7x-8")
   gen, n = m.group(1), int(m.group(2))
   cores = _CORES_PER_CHIP[gen]
   if n % cores:
     raise ValueError(f"{name}: {gen} slice names count TensorCores ({cores} per chip)")
-  dims = 3 if gen in ("v4", "v5p") else 2
+  dims = 3 if gen in ("v4", "v5p", "tpu7x") else 2
   shape = _grid(n // cores, dims)
   return gen, f"{gen}:" + "x".join(map(str, shape))
 
@@ -90,30 +94,34 @@ def tpu_devices(name: str):
 
 
 # ----------------------------------------------------------------------------
-# NVIDIA GPUs: 'h100-8' is one host of 8 H100 SXM, 'h200-64' eight hosts of 8 H200.
+# NVIDIA GPUs: 'h100-8' is one host of 8 H100 SXM, 'h200-64' eight hosts of 8 H200,
+# 'b200-8' one host of 8 B200 (sm_100a), 'gb200-8' two GB200 compute trays of 4.
 # XLA compiles for a GPU with no device from a target description (a
-# GpuTargetConfigProto in text form); gpu_targets/ holds XLA's own H100 SXM and H200
-# specs (xla/backends/gpu/target_config/specs/), less the
+# GpuTargetConfigProto in text form); gpu_targets/ holds XLA's own H100 SXM, H200,
+# B200 and GB200 specs (xla/backends/gpu/target_config/specs/), less the
 # `collective_memory_granularity` field that jaxlib 0.10.2 does not parse.
-_GPU_TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+_GPU_TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb", "b200": "b200.txtpb", "gb200": "gb200.txtpb"}
+_GPU_KINDS = "|".join(_GPU_TARGETS)
 GPUS_PER_HOST = 8
+_GPUS_PER_HOST = {"gb200": 4}  # a GB200 NVL72 compute tray: two Grace CPUs, four B200-class GPUs
 
 
 def gpu_topology_name(name: str) -> tuple[str, int, int]:
-  """('h100', hosts, GPUs per host) from 'h100-8', 'h200-64', 'h100-1', ..."""
-  m = re.fullmatch(r"(h100|h200)-(\d+)", name.strip().lower())
+  """('h100', hosts, GPUs per host) from 'h100-8', 'h200-64', 'b200-8', 'h100-1', ..."""
+  m = re.fullmatch(rf"({_GPU_KINDS})-(\d+)", name.strip().lower())
   if not m or int(m.group(2)) < 1:
-    raise ValueError(f"unknown GPU topology {name!r}: use h100-N or h200-N for N GPUs "
-                     f"({GPUS_PER_HOST} a host: h100-8 is one host, h100-64 eight)")
+    raise ValueError(f"unknown GPU topology {name!r}: use h100-N, h200-N, b200-N or gb200-N for N GPUs "
+                     f"({GPUS_PER_HOST} a host, gb200 4: h100-8 is one host, h100-64 eight)")
   kind, n = m.group(1), int(m.group(2))
-  if n > GPUS_PER_HOST and n % GPUS_PER_HOST:
-    raise ValueError(f"{name}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}")
-  hosts = max(1, n // GPUS_PER_HOST)
+  per = _GPUS_PER_HOST.get(kind, GPUS_PER_HOST)
+  if n > per and n % per:
+    raise ValueError(f"{name}: more than {per} GPUs come in whole hosts of {per}")
+  hosts = max(1, n // per)
   return kind, hosts, n // hosts
 
 
 def is_gpu_topology(name: str) -> bool:
-  return re.match(r"(h100|h200)-", name.strip().lower()) is not None
+  return re.match(rf"({_GPU_KINDS})-", name.strip().lower()) is not None
 
 
 def _ptxas_on_path() -> None:

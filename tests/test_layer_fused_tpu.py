@@ -1,0 +1,124 @@
+"""The fused Mamba-2 layer between in_proj and out_proj (ops/layer_fused_tpu.py, one
+Pallas Mosaic kernel: conv + SiLU, dt, the one-pass SSD, the gate and the norm's
+sums of squares) against its plain form (`layer_math.mixer_core` over the plain
+SSD) in Pallas' interpreter on CPU: float32 outputs and every gradient at 1e-5 over
+packed documents whose boundaries sit inside the conv's reach across a chunk
+boundary, initial states (SSM and conv), a ragged length over several chunks, 3 groups, and two
+head blocks; the model with `layer_impl='fused'` against the XLA model; and the
+kernel compiled for TPU v6e and TPU7x through libtpu (no TPU needed)."""
+
+import jax
+import jax.numpy as jnp
+
+from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
+from mamba_train.ops.layer_math import mixer_core
+from mamba_train.ops.ssd import ssd_chunked
+
+from helpers import libtpu_compiles, rel
+from kernel_checks import assert_model_matches_xla
+
+
+def _inputs(b, l, h, p, g, n, k=4):
+  ks = jax.random.split(jax.random.PRNGKey(l * h + g), 12)
+  i = h * p
+  w = dict(conv_x=0.5 * jax.random.normal(ks[4], (k, i)), conv_x_bias=0.1 * jax.random.normal(ks[5], (i,)),
+           conv_bc=0.5 * jax.random.normal(ks[6], (k, 2, g * n)),
+           conv_bc_bias=0.1 * jax.random.normal(ks[7], (2, g * n)), dt_bias=0.1 * jax.random.normal(ks[8], (h,)),
+           A_log=jnp.log(jnp.linspace(1.0, 8.0, h)), D=jax.random.normal(ks[9], (h,)))
+  fronts = jax.random.split(ks[11], 3)
+  return (jax.random.normal(ks[0], (b, l, i)), jax.random.normal(ks[1], (b, l, i)),
+          jax.random.normal(ks[2], (b, l, 2, g * n)), jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
+          jax.random.normal(fronts[0], (b, k - 1, i)), jax.random.normal(fronts[1], (b, k - 1, 2, g * n)),
+          0.1 * jax.random.normal(ks[10], (b, h, p, n)), fronts[2])
+
+
+def _run(fn, args, seq, chunk, g, dt_limit, grads):
+  *inputs, key = args
+
+  def outputs(z, xr, bc, dt_raw, w, fx, fbc, s0):
+    return fn(z, xr, bc, dt_raw, w, chunk, ngroups=g, dt_limit=dt_limit, front_x=fx, front_bc=fbc,
+              initial_state=s0, seq_idx=seq)
+
+  out = jax.jit(outputs)(*inputs)
+  if not grads:
+    return out, None
+  wts = [jax.random.normal(kk, o.shape) for kk, o in zip(jax.random.split(key, 3), out)]
+  loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outputs(*a), wts))
+  return out, jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*inputs)
+
+
+def test_fused_mixer_matches_plain_form_with_documents_and_groups():
+  """3 groups of 2 heads, 40 positions in chunks of 16 (the last ragged); documents
+  change at 14 and 17, so the conv's taps at positions 16-18 reach back across the
+  chunk boundary into another document; initial states (the SSM's, the conv's fronts
+  of earlier inputs, which the first chunk's taps read); dt clamped. Outputs (the
+  gated y, the sums of squares, the final state) and every gradient."""
+  b, l, h, p, g, n = 2, 40, 6, 4, 3, 8
+  args = _inputs(b, l, h, p, g, n)
+  seq = jnp.array([[0] * 14 + [1] * 3 + [2] * 23, [0] * 40], jnp.int32)
+  kernel = lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True)
+  plain = lambda *a, **kw: mixer_core(*a, **kw, ssd=ssd_chunked)
+  got, dgot = _run(kernel, args, seq, 16, g, (0.0, 0.2), True)
+  want, dwant = _run(plain, args, seq, 16, g, (0.0, 0.2), True)
+  assert rel(want[2], _run(plain, args, None, 16, g, (0.0, 0.2), False)[0][2]) > 1e-3  # documents matter
+  for a, c in zip(got, want):
+    assert rel(a, c) < 1e-5
+  for (path, a), c in zip(jax.tree_util.tree_flatten_with_path(dgot)[0], jax.tree.leaves(dwant)):
+    assert rel(a, c) < 1e-5, path
+
+
+def test_fused_mixer_matches_plain_form_over_head_blocks():
+  """One group of 16 heads (two blocks of 8), whole chunks, no documents: outputs."""
+  b, l, h, p, g, n = 1, 32, 16, 2, 1, 8
+  args = _inputs(b, l, h, p, g, n)
+  got, _ = _run(lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True), args, None, 16, g,
+                (0.0, float("inf")), False)
+  want, _ = _run(lambda *a, **kw: mixer_core(*a, **kw, ssd=ssd_chunked), args, None, 16, g,
+                 (0.0, float("inf")), False)
+  for a, c in zip(got, want):
+    assert rel(a, c) < 1e-5
+
+
+def test_model_with_fused_layer_matches_xla_model():
+  """A one-layer tiny model with 4 groups over packed documents at a ragged length,
+  logits and every parameter's gradient: the fused layer in the interpreter (remat
+  save_in_proj, the norm folded into out_proj) against the XLA model (no remat); and
+  the table's choice."""
+  from mamba_train import Runtime, config_for
+  from mamba_train.model.select import ops_for
+  cfg = config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8)
+  rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True, remat="save_in_proj").resolve("cpu")
+  assert ("mixer", "fused", "runtime") in ops_for(cfg, rt).choices
+  from flax import nnx
+
+  from mamba_train import Mamba2LM
+  model = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)  # the kernel runs in the model (not a fallback)
+  assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(jnp.zeros((1, 40), jnp.int32)))
+  assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
+
+
+_AOT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from mamba_train.parallel.topology import tpu_devices
+from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
+# The released models' head and state sizes (p 64, n 128), two head blocks, chunk
+# 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations.
+b, l, h, p, g, n, k, q = 1, 256, 16, 64, 1, 128, 4, 128
+i = h * p
+for topo in sys.argv[1:]:
+  rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
+  S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  w = dict(conv_x=S((k, i)), conv_x_bias=S((i,)), conv_bc=S((k, 2, g * n)), conv_bc_bias=S((2, g * n)),
+           dt_bias=S((h,)), A_log=S((h,)), D=S((h,)))
+  f = lambda z, xr, bc, dt, w, s: mixer_core_tpu(z, xr, bc, dt, w, q, ngroups=g, seq_idx=s)
+  bf = jnp.bfloat16
+  hlo = jax.jit(f).lower(S((b, l, i), bf), S((b, l, i), bf), S((b, l, 2, g * n), bf), S((b, l, h)), w,
+                         S((b, l), jnp.int32)).compile().as_text()
+  assert "mixer_fused" in hlo
+  print("compiled", topo)
+"""
+
+
+def test_fused_mixer_compiles_for_v6e_and_tpu7x():
+  libtpu_compiles(_AOT, ("v6e:1x1", "tpu7x:2x2x1"))
