@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,6 @@ def _steps(pattern: str, order: str) -> list[str]:
 
 
 def _plan_steps(pattern: str) -> Steps:
-  import itertools
   kinds = sorted(set(pattern))
   order = min(("".join(o) for o in itertools.permutations(kinds)), key=lambda o: len(_steps(pattern, o)))
   steps = _steps(pattern, order)
@@ -198,7 +199,6 @@ def run(pl: ScanPlan, fns: dict[str, Callable], params: dict[str, Any], states: 
 def _run_steps(st: Steps, fns: dict[str, Callable], xs: dict[str, Any], h):
   """One scan over `st`'s steps; each kind's parameters and states gathered to one
   slot a step, its new states gathered back to one per layer."""
-  import numpy as np
   gather = lambda tree, idx: jax.tree.map(lambda a: jnp.take(a, np.asarray(idx, np.int32), axis=0), tree)
   slots = {k: gather(xs[k], st.slot[k]) for k in st.order}
   taken = {k: jnp.asarray(np.asarray(st.taken[k])) for k in st.order}
