@@ -119,13 +119,7 @@ class SequenceSplit:
       # The document entering this slice: the previous slice's last, or (device 0)
       # the first position's, to which the initial state belongs.
       doc_in = jnp.where(first, ids[:, 0], _shift(ids[:, -1], ax, size, 1))
-      summary = (total, own, ids[:, -1] == doc_in)
-      # Element i of the scan: the previous slice's summary; device 0's, the initial state.
-      prev = _shift(summary, ax, size, 1)
-      start = (jnp.zeros_like(total), init.astype(jnp.float32), jnp.ones_like(doc_in, bool))
-      elem = jax.tree.map(lambda s, p: jnp.where(_bcast(first, p), s, p), start, prev)
-      entering = _scan_over_devices(elem, ax, size, i)
-      final = _compose(entering, summary)[1]
+      entering, final = _enter(total, own, ids, doc_in, init, ax, size, i)
       keep_in = ids == doc_in[:, None]
       # In bfloat16 compute, y was rounded once before this float32 sum (on one
       # device the entering state's term joins before rounding): one more rounding.
@@ -175,12 +169,7 @@ class SequenceSplit:
       y, (own, k_last, v_last) = scan(x, dt, A, lam, B, C, chunk_size, D=D, x_proj=xp,
                                       initial=(zero, k_prev, v_prev), seq_idx=ids)
       total = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)  # (b, h)
-      summary = (total, own, ids[:, -1] == doc_in)
-      prev = _shift(summary, ax, size, 1)
-      start = (jnp.zeros_like(total), state0.astype(jnp.float32), jnp.ones_like(doc_in, bool))
-      elem = jax.tree.map(lambda s, q: jnp.where(_bcast(first, q), s, q), start, prev)
-      entering = _scan_over_devices(elem, ax, size, i)
-      final = _compose(entering, summary)[1]
+      entering, final = _enter(total, own, ids, doc_in, state0, ax, size, i)
       y = y.astype(jnp.float32) + state_outputs(C, entering[1], dt, A, keep_in=ids == doc_in[:, None])
       return y.astype(x.dtype), final[None], k_last[None], v_last[None]
 
@@ -225,6 +214,20 @@ class SequenceSplit:
     y, final = self._map(local, in_specs=(seq, seq, seq, seq, seq, P(), P()),
                          out_specs=(seq, P(ax)))(x, dt, B, C, seq_idx, A, D)
     return y, final[-1]
+
+
+def _enter(total, own, ids, doc_in, init, ax: str, size: int, i):
+  """The state entering this device's slice and the one leaving it (the sequence's
+  final state on the last device), Mamba-2's and Mamba-3's split alike. Each slice's
+  summary is its total decay, its own final state (from a zero state) and whether its
+  last position continues the document it entered with; element i of the scan over
+  devices is the previous slice's summary, device 0's the initial state."""
+  summary = (total, own, ids[:, -1] == doc_in)
+  prev = _shift(summary, ax, size, 1)
+  start = (jnp.zeros_like(total), init.astype(jnp.float32), jnp.ones_like(doc_in, bool))
+  elem = jax.tree.map(lambda s, p: jnp.where(_bcast(i == 0, p), s, p), start, prev)
+  entering = _scan_over_devices(elem, ax, size, i)
+  return entering, _compose(entering, summary)[1]
 
 
 def _shift(tree, ax: str, size: int, by: int):
