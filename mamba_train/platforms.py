@@ -3,7 +3,7 @@
 With no choice made, JAX starts every installed plugin at its first computation, and a
 plugin whose hardware is absent fails loudly: jax's CUDA plugin logs two chained
 tracebacks (`Unable to load cuDNN. Is it installed?`) and libtpu prints warnings about
-TPU hostnames and accelerator types, about 28 lines before a CPU run's first line.
+TPU hostnames and accelerator types, all before a CPU run's first line of its own.
 JAX's own answer is a platform list: with `JAX_PLATFORMS` naming what to start, the CUDA
 plugin skips its library checks (jax-ml/jax#35384) and no TPU client is made. So the
 entry points (through `xla_flags.apply_cpu_defaults`) and the public API's first use
