@@ -3,7 +3,8 @@
 every gradient (x, dt, A, lam, B, C, D, x_proj, the incoming cache) at 1e-5; SISO and
 MIMO ranks 1 and 2 over packed documents, an incoming cache, ragged lengths, several
 chunks and head blocks; bfloat16 within the plain form's own error; the selection
-table's choice; and the kernels compiled for TPU v6e through libtpu (no TPU needed).
+table's choice. test_ssd_pallas's compile test also compiles them for TPU v6e through
+libtpu (no TPU needed; one process for both, its start-up paid once).
 
 Interpret mode is slow to trace: tiny shapes, one compile per case."""
 
@@ -17,7 +18,7 @@ import pytest
 
 from mamba_train.ops import ssd3, ssd3_tpu
 
-from helpers import libtpu_compiles, rel
+from helpers import rel
 
 P, N = 3, 5
 
@@ -115,34 +116,3 @@ def test_table_picks_the_kernel_for_mamba3():
   gpu = table.build(Runtime(ssd_impl="triton").resolve("gpu"), cfg)
   assert ("ssd3", "xla", "triton has no Mamba-3 form") in gpu.choices
   assert table.build(Runtime().resolve("cpu"), cfg).chose("ssd3") == "xla"
-
-
-_AOT = """
-import sys, jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from mamba_train.parallel.topology import tpu_devices
-from mamba_train.ops.ssd3_tpu import ssd3_fused
-for topo in sys.argv[1:]:
-  rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
-  S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
-  # The 1.5b's head and state sizes on 2 heads, bfloat16, documents: SISO at chunk 64
-  # and MIMO rank 4 at chunk 16 (both 64 rows a chunk), forward and backward.
-  b, l, h, p, n = 1, 256, 2, 64, 128
-  for rank, q in ((None, 64), (4, 16)):
-    bc = (b, l, h, n) if rank is None else (b, l, rank, h, n)
-    cache = (S((b, h, p, n)), S(bc[:1] + bc[2:], jnp.bfloat16), S((b, h, p), jnp.bfloat16))
-    args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h)), S((b, l, h)), S((b, l, h)), S(bc, jnp.bfloat16),
-            S(bc, jnp.bfloat16), S((h,)), None if rank is None else S((h, rank, p)), cache, S((b, l), jnp.int32))
-    def loss(x, dt, A, lam, B, C, D, xp, cache, seq, q=q):
-      y, (s, _, _) = ssd3_fused(x, dt, A, lam, B, C, q, D=D, x_proj=xp, initial=cache, seq_idx=seq)
-      return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
-    step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(9))))
-    hlo = step.lower(*args).compile().as_text()
-    for kernel in ("ssd_one_pass_save", "ssd_one_pass_bwd"):
-      assert kernel in hlo, kernel + " missing"
-  print("compiled", topo)
-"""
-
-
-def test_mamba3_kernel_compiles_for_tpu_v6e():
-  libtpu_compiles(_AOT, ("v6e:1x1",))

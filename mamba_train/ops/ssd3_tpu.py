@@ -105,13 +105,16 @@ def ssd3_fused(x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, ini
   y = y.transpose(1, 0, 5, 2, 3, 4).reshape(b, nc * Qr, h, p)[:, :l * R].reshape(b, l, R, h, p)
 
   # The diagonal correction: each position's own R x R block at lam dt, not w [j <= i].
-  qk = jnp.einsum("bligN,bljgN->blgij", Cq, Bk, preferred_element_type=_F32)  # (b, l, g, i, j)
+  # R x R per position and head: as broadcasts and sums, which XLA fuses (as batched
+  # dots of R x n by n x R they are MXU-shaped work of no size, and libtpu's compile of
+  # their backward ran ~40 CPU-s at rank 4).
+  qk = jnp.sum(Cq[:, :, :, None].astype(_F32) * Bk[:, :, None].astype(_F32), axis=-1)  # (b, l, i, j, g)
   reads = jnp.tril(jnp.ones((R, R), _F32))  # what the kernel's causal mask let through
-  coef = (gamma.reshape(b, l, g, r)[..., None, None] - w.reshape(b, l, g, r)[..., None, None] * reads)
-  coef = coef * qk[:, :, :, None]  # (b, l, g, r, i, j)
-  corr = jnp.einsum("blgrij,blgrjp->bligrp", coef, v.reshape(b, l, g, r, R, p).astype(_F32),
-                    precision=jax.lax.Precision.HIGHEST)
-  y = (y.astype(_F32) + corr.reshape(b, l, R, h, p)).astype(cdt)
+  coef = gamma[:, :, None, None] - w[:, :, None, None] * reads[..., None]  # (b, l, i, j, h)
+  coef = coef * jnp.repeat(qk, r, axis=-1)
+  vj = jnp.swapaxes(v, 2, 3).astype(_F32)  # (b, l, j, h, p)
+  corr = jnp.sum(coef[..., None] * vj[:, :, None], axis=3)  # (b, l, i, h, p)
+  y = (y.astype(_F32) + corr).astype(cdt)
   if B.ndim == 4:
     y = y[:, :, 0]
   return y, (final.reshape(b, h, p, n), B[:, -1], x[:, -1])
