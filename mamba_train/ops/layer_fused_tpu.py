@@ -23,10 +23,28 @@ needs them again (docs/bench/tpu_ssd.md). Here, per chunk and head block, on chi
   summed per group in XLA.
 
 Between in_proj's output and out_proj's input only the gated y is written (and the
-final state). The backward pass is, for now, the plain form's VJP
-(`jax.custom_vjp`): under remat the backward pass recomputes the layer in XLA and
-the one-pass SSD kernels, as `layer_impl` 'xla' does; the forward alone moves
-fewer bytes (docs/bench/fused_layer.md says how many, predicted and measured).
+final state).
+
+The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
+forward's grid with the chunks innermost, sequential and in reverse. Under
+differentiation the forward kernel also writes each chunk's entering state
+(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does).
+Per chunk and head block the backward kernel recomputes, from in_proj's raw outputs,
+the conv + SiLU of x, B and C (reading the previous chunk's raw block, or the front,
+for the conv's reach back), dt, the chunk's SSD output and the gate; then takes the
+gate's gradient (the gated y's cotangent plus 2 gated times its sum of squares'), the
+SSD chunk's (`ssd_tpu._outputs_head_bwd`, `_states_head_bwd`, the state's cotangent
+carried in VMEM from the final state's back to the initial state's), SiLU's and the
+conv's. Walking in reverse, an input's conv gradient needs the pre-activation
+cotangents of the k - 1 positions after it, which may sit in the next chunk: that
+chunk's are kept in VMEM (the halo). It writes the gradients of in_proj's outputs (x,
+z, dt; B and C as per-head-block float32 partials, B and C being shared by a group's
+heads across blocks, summed outside; everything after dB, dC is linear in them), and
+the small ones: the conv weights and biases per sequence (and head block), rows of
+A's and D's to sum, the initial state's and the fronts'. Nothing (l, d_inner)-sized
+crosses HBM but its inputs (x, z, the gated y's cotangent and the previous chunk's x)
+and its outputs (dx, dz); docs/bench/fused_layer.md has the counts, predicted and
+measured.
 
 Supported: documents (seq_idx), initial states (the SSM state, and the conv's front
 of earlier inputs, which the first chunk reads as its previous chunk), any length
@@ -34,8 +52,9 @@ of earlier inputs, which the first chunk reads as its previous chunk), any lengt
 padding mask, a window, a split sequence; those run the plain forms (`table.build`,
 `mamba2.mixer`).
 
-`interpret=True` runs the kernel in Pallas' interpreter (the CPU tests). Imports of
-the package: the plain forms and the one-pass SSD's per-chunk math.
+`interpret=True` runs the kernels in Pallas' interpreter (the CPU tests). Imports of
+the package: SiLU's derivative of the plain forms, and the one-pass SSD's per-chunk
+math, forward and backward.
 """
 
 from __future__ import annotations
@@ -614,7 +633,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def mixer_core_tpu(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
                    front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False):
-  """`layer_math.mixer_core` as one Pallas TPU kernel forward (see the module doc)."""
+  """`layer_math.mixer_core` as one Pallas TPU kernel, forward and backward (see the module doc)."""
   b, h, k = xr.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
   if initial_state is None:
     initial_state = jnp.zeros((b, h, xr.shape[-1] // h, bc.shape[-1] // ngroups), _F32)
