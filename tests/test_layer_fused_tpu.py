@@ -122,10 +122,10 @@ for topo in sys.argv[1:]:
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
   w = dict(conv_x=S((k, i)), conv_x_bias=S((i,)), conv_bc=S((k, 2, g * n)), conv_bc_bias=S((2, g * n)),
            dt_bias=S((h,)), A_log=S((h,)), D=S((h,)))
-  f = lambda z, xr, bc, dt, w, s: mixer_core_tpu(z, xr, bc, dt, w, q, ngroups=g, seq_idx=s)
-  names = ["mixer_fused"]
+  fwd = lambda z, xr, bc, dt, w, s: mixer_core_tpu(z, xr, bc, dt, w, q, ngroups=g, seq_idx=s)
+  f, names = fwd, ["mixer_fused"]
   if topo.startswith("v6e"):
-    loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a))
+    loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in fwd(*a))
     f, names = jax.grad(loss, argnums=(0, 1, 2, 3, 4)), ["mixer_fused_save", "mixer_fused_bwd"]
   bf = jnp.bfloat16
   hlo = jax.jit(f).lower(S((b, l, i), bf), S((b, l, i), bf), S((b, l, 2, g * n), bf), S((b, l, h)), w,
