@@ -199,17 +199,6 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   return out, {"conv_x": conv_x, "conv_bc": conv_bc, "ssm": ssm}
 
 
-@jax.custom_vjp
-def _row_major_forward(v):
-  """v laid out row-major (out_proj's operand), its cotangent left free: the kernel
-  reads it chunk-major, and a row-major constraint there too would make out_proj's
-  input-gradient GEMM write it row-major and XLA copy it into the kernel's layout."""
-  return with_layout_constraint(v, Layout(major_to_minor=(0, 1, 2)))
-
-
-_row_major_forward.defvjp(lambda v: (_row_major_forward(v), None), lambda _, ct: (ct,))
-
-
 _MIXER_WEIGHTS = ("conv_x", "conv_x_bias", "conv_bc", "conv_bc_bias", "dt_bias", "A_log", "D")
 
 
@@ -233,7 +222,7 @@ def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops,
                               ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
                               front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
   if whole:
-    gated = _row_major_forward(major(gated))
+    gated = with_layout_constraint(major(gated), Layout(major_to_minor=(0, 1, 2)))
   rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
   cd, prec = rt.compute_dtype, rt.matmul_precision
   adapter = mm.adapter_of(p, "out_proj")
