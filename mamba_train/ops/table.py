@@ -83,7 +83,7 @@ TABLE: dict[tuple[str, str], Impl] = {
     ("mixer", "fused"): _row("layer_fused_tpu", "mixer_core_tpu", ["tpu"], True,
                              [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                              "one Pallas TPU kernel from in_proj's outputs to the gated y and its norm "
-                             "statistics (conv, SSD, gate; forward: the backward is the plain VJP)"),
+                             "statistics (conv, SSD, gate), and one for its backward"),
     ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
                           [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                           "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
