@@ -113,6 +113,25 @@ def test_failed_async_save_is_raised_with_path_and_free_space(tmp_path, monkeypa
   ck.close()  # reported once: closing does not raise it again
   assert ck.steps() == [1]
 
+def test_a_failure_orbax_raises_from_its_own_check_is_one_error(tmp_path, monkeypatch):
+  """Orbax's check_for_errors raises a finished save's error itself (tensorstore's
+  ValueError on a full disk): the step's check reports it as the save's failure, not as a
+  raw ValueError with Orbax's traceback (seen once in the suite's real-full-disk run)."""
+  from mamba_train.workdir import checkpoint
+  ck = checkpoint.Checkpointer(tmp_path, keep=0)
+  ck.last_saved = 4
+
+  def failed():
+    raise ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state" in OCDBT database: Failed writing: '
+                     '"x/d/0": Failed to write 206831 bytes to file 5: No space left on device')
+
+  monkeypatch.setattr(ck.manager, "check_for_errors", failed)
+  with pytest.raises(checkpoint.CheckpointWriteError, match="step 4 to .* failed: No space left on device"):
+    ck.check()
+  monkeypatch.undo()
+  ck.close()
+
+
 def test_preflight_warns_when_the_checkpoints_cannot_fit(tmp_path, caplog):
   import shutil
 

@@ -133,7 +133,10 @@ class Checkpointer:
   def check(self) -> None:
     """Raise CheckpointWriteError if an asynchronous save has failed; never waits.
     Called at every step, so a failed save stops the run at the next step after it."""
-    error = _finished_save_error(self.manager)
+    try:
+      error = _finished_save_error(self.manager)
+    except Exception as e:  # noqa: BLE001 - Orbax's own check raises the finished save's error
+      error = e
     if error is not None:
       raise self._write_error(self.last_saved, error) from error
 
