@@ -89,8 +89,10 @@ def format_report(r: dict) -> str:
       lines.append(f"XLA counts per device: {f['flops']:.3e} FLOPs, {f['bytes accessed']:.3e} bytes, every layer "
                    f"counted ({how}); model FLOPs {r['model_flops_per_device']:.3e}")
     else:
+      why = ("--trip_counts could not read the compiled module: " + r["cost_trip_scaled_error"]
+             if r.get("cost_trip_scaled_error") else "--every_layer=false")
       lines.append(f"XLA counts per device: {c.get('flops', 0):.3e} FLOPs, {c.get('bytes accessed', 0):.3e} bytes "
-                   f"(the scanned layer bodies counted once: --every_layer=false); model FLOPs "
+                   f"(the scanned layer bodies counted once: {why}); model FLOPs "
                    f"{r['model_flops_per_device']:.3e}")
   k = r.get("kernel_cost")
   if k:

@@ -319,7 +319,9 @@ def trip_scaled_cost(compiled) -> dict:
   cost analysis through the CPU client on the optimised module (private jaxlib entry
   points, as `gpu_hlo_cost`); on TPUs its bytes follow the CPU's rules, not XLA:TPU's own.
   Loops of the entry computation and of loop bodies are scaled (a scanned model's layers,
-  forward and backward); one inside a `call` or `conditional` branch is counted once."""
+  forward and backward); one inside a `call` or `conditional` branch is counted once.
+  Raises where jaxlib cannot read the compiled module back: XLA:TPU's programs for more
+  than one chip hold async collectives its reader refuses (CPU, GPU and one TPU chip read)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
   module = compiled.runtime_executable().hlo_modules()[0]
