@@ -216,6 +216,10 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
 # are rewritten in the protobuf wire format below (fields of xla/service/hlo.proto).
 
 _MODULE_ENTRY_NAME, _MODULE_COMPUTATIONS, _MODULE_ENTRY_ID = 2, 3, 6  # HloModuleProto
+# What names the old entry's parameters and outputs, which a loop body's do not match:
+# input_output_alias, dynamic_parameter_binding, cross_program_prefetches,
+# spmd_output_sharding, spmd_parameters_shardings, buffer_donor.
+_MODULE_ENTRY_ONLY = frozenset({8, 9, 10, 12, 14, 18})
 _COMPUTATION_NAME, _COMPUTATION_ID = 1, 5  # HloComputationProto
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+).*?body=%?([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r"known_trip_count\D+(\d+)")
@@ -270,6 +274,8 @@ def _with_entry(proto: bytes, name: str, cid: int) -> bytes:
       out += _encode_varint(_MODULE_ENTRY_NAME << 3 | 2) + _encode_varint(len(name.encode())) + name.encode()
     elif field == _MODULE_ENTRY_ID:
       out += _encode_varint(_MODULE_ENTRY_ID << 3) + _encode_varint(cid)
+    elif field in _MODULE_ENTRY_ONLY:
+      continue
     else:
       out += raw
   return bytes(out)
