@@ -83,11 +83,16 @@ def format_report(r: dict) -> str:
       how = ("the layers unrolled, each counted as compiled" if r["runtime"].get("unroll_layers") else
              f"as compiled, the scanned layer body once: {c.get('flops', 0):.3e} FLOPs, "
              f"{c.get('bytes accessed', 0):.3e} bytes")
+      if r.get("cost_trip_scaled"):
+        how = ("each loop body of the compiled step times its trip count, CPU cost analysis; " + how
+               + "; loops " + ", ".join(str(n) for _, n in r["cost_trip_scaled"]["loops"]))
       lines.append(f"XLA counts per device: {f['flops']:.3e} FLOPs, {f['bytes accessed']:.3e} bytes, every layer "
                    f"counted ({how}); model FLOPs {r['model_flops_per_device']:.3e}")
     else:
+      why = ("--trip_counts could not read the compiled module: " + r["cost_trip_scaled_error"]
+             if r.get("cost_trip_scaled_error") else "--every_layer=false")
       lines.append(f"XLA counts per device: {c.get('flops', 0):.3e} FLOPs, {c.get('bytes accessed', 0):.3e} bytes "
-                   f"(the scanned layer bodies counted once: --every_layer=false); model FLOPs "
+                   f"(the scanned layer bodies counted once: {why}); model FLOPs "
                    f"{r['model_flops_per_device']:.3e}")
   k = r.get("kernel_cost")
   if k:
@@ -119,6 +124,10 @@ _EVERY_LAYER = flags.DEFINE_bool("every_layer", True, "Count every layer's FLOPs
                                  "--config.runtime.unroll_layers=True the step holds every layer and is "
                                  "counted whole either way.")
 
+_TRIP_COUNTS = flags.DEFINE_bool("trip_counts", False, "Count every layer from the one compile: each loop "
+                                 "body of the compiled step scaled by its trip count (XLA's cost analysis "
+                                 "through the CPU client), instead of --every_layer's smaller compiles.")
+
 
 def main(argv):
   del argv
@@ -141,7 +150,7 @@ def main(argv):
     jax.config.update("jax_platforms", "cpu")
   try:
     report = aot.compile_train_step(config, _TOPOLOGY.value, _EVERY_LAYER.value,
-                                    reference=base.get_config())
+                                    reference=base.get_config(), trip_counts=_TRIP_COUNTS.value)
   except aot.DoesNotFit as e:
     print(f"DOES NOT FIT: {e}", file=sys.stderr)
     sys.exit(2)

@@ -245,3 +245,26 @@ def test_long_length_asks_for_more_sequence_parallelism():
   assert "seq_len 131072 needs more sequence parallelism" in first
   assert "--config.mesh.sequence=4 devices (now 1; 32768 positions per device)" in first
   assert aot.sequence_advice(c, 10 * G, 95 * G, 20 * G) is None  # fits: nothing to say
+
+
+def test_trip_scaled_cost_counts_each_loop_body_as_often_as_it_runs():
+  """A scan of 5 holding a scan of 3 (CPU): the matmuls and sines counted by hand, every
+  iteration; XLA's own analysis counts each body once."""
+  import jax
+  import jax.numpy as jnp
+
+  from mamba_train.tools import hlo
+
+  def f(x):
+    def outer(c, _):
+      c = jax.lax.scan(lambda c, _: (jnp.sin(c @ c), None), c, None, length=3)[0]
+      return c @ c, None
+    return jax.lax.scan(outer, x, None, length=5)[0]
+
+  got = hlo.trip_scaled_cost(jax.jit(f).lower(jnp.ones((64, 64))).compile())
+  matmul = 2 * 64 ** 3
+  assert sorted(n for _, n in got["loops"]) == [3, 5]
+  assert got["transcendentals"] == 5 * 3 * 64 * 64
+  assert abs(got["flops"] - 5 * 4 * matmul) < 1e-5 * 5 * 4 * matmul  # loop counters' adds aside
+  assert abs(got["once"]["flops"] - 2 * matmul) < 1e-5 * 2 * matmul
+  assert got["bytes accessed"] > 5 * got["once"]["bytes accessed"]

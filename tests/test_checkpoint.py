@@ -124,9 +124,11 @@ def test_uninterrupted_run_saves_keep_last_k(reference):
   assert sorted(losses(reference)) == [1, 2, 3, 4, 5, 6]
 
 
-# A hybrid (Mamba-2, attention, MLP, mixture-of-experts layers): its own parameter
-# stacks and optimizer state, and the routers' correction biases the steps move.
-HYBRID = ["--config.model.layer_pattern=M*-E", "--config.model.n_layer=4",
+# A hybrid (Mamba-2, Mamba-3 MIMO, attention, MLP, mixture-of-experts layers): its own
+# parameter stacks and optimizer state, the routers' correction biases the steps move, and
+# Mamba-3's data-dependent A, trapezoid, rotation and MIMO projections beside Mamba-2's.
+HYBRID = ["--config.model.layer_pattern=M3*-E", "--config.model.n_layer=5",
+          "--config.model.is_mimo=true", "--config.model.mimo_rank=2",
           "--config.model.attn_num_heads=4", "--config.model.attn_num_heads_kv=2",
           "--config.model.attn_head_dim=16", "--config.model.d_intermediate=128",
           "--config.model.n_routed_experts=4", "--config.model.num_experts_per_tok=2",
@@ -135,8 +137,8 @@ HYBRID = ["--config.model.layer_pattern=M*-E", "--config.model.n_layer=4",
 
 def test_sigkill_and_restart_gives_identical_losses(tmp_path, start):
   """Killed mid-run and restarted, a run gives the losses it would have given, bit
-  for bit. On a hybrid (its Mamba-2, attention and MLP stacks and their optimizer
-  state; the pure model's resume is held below, by SIGTERM), in two runs: the
+  for bit. On a hybrid (its Mamba-2, Mamba-3 MIMO, attention, MLP and MoE stacks and
+  their optimizer state; the pure model's resume is held below, by SIGTERM), in two runs: the
   killed run itself is the uninterrupted reference for the steps it logged past
   its newest checkpoint."""
   work = tmp_path / "run"

@@ -109,3 +109,26 @@ def test_decode_continues_chunked():
   assert rel(cache[0], s_full) < 1e-5
   np.testing.assert_array_equal(cache[1], k_full)
   np.testing.assert_array_equal(cache[2], x_full)
+
+
+def test_rank_one_is_siso():
+  """MIMO of rank 1 on x is SISO on the projected values x * x_proj[:, 0] (the state,
+  the carried x and D all see the projected value), with B and C's rank axis dropped:
+  outputs and state agree to float32 rounding; and both are the float64 recurrence's
+  (1e-5). The SISO call is the float32 test's trace."""
+  x, dt, A, lam, B, C, D, xp, (h0, k0, x0) = _inputs(5, 1, 2, jnp.float32)
+  y1, (s1, k1, x1) = chunked(x, dt, A, lam, B, C, Q, D=D, x_proj=xp, initial=(h0, k0, x0))
+  proj = lambda t: t * xp[:, 0]
+  y2, (s2, k2, _) = chunked(proj(x), dt, A, lam, B[:, :, 0], C[:, :, 0], Q, D=D,
+                            initial=(h0, k0[:, 0], proj(x0)))
+  assert y1.shape == (2, L, 1, H, P)
+  assert rel(y1[:, :, 0], y2) < 1e-6
+  assert rel(s1, s2) < 1e-6
+  np.testing.assert_array_equal(k1[:, 0], k2)
+  np.testing.assert_array_equal(x1, x[:, -1])  # MIMO's cache keeps the raw x
+  with jax.enable_x64(True):
+    f64 = lambda t: jnp.asarray(np.asarray(t, np.float64))
+    y3, (s3, _, _) = sequential(*map(f64, (x, dt, A, lam, B, C)), D=f64(D), x_proj=f64(xp),
+                                initial=tuple(map(f64, (h0, k0, x0))))
+  assert rel(y1, y3) < 1e-5
+  assert rel(s1, s3) < 1e-5

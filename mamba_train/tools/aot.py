@@ -34,7 +34,7 @@ from mamba_train.model.params import weight_names
 from mamba_train.ops import table
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
-from mamba_train.tools.hlo import kernel_costs, xla_cost
+from mamba_train.tools.hlo import kernel_costs, trip_scaled_cost, xla_cost
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -165,20 +165,23 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   return out
 
 
-def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None) -> dict:
+def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None,
+                       trip_counts: bool = False) -> dict:
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
-  check. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
+  check. `trip_counts`: count every layer from the one compile, each loop body scaled by
+  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
   or the per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              reference=reference)
   with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
-    return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer)
+    return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts)
 
 
-def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, every_layer: bool) -> dict:
+def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, every_layer: bool,
+                        trip_counts: bool = False) -> dict:
   chip = metrics.CHIPS[gen]
   chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
   per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
@@ -235,6 +238,14 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   full = None
   if plan.runtime.unroll_layers:  # every layer compiled as its own ops: XLA counts them all
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
+  elif trip_counts:
+    try:
+      scaled = trip_scaled_cost(compiled)
+    except Exception as e:  # noqa: BLE001 - jaxlib cannot read the module back: keep the compile's report
+      report["cost_trip_scaled_error"] = str(e).strip().splitlines()[0][:300]
+    else:
+      report["cost_trip_scaled"] = scaled
+      full = {k: scaled[k] for k in ("flops", "bytes accessed")}
   elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full

@@ -202,3 +202,160 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
     total["bytes accessed"] += est.bytes_accessed
     total["transcendentals"] += est.transcendentals
   return total
+
+
+# ---------------------------------------------------------------------------
+# Every loop body counted as many times as it runs.
+#
+# XLA's cost analysis counts a while loop's body once. `trip_scaled_cost` runs the same
+# analysis (through the CPU client, as `gpu_hlo_cost`) on the optimised module with each
+# loop body made the entry computation in turn, and adds each body trip - 1 more times:
+# every layer of a scanned model counted from the one compile, where `tools/aot.py`'s
+# differencing needs two or more smaller ones (each a full backend compile of a layer).
+# jaxlib parses an HloModuleProto but exposes no class to edit one; the entry's two fields
+# are rewritten in the protobuf wire format below (fields of xla/service/hlo.proto).
+
+_MODULE_ENTRY_NAME, _MODULE_COMPUTATIONS, _MODULE_ENTRY_ID = 2, 3, 6  # HloModuleProto
+# What names the old entry's parameters and outputs, which a loop body's do not match:
+# input_output_alias, dynamic_parameter_binding, cross_program_prefetches,
+# spmd_output_sharding, spmd_parameters_shardings, buffer_donor.
+_MODULE_ENTRY_ONLY = frozenset({8, 9, 10, 12, 14, 18})
+_COMPUTATION_NAME, _COMPUTATION_ID = 1, 5  # HloComputationProto
+_WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+).*?body=%?([\w.\-]+)")
+_KNOWN_TRIPS = re.compile(r"known_trip_count\D+(\d+)")
+_S32_CONSTANT = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+  v = shift = 0
+  while True:
+    x = b[i]
+    i += 1
+    v |= (x & 0x7F) << shift
+    shift += 7
+    if x < 0x80:
+      return v, i
+
+
+def _encode_varint(v: int) -> bytes:
+  out = bytearray()
+  while True:
+    x, v = v & 0x7F, v >> 7
+    out.append(x | (0x80 if v else 0))
+    if not v:
+      return bytes(out)
+
+
+def _proto_fields(b: bytes) -> Iterator[tuple[int, bytes, bytes | int]]:
+  """(field number, the field's raw bytes, its value: bytes or an integer)."""
+  i = 0
+  while i < len(b):
+    key, j = _varint(b, i)
+    field, wire = key >> 3, key & 7
+    if wire == 0:
+      value, k = _varint(b, j)
+    elif wire == 2:
+      n, j = _varint(b, j)
+      k = j + n
+      value = b[j:k]
+    elif wire in (1, 5):
+      k = j + (8 if wire == 1 else 4)
+      value = b[j:k]
+    else:
+      raise ValueError(f"unexpected protobuf wire type {wire}")
+    yield field, b[i:k], value
+    i = k
+
+
+def _with_entry(proto: bytes, name: str, cid: int) -> bytes:
+  out = bytearray()
+  for field, raw, _ in _proto_fields(proto):
+    if field == _MODULE_ENTRY_NAME:
+      out += _encode_varint(_MODULE_ENTRY_NAME << 3 | 2) + _encode_varint(len(name.encode())) + name.encode()
+    elif field == _MODULE_ENTRY_ID:
+      out += _encode_varint(_MODULE_ENTRY_ID << 3) + _encode_varint(cid)
+    elif field in _MODULE_ENTRY_ONLY:
+      continue
+    else:
+      out += raw
+  return bytes(out)
+
+
+def _computation_ids(proto: bytes) -> dict[str, int]:
+  ids = {}
+  for field, _, value in _proto_fields(proto):
+    if field == _MODULE_COMPUTATIONS:
+      parts = {f: v for f, _, v in _proto_fields(value) if f in (_COMPUTATION_NAME, _COMPUTATION_ID)}
+      ids[parts[_COMPUTATION_NAME].decode()] = parts[_COMPUTATION_ID]
+  return ids
+
+
+def _computation_lines(text: str) -> tuple[dict[str, list[str]], str]:
+  """name -> its instruction lines, and the entry computation's name."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+      if m:
+        cur = m.group(2)
+        comps[cur] = []
+        entry = cur if m.group(1) else entry
+        continue
+    if cur is not None:
+      comps[cur].append(line)
+  return comps, entry
+
+
+def _trips(line: str, condition: list[str]) -> int:
+  """A while loop's trip count: XLA's `known_trip_count` where it kept it, else the bound
+  of a scan's condition (counter < N from 0: its one s32 constant)."""
+  known = _KNOWN_TRIPS.search(line)
+  if known:
+    return int(known.group(1))
+  bounds = {int(c) for l in condition for c in _S32_CONSTANT.findall(l)}
+  if len(bounds) != 1:
+    raise ValueError(f"cannot read a trip count from a loop condition with constants {sorted(bounds)}")
+  return bounds.pop()
+
+
+def trip_scaled_cost(compiled) -> dict:
+  """XLA's FLOP and byte counts of a compiled program with every while-loop body (nested
+  ones too) counted trip-count times: {"flops", "bytes accessed", "transcendentals",
+  "once": the same analysis with each body once, "loops": [(body, trips)]}. XLA's HLO
+  cost analysis through the CPU client on the optimised module (private jaxlib entry
+  points, as `gpu_hlo_cost`); on TPUs its bytes follow the CPU's rules, not XLA:TPU's own.
+  Loops of the entry computation and of loop bodies are scaled (a scanned model's layers,
+  forward and backward); one inside a `call` or `conditional` branch is counted once.
+  Raises where jaxlib cannot read the compiled module back: XLA:TPU's programs for more
+  than one chip hold async collectives its reader refuses (CPU, GPU and one TPU chip read)."""
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+  module = compiled.runtime_executable().hlo_modules()[0]
+  proto = module.as_serialized_hlo_module_proto()
+  ids = _computation_ids(proto)
+  comps, entry = _computation_lines(module.to_string())
+  cpu = xla_bridge.get_backend("cpu")
+  once_cache, total_cache, loops = {}, {}, []
+
+  def once(name):
+    if name not in once_cache:
+      sub = type(module).from_serialized_hlo_module_proto(_with_entry(proto, name, ids[name]))
+      c = _jax.hlo_module_cost_analysis(cpu, sub)
+      once_cache[name] = {k: float(c.get(k, 0.0)) for k in COUNTS}
+    return once_cache[name]
+
+  def total(name):
+    if name not in total_cache:
+      t = dict(once(name))
+      for line in comps[name]:
+        w = _WHILE.search(line)
+        if w:
+          cond, body = w.groups()
+          n = _trips(line, comps[cond])
+          loops.append((body, n))
+          # The analysis counted the body once (its own loops' bodies once too): the rest.
+          t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in t}
+      total_cache[name] = t
+    return total_cache[name]
+
+  return {**total(entry), "once": once(entry), "loops": loops}
