@@ -3,6 +3,7 @@
 * One persistent compilation cache for the whole run, shared with the train.py
   subprocesses the end-to-end tests start (they inherit the environment): runs
   of the same shapes then compile once instead of once per process.
+* One OpenMP thread for torch and numpy's BLAS (below).
 * XLA:CPU flags that make compiling about 3x faster (less optimisation of the
   generated code). The suite is compile-bound on tiny shapes; numerics stay
   within float32 rounding. Subprocess tests that set XLA_FLAGS add them too.
@@ -24,6 +25,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mamb
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_XLA).strip()
+# The reference libraries' CPU math (torch's intra-op pool, numpy's BLAS) on one thread: two
+# workers share two cores, and an OpenMP pool sized to the machine spins on the core the other
+# worker computes on. torch's float32 forward of the 130m parity model took 12.3 CPU seconds
+# with two threads on the loaded host against 3.1 with one (docs/bench/suite.md). Set before
+# any test imports torch; subprocesses inherit it. XLA's own pool does not read it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from mamba_train.xla_flags import apply_cpu_defaults  # noqa: E402  (after the variables above)
 
