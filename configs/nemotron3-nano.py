@@ -15,7 +15,7 @@ assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatc
 did not fit either slice; at 1.25 both fit (v5p-128: 58.9 GiB a chip of 95; v6e-256:
 28.4 of 32; docs/bench/moe.md). On H100s (add --config.runtime.attention=xla to
 compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 (70.1 GiB a
-GPU) in the layout config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert',
+GPU; 16 x 2048: 74.9) in the layout config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert',
 the non-expert weights, their gradients and moments split over the 8 GPUs of the
 expert group as well, ZeRO-3; with 'fsdp' they are whole on every GPU and the state
 alone is 65.7 GiB), and LoRA (--config.lora.rank=16, 55 GiB a GPU); two hosts
