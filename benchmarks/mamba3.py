@@ -17,8 +17,8 @@ ratios are the figure to read (docs/bench/mamba3.md keeps dated results).
 configs/mamba3-1.5b.py (d_model 2048, 64 heads of 64, d_state 128; vocabulary 256 so
 the head is negligible) for one TPU v6e chip through libtpu, at --seq_len 2048 and
 --batch 2 (a v6e-256 chip's share of the recipe's 512 rows), bfloat16 matmuls, and
-reads XLA's FLOPs and bytes: Mamba-2 as the TPU runs it (Pallas SSD and layer
-kernels) and in plain XLA, Mamba-3 SISO and MIMO (plain XLA: no Mamba-3 kernel yet).
+reads XLA's FLOPs and bytes: Mamba-2 and Mamba-3 SISO and MIMO each as the TPU runs it
+(Pallas kernels; their cost estimates count their bytes) and in plain XLA.
 A layer whose FLOPs / bytes falls below the chip's balance (918 TFLOP/s over 1.6 TB/s,
 574) is memory-bound: the kernel question.
 """
@@ -53,9 +53,12 @@ def counts(args):
   device = tpu_devices("v6e:1x1")[2]
   rep = NamedSharding(make_mesh({"data": 1}, device), PartitionSpec())
   width = dict(d_model=2048, n_layer=1, vocab_size=256, d_state=128, headdim=64, chunk_size=256)
-  layers = {"Mamba-2 (TPU kernels)": ({}, {}), "Mamba-2 (plain XLA)": ({}, dict(ssd_impl="xla", layer_impl="xla")),
-            "Mamba-3 SISO": (dict(layer_pattern="3", chunk_size=64), {}),
-            "Mamba-3 MIMO R4": (dict(layer_pattern="3", is_mimo=True, mimo_rank=4, chunk_size=16), {})}
+  siso, mimo = dict(layer_pattern="3", chunk_size=64), dict(layer_pattern="3", is_mimo=True, mimo_rank=4, chunk_size=16)
+  plain = dict(ssd_impl="xla", layer_impl="xla")
+  layers = {"Mamba-2 (TPU kernels)": ({}, {}), "Mamba-2 (plain XLA)": ({}, plain),
+            "Mamba-3 SISO (TPU kernel)": (siso, {}), "Mamba-3 SISO (plain XLA)": (siso, plain),
+            "Mamba-3 MIMO R4 (TPU kernel)": (mimo, {}), "Mamba-3 MIMO R4 (plain XLA)": (mimo, plain)}
+  layers = {k: v for k, v in layers.items() if not args.rows or any(s in k for s in args.rows.split(","))}
   tokens = args.batch * args.seq_len
   log(f"one layer, loss value_and_grad, batch {args.batch} x {args.seq_len}, bfloat16 matmuls, one v6e chip")
   log("| layer | model GFLOP | XLA GFLOP | GB accessed | FLOPs / byte | bound at v6e (574) | compile s |")
@@ -83,6 +86,8 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=2)
   ap.add_argument("--seq_len", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--rows", default="", help="--part counts: only the rows whose name holds one of these "
+                  "comma-separated strings (e.g. 'Mamba-3'); each row's compile takes minutes")
   args = ap.parse_args(argv)
   if args.part == "counts":
     return counts(args)

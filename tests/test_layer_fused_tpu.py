@@ -1,11 +1,13 @@
 """The fused Mamba-2 layer between in_proj and out_proj (ops/layer_fused_tpu.py, one
 Pallas Mosaic kernel: conv + SiLU, dt, the one-pass SSD, the gate and the norm's
-sums of squares) against its plain form (`layer_math.mixer_core` over the plain
-SSD) in Pallas' interpreter on CPU: float32 outputs and every gradient at 1e-5 over
+sums of squares; its backward kernel walking the chunks in reverse) against its plain
+form (`layer_math.mixer_core` over the plain SSD) in Pallas' interpreter on CPU:
+float32 outputs and every gradient at 1e-5 over
 packed documents whose boundaries sit inside the conv's reach across a chunk
 boundary, initial states (SSM and conv), a ragged length over several chunks, 3 groups, and two
-head blocks; the model with `layer_impl='fused'` against the XLA model; and the
-kernel compiled for TPU v6e and TPU7x through libtpu (no TPU needed)."""
+head blocks; the model with `layer_impl='fused'` against the XLA model (1e-6); and the
+kernels compiled through libtpu (no TPU needed): forward and backward for v6e, the
+forward for TPU7x."""
 
 import jax
 import jax.numpy as jnp
@@ -68,15 +70,19 @@ def test_fused_mixer_matches_plain_form_with_documents_and_groups():
 
 
 def test_fused_mixer_matches_plain_form_over_head_blocks():
-  """One group of 16 heads (two blocks of 8), whole chunks, no documents: outputs."""
-  b, l, h, p, g, n = 1, 32, 16, 2, 1, 8
+  """One group of 16 heads (two blocks of 8: the backward kernel's per-block partials
+  of B's and C's gradients, summed outside), 40 positions in chunks of 16 (ragged), no
+  documents, no clamp: outputs and every gradient."""
+  b, l, h, p, g, n = 1, 40, 16, 2, 1, 8
   args = _inputs(b, l, h, p, g, n)
-  got, _ = _run(lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True), args, None, 16, g,
-                (0.0, float("inf")), False)
-  want, _ = _run(lambda *a, **kw: mixer_core(*a, **kw, ssd=ssd_chunked), args, None, 16, g,
-                 (0.0, float("inf")), False)
+  got, dgot = _run(lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True), args, None, 16, g,
+                   (0.0, float("inf")), True)
+  want, dwant = _run(lambda *a, **kw: mixer_core(*a, **kw, ssd=ssd_chunked), args, None, 16, g,
+                     (0.0, float("inf")), True)
   for a, c in zip(got, want):
     assert rel(a, c) < 1e-5
+  for (path, a), c in zip(jax.tree_util.tree_flatten_with_path(dgot)[0], jax.tree.leaves(dwant)):
+    assert rel(a, c) < 1e-5, path
 
 
 def test_model_with_fused_layer_matches_xla_model():
@@ -93,8 +99,11 @@ def test_model_with_fused_layer_matches_xla_model():
 
   from mamba_train import Mamba2LM
   model = Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)  # the kernel runs in the model (not a fallback)
-  assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(jnp.zeros((1, 40), jnp.int32)))
-  assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
+  ids = jnp.zeros((1, 40), jnp.int32)
+  assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(ids))
+  grad = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(Mamba2LM.from_params(cfg, p, rt)(ids))))(model.params())
+  assert "mixer_fused_bwd" in str(grad)  # the backward kernel, under remat after the forward's rerun
+  assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"), tol=1e-6)
 
 
 _AOT = """
@@ -103,7 +112,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
 # The released models' head and state sizes (p 64, n 128), two head blocks, chunk
-# 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations.
+# 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations. On
+# v6e the gradient (the forward kernel saving its states, the backward kernel), on
+# TPU7x the forward.
 b, l, h, p, g, n, k, q = 1, 256, 16, 64, 1, 128, 4, 128
 i = h * p
 for topo in sys.argv[1:]:
@@ -111,11 +122,15 @@ for topo in sys.argv[1:]:
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
   w = dict(conv_x=S((k, i)), conv_x_bias=S((i,)), conv_bc=S((k, 2, g * n)), conv_bc_bias=S((2, g * n)),
            dt_bias=S((h,)), A_log=S((h,)), D=S((h,)))
-  f = lambda z, xr, bc, dt, w, s: mixer_core_tpu(z, xr, bc, dt, w, q, ngroups=g, seq_idx=s)
+  fwd = lambda z, xr, bc, dt, w, s: mixer_core_tpu(z, xr, bc, dt, w, q, ngroups=g, seq_idx=s)
+  f, names = fwd, ["mixer_fused"]
+  if topo.startswith("v6e"):
+    loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in fwd(*a))
+    f, names = jax.grad(loss, argnums=(0, 1, 2, 3, 4)), ["mixer_fused_save", "mixer_fused_bwd"]
   bf = jnp.bfloat16
   hlo = jax.jit(f).lower(S((b, l, i), bf), S((b, l, i), bf), S((b, l, 2, g * n), bf), S((b, l, h)), w,
                          S((b, l), jnp.int32)).compile().as_text()
-  assert "mixer_fused" in hlo
+  assert all(name in hlo for name in names), names
   print("compiled", topo)
 """
 

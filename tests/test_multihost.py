@@ -19,9 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from mamba_train import xla_flags
 
-from helpers import PATIENT_COLLECTIVES, ROOT, free_port, log_tail, model_flags, patched
+from helpers import FAST_XLA, ROOT, free_port, log_tail, model_flags, patched
 
 STEPS = 4
 SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.data.source=synthetic",
@@ -34,8 +33,6 @@ TWO_HOST_MESH = ["--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.m
 SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.dcn_sequence=2", "--config.mesh.data=1",
                  "--config.mesh.fsdp=1", "--config.mesh.sequence=2"]
 ONE_HOST_SEQUENCE_MESH = ["--config.batch_size=1", "--config.mesh.data=1", "--config.mesh.sequence=4"]
-FAST_XLA = xla_flags.only_known(
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true") + " " + PATIENT_COLLECTIVES
 
 
 def _env(devices: int) -> dict:

@@ -104,6 +104,7 @@ import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.ops.ssd_tpu import ssd_fused
+from mamba_train.ops.ssd3_tpu import ssd3_fused
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
   S = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)
@@ -123,9 +124,27 @@ for topo in sys.argv[1:]:
   # carried in VMEM).
   fwd = jax.jit(lambda *a: ssd_fused(*a[:5], 128, D=a[5], initial_state=a[6], seq_idx=a[7]))
   assert "ssd_one_pass" in fwd.lower(*args).compile().as_text(), "kernel missing"
+  if topo.startswith("v6e"):
+    # Mamba-3's scan on the same kernels (ops/ssd3_tpu.py), forward and backward: 8
+    # heads with their own B and C, bfloat16, documents; MIMO rank 4 at chunk 16 (64
+    # rows a chunk: SISO at chunk 64 gives the kernels the same blocks).
+    for rank, q in ((4, 16),):
+      bc = (b, l, h, n) if rank is None else (b, l, rank, h, n)
+      cache = (S((b, h, p, n)), S(bc[:1] + bc[2:], jnp.bfloat16), S((b, h, p), jnp.bfloat16))
+      args3 = (S((b, l, h, p), jnp.bfloat16), S((b, l, h)), S((b, l, h)), S((b, l, h)), S(bc, jnp.bfloat16),
+               S(bc, jnp.bfloat16), S((h,)), None if rank is None else S((h, rank, p)), cache,
+               S((b, l), jnp.int32))
+      def loss3(x, dt, A, lam, B, C, D, xp, cache, seq, q=q):
+        y, (s, _, _) = ssd3_fused(x, dt, A, lam, B, C, q, D=D, x_proj=xp, initial=cache, seq_idx=seq)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
+      hlo = jax.jit(jax.value_and_grad(loss3, argnums=tuple(range(9)))).lower(*args3).compile().as_text()
+      for kernel in ("ssd_one_pass_save", "ssd_one_pass_bwd"):
+        assert kernel in hlo, "Mamba-3: " + kernel + " missing"
   print("compiled", topo)
 """
 
 
 def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
+  """Mamba-2's kernels for v6e and v5p, and Mamba-3's scan on them for v6e
+  (one process for both, its start-up paid once)."""
   libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

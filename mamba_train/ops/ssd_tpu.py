@@ -441,13 +441,18 @@ def _chunked(x, dt, A, B, C, q, D, initial_state, seq_idx):
   # (.., p, q): positions on the lanes (128), where p = 64 would be padded.
   ins = to_chunks(x, dt, A, B, C, q, initial_state, positions_minor=True)
   Dr = (jnp.zeros((h,), _F32) if D is None else D.astype(_F32)).reshape(g, h // g)
-  masks = (None,) * 4
-  if seq_idx is not None:
-    sq, doc_in = chunk_documents(seq_idx.astype(jnp.int32), q)  # (c, b, s), (c, b)
-    keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
-    end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
-    masks = (sq[:, :, None, :], sq[:, :, :, None], keep_in, end)
-  return (*ins, Dr), masks
+  return (*ins, Dr), document_masks(seq_idx, q)
+
+
+def document_masks(seq_idx, q: int):
+  """The kernels' document masks (row (c, b, 1, s), col (c, b, q, 1), keep_in and end
+  (c, b, 1, s) float32) from seq_idx (b, l) at chunk q; four Nones without it."""
+  if seq_idx is None:
+    return (None,) * 4
+  sq, doc_in = chunk_documents(seq_idx.astype(jnp.int32), q)  # (c, b, s), (c, b)
+  keep_in = (sq == doc_in[..., None]).astype(_F32)[:, :, None, :]  # (c, b, 1, t)
+  end = (sq == sq[:, :, -1:]).astype(_F32)[:, :, None, :]  # (c, b, 1, s)
+  return sq[:, :, None, :], sq[:, :, :, None], keep_in, end
 
 
 # The one-pass kernel's VJP: the forward also writes the states entering each chunk
@@ -481,6 +486,16 @@ def _one_pass_bwd(interpret, res, ct):
 
 
 _one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
+
+
+def one_pass(xc, dtc, ac, Bc, Cc, init, Dr, masks, interpret: bool = False):
+  """The one-pass kernel (and its backward kernel under differentiation) on the chunked
+  layout of `ssd.to_chunks(..., positions_minor=True)`: xc (c, b, g, r, p, q), the
+  input scale dtc and the log decay ac (c, b, g, r, q) float32, separate (Mamba-3's
+  scan scales its inputs by other weights than dt: `ssd3_tpu`), Bc, Cc (c, b, g, q,
+  n), init (b, g, r, p, n) float32, Dr (g, r) float32, masks `document_masks`'.
+  Returns y (c, b, g, r, p, q) in x's dtype and the final state (b, g, r, p, n)."""
+  return _one_pass(xc, dtc, ac, Bc, Cc, init, Dr, *masks, interpret)
 
 
 def ssd_fused(x, dt, A, B, C, chunk_size: int, *, D=None, initial_state=None, seq_idx=None,

@@ -83,10 +83,14 @@ TABLE: dict[tuple[str, str], Impl] = {
     ("mixer", "fused"): _row("layer_fused_tpu", "mixer_core_tpu", ["tpu"], True,
                              [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                              "one Pallas TPU kernel from in_proj's outputs to the gated y and its norm "
-                             "statistics (conv, SSD, gate; forward: the backward is the plain VJP)"),
+                             "statistics (conv, SSD, gate), and one for its backward"),
     ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
                           [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                           "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
+    ("ssd3", "mosaic"): _row("ssd3_tpu", "ssd3_fused", ["tpu"], True,
+                             [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
+                             "ssd_tpu's one-pass Pallas TPU kernels, forward and backward, with the trapezoid's "
+                             "input weights; the look-ahead and diagonal correction in XLA"),
     ("decode", "xla"): _row("ssd", "ssd_step", ALL, False, [WINDOW, MESH, FLOAT32],
                             "the plain step, about 50 XLA ops a layer"),
     ("decode", "mosaic"): _row("decode_tpu", "mixer_step_fused", ["tpu"], True, [FLOAT32],
@@ -254,16 +258,27 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
       ssd = functools.partial(seq.ssd, ssd, _state_outputs(), kernel=True)
   save_names = () if impl == "xla" else _module("ssd", impl).SAVE_NAMES
 
-  # --- Mamba-3's scan (its plain forms; a kernel's runtime name falls back to them) ---
+  # --- Mamba-3's scan (a kernel name without a Mamba-3 row falls back to the plain form) ---
   ssd3, step3, chunk3 = None, TABLE["decode3", "xla"].load(), min(cfg.chunk_size, runtime.parallel_chunk_size)
   if cfg.count("3"):
     ask = runtime.ssd_impl
-    choices.append(("ssd3", "xla", "runtime" if ask == "xla" else f"{ask} has no Mamba-3 form"))
-    ssd3 = TABLE["ssd3", "xla"].load()
-    if ask == "xla" and runtime.ssd_form == "scan":
-      chunk3 = min(cfg.chunk_size, runtime.scan_chunk_size)
-    if seq is not None:  # per slice, the carries exchanged (parallel/sequence.py)
-      ssd3 = functools.partial(seq.ssd3, ssd3, importlib.import_module("mamba_train.ops.ssd3").state_outputs3)
+    if ("ssd3", ask) not in TABLE:
+      impl3 = "xla"
+      choices.append(("ssd3", "xla", f"{ask} has no Mamba-3 form"))
+    else:
+      # A split sequence runs the plain form per slice: its map checks varying axes,
+      # which a Pallas call does not declare (Mamba-2's kernel path has its own).
+      impl3 = choose("ssd3", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)"})
+    if impl3 == "xla":
+      ssd3 = TABLE["ssd3", "xla"].load()
+      if ask == "xla" and runtime.ssd_form == "scan":
+        chunk3 = min(cfg.chunk_size, runtime.scan_chunk_size)
+      if seq is not None:  # per slice, the carries exchanged (parallel/sequence.py)
+        ssd3 = functools.partial(seq.ssd3, ssd3, importlib.import_module("mamba_train.ops.ssd3").state_outputs3)
+    else:
+      ssd3 = _kernel("ssd3", impl3, runtime)
+      if mesh.heads is not None:
+        ssd3 = functools.partial(mesh.heads.ssd3, ssd3)
     dec3 = runtime.decode_impl
     choices.append(("decode3", "xla", "runtime" if dec3 == "xla" else f"{dec3} has no Mamba-3 step"))
 

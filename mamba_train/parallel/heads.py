@@ -60,6 +60,39 @@ class HeadSplit:
 
     return self._map(local, specs, (specs[0], specs[6]), *args)
 
+  def ssd3(self, kernel: Callable, x, dt, A, lam, B, C, chunk_size: int, *, D=None, x_proj=None, initial=None,
+           seq_idx=None):
+    """`kernel(...)` (`ssd3_tpu.ssd3_fused`, Mamba-3's scan) on each device's part of
+    the batch and heads, with `ssd3.ssd3_chunked`'s arguments and results. B and C
+    (b, l, [R,] g, n) split with the heads, or whole with one group."""
+    g, siso = B.shape[-2], B.ndim == 4
+    if g > 1 and g % self.head_devices:
+      raise ValueError(f"the Pallas Mamba-3 scan splits heads over {self.head_devices} devices but its "
+                       f"{g} groups do not divide evenly over them: runtime.ssd_impl='xla'")
+    bt, hd = self.batch, self.heads
+    gs = hd if g > 1 else None
+    b, _, h, p = x.shape
+    rank = () if siso else (None,)
+    bc, heads, k = P(bt, None, *rank, gs, None), P(bt, None, hd), P(bt, *rank, gs, None)
+    state, last_x = P(bt, hd, None, None), P(bt, hd, None)
+    if initial is None:
+      initial = (jnp.zeros((b, h, p, B.shape[-1]), jnp.float32), jnp.zeros(B.shape[:1] + B.shape[2:], B.dtype),
+                 jnp.zeros((b, h, p), x.dtype))
+    specs = [P(bt, None, hd, None), heads, heads, heads, bc, bc, P(hd), (state, k, last_x)]
+    args = [x, dt, A, lam, B, C, jnp.zeros((h,), jnp.float32) if D is None else D, initial]
+    if x_proj is not None:
+      specs, args = specs + [P(hd, None, None)], args + [x_proj]
+    if seq_idx is not None:
+      specs, args = specs + [P(bt, None)], args + [seq_idx]
+
+    def local(x, dt, A, lam, B, C, D, init, *rest):
+      xp = rest[0] if x_proj is not None else None
+      seq = rest[-1] if seq_idx is not None else None
+      return kernel(x, dt, A, lam, B, C, chunk_size, D=D, x_proj=xp, initial=init, seq_idx=seq)
+
+    y = P(bt, None, *rank, hd, None)
+    return self._map(local, tuple(specs), (y, (state, k, last_x)), *args)
+
   def mixer(self, kernel: Callable, z, xr, bc, dt_raw, w, chunk_size: int, *, ngroups: int, dt_limit,
             front_x, front_bc, initial_state, seq_idx=None):
     """`kernel(...)` (`layer_fused_tpu.mixer_core_tpu`: the layer between in_proj and
