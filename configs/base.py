@@ -105,6 +105,11 @@ def get_config() -> ml_collections.ConfigDict:
   # mamba_train/parallel/experts.py.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1, dcn_data=1,
                                           dcn_fsdp=1, dcn_sequence=1))
+  # Which mesh axes hold the weights that are not experts (mamba_train/parallel/sharding.py
+  # LAYOUTS): 'fsdp' (fsdp only), 'fsdp_expert' (fsdp x expert: ZeRO-3 inside the expert
+  # group, Megatron-Core's distributed optimizer; d_model must divide over them), or 'auto'
+  # (fsdp_expert for an MoE model at expert > 1 and fsdp 1, such as one 8-GPU host; else fsdp).
+  c.layout = "auto"
   # Per-device peak FLOP/s for MFU. 0 = the TPU/GPU table in mamba_train/metrics.py,
   # and for CPUs a nominal 170 GFLOP/s (a 2-core development machine's float32 matmul rate).
   c.peak_flops = 0.0

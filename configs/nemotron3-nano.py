@@ -14,9 +14,18 @@ assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatc
 (capacity_factor=0) sizes the expert all-to-all's buffers for the worst case and
 did not fit either slice; at 1.25 both fit (v5p-128: 58.9 GiB a chip of 95; v6e-256:
 28.4 of 32; docs/bench/moe.md). On H100s (add --config.runtime.attention=xla to
-compile without a GPU): one 8-GPU host takes LoRA (--config.lora.rank=16, 64 GiB a
-GPU at 8 x 2048), not a full finetune; two hosts (h100-16) do (70 GiB a GPU at
-16 x 2048). The router keeps NemotronH's
+compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 (70.1 GiB a
+GPU; 16 x 2048: 74.9) in the layout config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert',
+the non-expert weights, their gradients and moments split over the 8 GPUs of the
+expert group as well, ZeRO-3; with 'fsdp' they are whole on every GPU and the state
+alone is 65.7 GiB), and LoRA (--config.lora.rank=16, 55 GiB a GPU); two hosts
+(h100-16: fsdp 2, so 'auto' keeps 'fsdp') 70 GiB a GPU at 16 x 2048. The TPU slices
+(fsdp 8 or 16) keep 'fsdp'.
+
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology h100-8 \
+      --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla
+
+The router keeps NemotronH's
 balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4
 auxiliary loss (config.moe; 0 turns either off).
 """

@@ -58,7 +58,7 @@ GIB = metrics.GIB
 def format_report(r: dict) -> str:
   g = lambda b: f"{b / GIB:.2f} GiB"
   lines = [f"{r['chip']} {'hosts' if r['chip'].startswith('NVIDIA') else 'slice'} {r['topology']}: "
-           f"{r['devices']} devices, mesh {r['mesh']}",
+           f"{r['devices']} devices, mesh {r['mesh']}, layout {r.get('layout', 'fsdp')}",
            f"batch {r['batch_size']} x {r['seq_len']} (grad_accum {r['grad_accum']}), "
            f"d_model {r['model']['d_model']}, n_layer {r['model']['n_layer']}"
            + (f" (layers {r['model']['layer_pattern']}, attention {r['runtime']['attention']})"

@@ -84,29 +84,49 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   assert "the layers unrolled, each counted as compiled" in r.stdout, r.stdout
 
 
-def test_tiny_train_step_compiles_for_b200_with_the_gpu_kernels(tmp_path):
-  """The real train step for two B200s (CUDA plugin and the nvcc 12.9 wheel's ptxas
-  for sm_100a, no GPU; H100's sm_90a compiles the same kernels in
-  test_ssd_gpu.py): ssd_impl and
-  layer_impl auto resolve to the GPU kernels (the SSD's and the layer's), whose cost
-  estimates join XLA's counts (XLA counts a Pallas call as nothing on GPUs). Skips,
-  saying why, without the gpu extra."""
+def test_tiny_moe_train_step_compiles_for_b200_with_the_gpu_kernels(tmp_path):
+  """The real train step of a tiny MoE hybrid ('ME') for one 8-GPU B200 host (CUDA
+  plugin and the nvcc 12.9 wheel's ptxas for sm_100a, no GPU; H100's sm_90a compiles
+  the same kernels in test_ssd_gpu.py and tokamax's in test_moe.py) in the one-host
+  full-finetune layout: experts over expert 8, and ('auto' at fsdp 1) the non-expert
+  weights, gradients and moments split over the expert group too (fsdp_expert), so the
+  state a GPU holds is an eighth of the whole but the few small vectors left whole.
+  ssd_impl, layer_impl and moe_impl auto resolve to the GPU kernels (SSD, layer,
+  tokamax's grouped matmul), whose cost estimates join XLA's counts (XLA counts a
+  Pallas call as nothing on GPUs). Skips, saying why, without the gpu extra."""
   missing = missing_gpu_wheels()
   if missing:
     reason = f"GPU compile wheels absent ({', '.join(missing)}): pip install -e '.[gpu]'"
     print(reason)
     pytest.skip(reason)
   out = tmp_path / "report.json"
-  narrow = ("--config.model.d_model=64", "--config.model.headdim=16", "--config.model.d_state=16",
-            "--config.model.n_layer=2")
-  r = _run("--topology", "b200-2", *_SMALL, *narrow, "--config.runtime.compute_dtype=bfloat16",
+  moe = ("--config.model.d_model=64", "--config.model.headdim=16", "--config.model.d_state=16",
+         "--config.model.n_layer=2", "--config.model.layer_pattern=ME", "--config.model.n_routed_experts=8",
+         "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=32",
+         "--config.mesh.data=1", "--config.mesh.expert=8", "--config.moe.capacity_factor=1.25",
+         "--config.batch_size=8")  # after _SMALL's 4: the last flag wins
+  r = _run("--topology", "b200-8", *_SMALL, *moe, "--config.runtime.compute_dtype=bfloat16",
            "--json", str(out), "--every_layer=false")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "Pallas kernels per device" in r.stdout and "of 167.64 GiB HBM" in r.stdout, r.stdout
+  assert "layout fsdp_expert" in r.stdout, r.stdout
   import json
+  import math
+
+  import jax
+
+  from mamba_train import Mamba2Config
+  from mamba_train.train.state import param_shapes
   rep = json.loads(out.read_text())
-  assert rep["devices"] == 2 and rep["chip"] == "NVIDIA B200" and rep["runtime"]["ssd_impl"] == "triton"
-  assert rep["runtime"]["layer_impl"] == "triton"
+  assert rep["devices"] == 8 and rep["chip"] == "NVIDIA B200" and rep["mesh"]["expert"] == 8
+  assert rep["layout"] == "fsdp_expert"
+  rt = rep["runtime"]
+  assert (rt["ssd_impl"], rt["layer_impl"], rt["moe_impl"]) == ("triton", "triton", "tokamax")
+  # The state (float32 weights and two float32 moments): 8 devices hold it once, and
+  # 9% more (A, D, dt bias and the conv stay whole). The fsdp layout would hold every
+  # non-expert weight on every GPU: 5.1 times.
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(Mamba2Config(**rep["model"]))))
+  assert 1.0 < 8 * rep["state_bytes_per_device"] / (12 * n) < 1.1
   k, xla = rep["kernel_cost"], rep["cost"]
   assert k["flops"] > 0 and k["bytes accessed"] > 0 and xla["flops"] > 0
   assert rep["cost_with_kernels"]["flops"] == pytest.approx(xla["flops"] + k["flops"])

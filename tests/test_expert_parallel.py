@@ -1,7 +1,10 @@
 """Expert parallelism (the 'expert' mesh axis, parallel/experts.py): train steps of
 a mixture-of-experts hybrid on 8 simulated CPU devices, alone and with data,
 fsdp, tensor and sequence, against the single-device steps (losses, every
-parameter, the routers' tokens per expert and correction biases).
+parameter, the routers' tokens per expert and correction biases). Expert 8 alone
+runs the one-host full-finetune layout (config.layout 'fsdp_expert': the non-expert
+weights, gradients and moments split over the expert group, ZeRO-3), the others
+the fsdp layout.
 
 One subprocess (the device count is fixed when jax starts); the tests read what it saved.
 """
@@ -25,6 +28,8 @@ MESHES = {
 # row's 64 assignments, half an even share), so many are dropped: expert with
 # sequence (the devices count after those before them in the row) and data.
 CAPPED = {"single_cap": {"data": 1}, "e2s2d2_cap": MESHES["e2s2d2"]}
+LAYOUT = {"expert8": "fsdp_expert"}  # the rest: 'fsdp'
+
 CAPACITY = 0.5
 # Grouped routing, a shared expert, the latent projection; every kind of layer.
 MOE = dict(d_model=32, n_layer=4, d_state=16, headdim=16, chunk_size=16, vocab_size=64,
@@ -38,6 +43,7 @@ def _worker(out_dir):
 
   from mamba_train import Mamba2Config, Runtime
   from mamba_train.data import SyntheticLoader
+  from mamba_train.parallel import sharding
   from mamba_train.parallel.mesh import make_mesh
   from mamba_train.train import balance, optim, state as train_state, step as trainer
   assert jax.device_count() == 8, jax.devices()
@@ -50,25 +56,31 @@ def _worker(out_dir):
   for name, mesh_cfg in {**MESHES, **CAPPED}.items():
     t0 = time.perf_counter()
     mesh = make_mesh(mesh_cfg, jax.devices()[:1] if name.startswith("single") else jax.devices())
-    state = train_state.init_train_state(cfg, tx, mesh, seed=0, params=init)
+    rules = sharding.LAYOUTS[LAYOUT.get(name, "fsdp")]
+    state = train_state.init_train_state(cfg, tx, mesh, seed=0, params=init, rules=rules)
     if init is None:
       init = jax.device_get(state.params)
-    spec = {k: str(v.sharding.spec) for k, v in
-            {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(state.params)}.items()}
+    specs = lambda tree: {jax.tree_util.keystr(k): str(v.sharding.spec)
+                          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    spec = specs(state.params)
+    # Adam's first moment of each parameter: the optimizer state lies as its parameter.
+    mu = next(s.mu for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: hasattr(s, "mu"))
+              if hasattr(s, "mu"))
     rt = Runtime(moe_capacity_factor=CAPACITY if name in CAPPED else 0.0).resolve("cpu")
-    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh,
+    step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, rules=rules,
                                    moe=balance.MoeSpec(1e-2, 1e-3))
     loader = SyntheticLoader(vocab_size=64, seq_len=32, global_batch_size=8, seed=0)
-    losses, loads, dropped = [], [], []
+    losses, loads, dropped, share = [], [], [], []
     for _ in range(STEPS):
       state, m = step(state, trainer.to_global(next(loader), mesh))
       losses.append(float(m["loss"]))
       loads.append(np.asarray(m["moe_tokens_per_expert"]).tolist())
       dropped.append(float(m["moe_dropped_tokens"]))
+      share.append(float(m["moe_dropped_share"]))
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.device_get(state.params)))
     shard = list(state.params["moe"]["experts_up"].addressable_shards[0].data.shape)
-    results[name] = {"losses": losses, "loads": loads, "dropped": dropped, "specs": spec, "shard": shard,
-                     "seconds": time.perf_counter() - t0}
+    results[name] = {"losses": losses, "loads": loads, "dropped": dropped, "share": share, "specs": spec,
+                     "mu_specs": specs(mu), "shard": shard, "seconds": time.perf_counter() - t0}
   np.savez(os.path.join(out_dir, "init.npz"), **flat(init))
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f)
@@ -92,6 +104,9 @@ def test_expert_parallel_steps_equal_single_device(runs, name):
   assert results[name]["loads"] == results[single]["loads"]
   assert results[name]["dropped"] == results[single]["dropped"]
   assert (min(results[name]["dropped"]) > 0) == (name in CAPPED)
+  # The share: of 8 x 32 tokens' 2 assignments in each of the 2 'E' layers.
+  np.testing.assert_allclose(results[name]["share"], np.array(results[name]["dropped"]) / (8 * 32 * 2 * 2),
+                             rtol=1e-6)
   bias = "['moe']['e_score_correction_bias']"
   np.testing.assert_allclose(got[bias], ref[bias], rtol=0, atol=1e-9)
   for key in ref:
@@ -108,10 +123,14 @@ def test_experts_split_by_the_rules(runs):
   # Experts over the expert axis; an expert's width over fsdp, its hidden units over
   # tensor (axes of size 1 are named too: the rules, not the mesh, decide).
   for name in ("expert8", "e2f2t2"):
-    specs = results[name]["specs"]
-    assert specs["['moe']['experts_up']"] == "P(None, 'expert', 'fsdp', 'tensor')"
-    assert specs["['moe']['experts_down']"] == "P(None, 'expert', 'tensor', 'fsdp')"
-    assert specs["['moe']['router']"] == "P(None, 'fsdp', None)"
+    for specs in (results[name]["specs"], results[name]["mu_specs"]):  # the moments lie as the weights
+      assert specs["['moe']['experts_up']"] == "P(None, 'expert', 'fsdp', 'tensor')"
+      assert specs["['moe']['experts_down']"] == "P(None, 'expert', 'tensor', 'fsdp')"
+      # The non-expert weights: over fsdp, or over the expert group too (fsdp_expert).
+      router = "P(None, ('fsdp', 'expert'), None)" if name == "expert8" else "P(None, 'fsdp', None)"
+      assert specs["['moe']['router']"] == router
+      embed = "P('tensor', ('fsdp', 'expert'))" if name == "expert8" else "P('tensor', 'fsdp')"
+      assert specs["['embedding']"] == embed
   # (2 layers, 8 experts, width 16, 32 hidden units): really split.
   assert results["expert8"]["shard"] == [2, 1, 16, 32]
   assert results["e2f2t2"]["shard"] == [2, 4, 8, 16]

@@ -194,6 +194,30 @@ def test_capacity_drops_as_the_dense_reference():
   assert rel(got[1], want[1]) < 1e-5
 
 
+def test_dropped_share_on_known_logits():
+  """The capacity's accounting on a router whose logits are set (the first 8 input
+  features through an identity router; experts 0 to 2 favoured, so they overflow):
+  the layer's dropped count and the step metric's share against a count made here
+  with numpy (each sequence's assignments to an expert past the first ceil(cf l k / E)
+  are dropped; a token's k choices go to k different experts, so token order decides)."""
+  from mamba_train.train import balance
+  cfg = MOE_CFG.replace(moe_latent_size=0, n_group=1, topk_group=1)
+  p = {**moe_lib.init_params(cfg, jax.random.key(1)), "router": jnp.eye(32, 8, dtype=jnp.float32)}
+  b, l, e, k, cf = 3, 40, 8, 2, 1.25
+  logits = np.random.default_rng(0).normal(size=(b, l, e)) + np.array([2.0, 1.5, 1.0, 0, 0, 0, 0, 0])
+  u = jnp.zeros((b, l, 32), jnp.float32).at[..., :e].set(logits.astype(np.float32))
+  _, stats = jax.jit(lambda p, u: moe_lib.moe(p, u, cfg, Runtime(moe_capacity_factor=cf).resolve()))(p, u)
+  chosen = np.argsort(-logits, axis=-1)[..., :k]  # sigmoid is monotone and the bias zero
+  per_row = np.stack([np.bincount(chosen[i].reshape(-1), minlength=e) for i in range(b)])  # (b, e)
+  cap = int(np.ceil(cf * l * k / e))  # 13
+  want = int(np.maximum(per_row - cap, 0).sum())
+  np.testing.assert_array_equal(stats["moe_load"], per_row.sum(0))
+  assert float(stats["moe_dropped"]) == want > 0
+  m = balance.metrics(stats["moe_load"][None], stats["moe_aux"], stats["moe_dropped"])
+  assert float(m["moe_dropped_tokens"]) == want
+  assert float(m["moe_dropped_share"]) == pytest.approx(want / (b * l * k), rel=1e-6)
+
+
 def test_megablox_equals_ragged_dot():
   """`expert_mlp` by megablox's grouped matmul (in Pallas' interpreter) against
   jax.lax.ragged_dot on the same rows, float32: squared-ReLU experts forward and the
@@ -436,7 +460,7 @@ def test_train_step_balances_routers():
   (on, m), (off, m0) = run(1e-2, 1e-3, 1), run(0.0, 0.0, 2)
   for metrics, want_aux in ((m, aux), (m0, aux2)):
     np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], load)
-    assert float(metrics["moe_dropped_tokens"]) == 0.0
+    assert float(metrics["moe_dropped_tokens"]) == 0.0 == float(metrics["moe_dropped_share"])
     assert float(metrics["moe_aux_loss"]) == pytest.approx(want_aux, rel=1e-5)
     assert float(metrics["moe_load_max"]) == pytest.approx(np.max(load / load.mean(-1, keepdims=True)))
   assert float(m["loss"]) - float(m0["loss"]) == pytest.approx(1e-2 * aux, rel=1e-3)  # (0.01 x ~1: 1e-5 of the loss)
@@ -474,6 +498,24 @@ def test_run_config_refusals():
   c.model.moe_router_score_function = "sigmoid"
   c.mesh.update(data=1, expert=8)
   assert validate(c, num_devices=8).mesh_shape["expert"] == 8
+  # config.layout 'auto': the non-expert weights inside the expert group on one host
+  # (fsdp 1), fsdp alone once fsdp spans devices; one that cannot divide d_model refused.
+  assert validate(c, num_devices=8).layout == "fsdp_expert"
+  c.layout = "fsdp"
+  assert validate(c, num_devices=8).layout == "fsdp"
+  c.layout = "auto"
+  c.mesh.update(expert=4, fsdp=2)
+  assert validate(c, num_devices=8).layout == "fsdp"
+  c.mesh.update(expert=2, fsdp=3)
+  c.layout = "fsdp_expert"
+  with pytest.raises(ConfigError, match=r"layout='fsdp_expert' splits the non-expert weights' d_model \(32\) "
+                     r"over fsdp x expert = 6 devices"):
+    validate(c, num_devices=6)
+  c.layout = "zero3"
+  c.mesh.update(expert=8, fsdp=1)
+  with pytest.raises(ConfigError, match="layout must be 'auto' or one of"):
+    validate(c, num_devices=8)
+  c.layout = "auto"
   c.model.n_routed_experts, c.model.n_group = 12, 1
   with pytest.raises(ConfigError, match="n_routed_experts \\(12\\)"):
     validate(c, num_devices=8)

@@ -67,6 +67,43 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert_mlp", "tensor"),
 )
 
+# Named layouts (config.layout): which mesh axes the weights that are not experts
+# are split over. The experts are split over 'expert' (and their width over fsdp)
+# in both, and every optimizer moment and gradient lies as its parameter does.
+#   fsdp         the non-expert weights over fsdp only: replicated along 'expert'.
+#   fsdp_expert  over fsdp x expert (ZeRO-3 inside the expert group, as
+#                Megatron-Core's distributed optimizer shards over the data-parallel
+#                ranks the expert-parallel ones are carved from): one 8-GPU host at
+#                expert 8 holds an eighth of them, their gradients and moments, and
+#                gathers each layer's weights for its step. The expert axis splits the
+#                batch, so this is plain FSDP over the devices along it.
+# Only 'embed' moves: every non-expert matrix, norm and the embedding carry it (the
+# model dimension); the few small vectors without it (A, D, dt bias, conv) stay whole.
+EXPERT_ZERO3_RULES = tuple((k, ("fsdp", "expert") if k == "embed" else v) for k, v in DEFAULT_RULES)
+LAYOUTS: dict[str, tuple] = {"fsdp": DEFAULT_RULES, "fsdp_expert": EXPERT_ZERO3_RULES}
+
+
+def resolve_layout(name: str, mesh_shape: Mapping[str, int], d_model: int, moe: bool) -> str:
+  """config.layout -> a name of LAYOUTS. 'auto': fsdp_expert where the non-expert
+  weights would otherwise be whole on every device of an expert group (a model with
+  MoE layers, mesh expert > 1, fsdp 1: one 8-GPU host) and they divide d_model, else
+  fsdp. Raises ValueError for an unknown name, or fsdp_expert on axes that do not
+  divide d_model (the weights would stay whole where they were meant to be split)."""
+  axes = _axis_names(dict(EXPERT_ZERO3_RULES)["embed"])
+  n = math.prod(mesh_shape.get(a, 1) for a in axes)
+  if name == "auto":
+    group = moe and mesh_shape.get("expert", 1) > 1 and mesh_shape.get("fsdp", 1) == 1
+    name = "fsdp_expert" if group and d_model % n == 0 else "fsdp"
+  if name not in LAYOUTS:
+    raise ValueError(f"layout must be 'auto' or one of {sorted(LAYOUTS)}, got {name!r}")
+  # (fsdp alone keeps its old rule: a d_model fsdp does not divide stays whole, warned.)
+  if name == "fsdp_expert" and d_model % n:
+    raise ValueError(f"layout={name!r} splits the non-expert weights' d_model ({d_model}) over "
+                     f"{' x '.join(axes)} = {n} devices, which does not divide it; choose mesh sizes "
+                     f"whose product divides {d_model}, or layout='fsdp'")
+  return name
+
+
 _ACTIVE: list[tuple[Mesh, dict]] = []
 
 

@@ -194,7 +194,7 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   state_bytes = state_bytes_per_device(state)
 
   report = {"topology": topo, "chip": chip.name, "devices": len(devices), "mesh": dict(mesh.shape),
-            "model": model_cfg.to_dict(), "runtime": plan.runtime.to_dict(),
+            "layout": plan.layout, "model": model_cfg.to_dict(), "runtime": plan.runtime.to_dict(),
             "batch_size": config.batch_size, "seq_len": config.seq_len,
             "grad_accum": config.optim.grad_accum, "hbm_bytes_per_device": hbm,
             "state_bytes_per_device": state_bytes}

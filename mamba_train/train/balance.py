@@ -13,7 +13,8 @@ trains NemotronH (both switchable, config.moe):
 The router statistics of a step go to metrics.jsonl (`metrics`): the tokens each
 expert of each layer received, the most and least loaded expert against an even
 load, the auxiliary loss, and the dropped assignments: (token, expert) pairs past their
-expert's capacity (`moe.capacity_factor`; zero when dispatch is dropless, the default).
+expert's capacity (`moe.capacity_factor`; zero when dispatch is dropless, the default),
+as a count and as a share of all assignments.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mamba_train.model.params import KIND_PARAMS
 
 F32 = jnp.float32
 # The scalar metrics of a step (besides moe_tokens_per_expert, a list per layer).
-METRICS = ("moe_aux_loss", "moe_load_max", "moe_load_min", "moe_dropped_tokens")
+METRICS = ("moe_aux_loss", "moe_load_max", "moe_load_min", "moe_dropped_tokens", "moe_dropped_share")
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"
 
 
@@ -83,8 +84,12 @@ def update_bias(params: dict, load, rate: float) -> dict:
 
 def metrics(load, aux_mean, dropped=0.0) -> dict[str, jax.Array]:
   """A step's router metrics from its tokens per expert (layers, experts), mean
-  auxiliary loss and dropped assignments (summed over layers)."""
+  auxiliary loss and dropped assignments (summed over layers). moe_dropped_share:
+  the dropped fraction of the step's (token, expert) assignments, every layer's;
+  the load counts each assignment the router made, kept or dropped, so it is the
+  denominator (padding tokens are routed too, as the layer does not know them)."""
   even = jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)
+  dropped = jnp.asarray(dropped, F32)
   return {"moe_aux_loss": aux_mean, "moe_load_max": jnp.max(load / even),
-          "moe_load_min": jnp.min(load / even), "moe_dropped_tokens": jnp.asarray(dropped, F32),
-          TOKENS_PER_EXPERT: load}
+          "moe_load_min": jnp.min(load / even), "moe_dropped_tokens": dropped,
+          "moe_dropped_share": dropped / jnp.maximum(jnp.sum(load), 1.0), TOKENS_PER_EXPERT: load}

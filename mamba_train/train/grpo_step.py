@@ -149,10 +149,11 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None) -> Built:
   lr = plan.lr if plan.lr is not None else float(config.optim.lr)
   optimizer, schedule = make_optimizer({**config.optim, "lr": lr}, config.steps * g.num_iterations)
   state = init_train_state(plan.model, optimizer, mesh, config.seed, params=params, lora=plan.lora,
-                           frozen_copy=g.spec.beta > 0)
+                           frozen_copy=g.spec.beta > 0, rules=plan.rules)
   old = g.num_iterations > 1
   args = (plan.model, plan.runtime)
   return Built(optimizer, schedule, state,
-               make_grpo_step(*args, optimizer, schedule, mesh, g.spec, g.temperature, lora=plan.lora, old=old),
-               make_logps(*args, mesh, g.spec, g.temperature, lora=plan.lora, old=old),
+               make_grpo_step(*args, optimizer, schedule, mesh, g.spec, g.temperature, lora=plan.lora, old=old,
+                              rules=plan.rules),
+               make_logps(*args, mesh, g.spec, g.temperature, lora=plan.lora, old=old, rules=plan.rules),
                needs_logps=old or g.spec.beta > 0)

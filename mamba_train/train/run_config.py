@@ -18,9 +18,10 @@ import ml_collections
 from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
-from mamba_train.model.config import FINETUNE_MAY_CHANGE, Mamba2Config
+from mamba_train.model.config import FINETUNE_MAY_CHANGE, MOE, Mamba2Config
 from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
+from mamba_train.parallel import sharding
 from mamba_train.parallel.mesh import resolve_mesh_shape
 from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems
 from mamba_train.train.dpo import DpoSpec
@@ -145,6 +146,7 @@ class Plan:
   runtime: Runtime  # resolved for `platform`
   platform: str  # of the devices the mesh spans ('cpu', 'gpu', 'tpu')
   mesh_shape: Mapping[str, int]  # {'data', 'fsdp', 'sequence', 'tensor'}: -1 filled, dcn_* multiplied in
+  layout: str = "fsdp"  # config.layout resolved: a name of `sharding.LAYOUTS`
   # The datasets a corpus run reads and the mixture's weight schedule [(step, weights)].
   # A corpus run with neither data.dir nor data.mixture reads the default corpus,
   # prepared under `default_corpus` on first use (train/inputs.py); then `sources` is empty.
@@ -160,6 +162,11 @@ class Plan:
   lr: float | None = None
   # The config.model fields init_from replaced: {field: (the recipe's value, init_from's)}.
   model_from_init: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+
+  @property
+  def rules(self) -> tuple:
+    """The logical-axis rules table of the run's layout."""
+    return sharding.LAYOUTS[self.layout]
 
   def replace(self, **kw) -> "Plan":
     return dataclasses.replace(self, **kw)
@@ -206,6 +213,10 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
       problems.append("objective='grpo' needs mesh.sequence = 1 (rollouts decode one token at a time)")
   elif mesh is not None and isinstance(cfg.get("batch_size"), int):
     problems += _layout_problems(cfg, model, mesh, accum, process_count)
+  layout = None
+  if mesh is not None and model is not None:
+    layout = _attempt(problems, lambda: sharding.resolve_layout(cfg.get("layout", "auto"), mesh, model.d_model,
+                                                               bool(model.count(MOE))), ValueError)
   # The optimizer, the adapters, the periods and the named choices.
   problems += _optim_problems(optim)
   lora_lr = cfg.get("lora", {}).get("lr", 0.0)
@@ -249,7 +260,7 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if lora is not None:
     lora = lora.replace(packed_int4=platform != "cpu")  # see LoraSpec.packed_int4
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
-              runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh,
+              runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh, layout=layout,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
               dpo=dpo, grpo=grpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
 

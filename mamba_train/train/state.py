@@ -162,16 +162,16 @@ def abstract_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformat
 
 def init_train_state(cfg: Mamba2Config, optimizer: optax.GradientTransformation, mesh: Mesh,
                      seed: int, params=None, lora: LoraSpec | None = None,
-                     frozen_copy: bool = False) -> TrainState:
+                     frozen_copy: bool = False, rules=sharding.DEFAULT_RULES) -> TrainState:
   """A fresh TrainState, created directly in its shardings (no full copy on one device).
 
   `params`, if given (e.g. loaded for finetuning), replace the random init; with
   `lora` they (or the random init) become the frozen base of fresh adapters;
   `frozen_copy` keeps a frozen copy of them besides (DPO's reference, without LoRA).
   """
-  shardings = state_shardings(cfg, optimizer, mesh, lora=lora, frozen_copy=frozen_copy)
+  shardings = state_shardings(cfg, optimizer, mesh, rules, lora=lora, frozen_copy=frozen_copy)
   if params is not None:
-    params = jax.device_put(params, param_shardings(cfg, mesh))
+    params = jax.device_put(params, param_shardings(cfg, mesh, rules))
   make = lambda key, params: _make_state(cfg, optimizer, key, params, lora, frozen_copy)
-  with sharding.use_rules(mesh):
+  with sharding.use_rules(mesh, rules):
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed), params)

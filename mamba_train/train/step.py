@@ -285,14 +285,15 @@ def build(plan: run_config.Plan, mesh: Mesh, *, params=None, init: bool = True) 
   lr = plan.lr if plan.lr is not None else float(config.optim.lr)  # with adapters: lora.lr
   optimizer, schedule = make_optimizer({**config.optim, "lr": lr}, config.steps)
   copy = dpo is not None  # DPO's reference: the initial weights, frozen (with LoRA: the base)
+  rules = plan.rules  # config.layout's table: where the weights, gradients and moments lie
   if init:
     state = init_train_state(model_cfg, optimizer, mesh, config.seed, params=params, lora=lora,
-                             frozen_copy=copy)
+                             frozen_copy=copy, rules=rules)
   else:
-    state = abstract_train_state(model_cfg, optimizer, mesh, lora=lora, frozen_copy=copy)
+    state = abstract_train_state(model_cfg, optimizer, mesh, rules, lora=lora, frozen_copy=copy)
   docs = bool(config.data.use_seq_idx)
-  train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh,
+  train_step = make_train_step(model_cfg, runtime, optimizer, schedule, mesh, rules=rules,
                                grad_accum=config.optim.grad_accum, use_seq_idx=docs, lora=lora, dpo=dpo,
                                moe=plan.moe)
   return Built(optimizer, schedule, state, train_step,
-               make_eval_step(model_cfg, runtime, mesh, use_seq_idx=docs, lora=lora, dpo=dpo))
+               make_eval_step(model_cfg, runtime, mesh, rules, use_seq_idx=docs, lora=lora, dpo=dpo))
