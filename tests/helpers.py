@@ -201,6 +201,26 @@ def ssd_inputs(seed, b, l, h, p, g, n, dtype):
   return x, dt, A, B, C, D, h0
 
 
+def ssd3_inputs(seed, rank, g, h, l, p, n, dtype, b=2):
+  """Random Mamba-3 scan inputs as the layer makes them (dt > 0, A < 0 per token, lam in
+  (0, 1)): x, dt, A, lam, B, C, D, x_proj and an incoming cache (state, last k, last x).
+  rank None: SISO (no x_proj, B and C without a rank axis)."""
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 11)
+  bc = (b, l, g, n) if rank is None else (b, l, rank, g, n)
+  x = jax.random.normal(ks[0], (b, l, h, p), dtype)
+  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h), dtype) - 1.0)
+  A = -jnp.exp(jax.random.uniform(ks[2], (b, l, h), dtype, -1.0, 1.5))
+  lam = jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, l, h), dtype))
+  B, C = (jax.random.normal(k, bc, dtype) for k in ks[4:6])
+  D = jax.random.normal(ks[6], (h,), dtype)
+  xp = None if rank is None else jax.random.normal(ks[7], (h, rank, p), dtype)
+  cache = (jax.random.normal(ks[8], (b, h, p, n), dtype),
+           jax.random.normal(ks[9], (b,) + bc[2:], dtype), jax.random.normal(ks[10], (b, h, p), dtype))
+  return x, dt, A, lam, B, C, D, xp, cache
+
+
 def packed_ids(seed, b, l):
   """(b, l) document ids of rows that pack four documents each, cut at random positions."""
   import jax.numpy as jnp

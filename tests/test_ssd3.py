@@ -13,7 +13,7 @@ import numpy as np
 
 from mamba_train.ops import ssd, ssd3
 
-from helpers import rel
+from helpers import rel, ssd3_inputs
 
 chunked = jax.jit(ssd3.ssd3_chunked, static_argnums=6)
 sequential = jax.jit(ssd3.ssd3_sequential)
@@ -23,20 +23,7 @@ L, Q, H, P, N = 13, 4, 4, 3, 5
 
 
 def _inputs(seed, rank, g, dtype, l=L, b=2):
-  """x, dt, A, lam, B, C, D, x_proj and an incoming cache (state, last k, last x):
-  dt > 0, A < 0 per token, lam in (0, 1) as the layer makes them. rank None: SISO."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 11)
-  bc = (b, l, g, N) if rank is None else (b, l, rank, g, N)
-  x = jax.random.normal(ks[0], (b, l, H, P), dtype)
-  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, H), dtype) - 1.0)
-  A = -jnp.exp(jax.random.uniform(ks[2], (b, l, H), dtype, -1.0, 1.5))
-  lam = jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, l, H), dtype))
-  B, C = (jax.random.normal(k, bc, dtype) for k in ks[4:6])
-  D = jax.random.normal(ks[6], (H,), dtype)
-  xp = None if rank is None else jax.random.normal(ks[7], (H, rank, P), dtype)
-  cache = (jax.random.normal(ks[8], (b, H, P, N), dtype),
-           jax.random.normal(ks[9], (b,) + bc[2:], dtype), jax.random.normal(ks[10], (b, H, P), dtype))
-  return x, dt, A, lam, B, C, D, xp, cache
+  return ssd3_inputs(seed, rank, g, H, l, P, N, dtype, b)
 
 
 def test_chunked_matches_sequential_float64_values_and_gradients():

@@ -18,26 +18,13 @@ import pytest
 
 from mamba_train.ops import ssd3, ssd3_tpu
 
-from helpers import rel
+from helpers import rel, ssd3_inputs
 
 P, N = 3, 5
 
 
 def _inputs(seed, rank, g, h, l, dtype=jnp.float32, b=2):
-  """x, dt, A, lam, B, C, D, x_proj and an incoming cache, as the layer makes them
-  (dt > 0, A < 0 per token, lam in (0, 1)). rank None: SISO."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 11)
-  bc = (b, l, g, N) if rank is None else (b, l, rank, g, N)
-  x = jax.random.normal(ks[0], (b, l, h, P), dtype)
-  dt = jax.nn.softplus(jax.random.normal(ks[1], (b, l, h), dtype) - 1.0)
-  A = -jnp.exp(jax.random.uniform(ks[2], (b, l, h), dtype, -1.0, 1.5))
-  lam = jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, l, h), dtype))
-  B, C = (jax.random.normal(k, bc, dtype) for k in ks[4:6])
-  D = jax.random.normal(ks[6], (h,), dtype)
-  xp = None if rank is None else jax.random.normal(ks[7], (h, rank, P), dtype)
-  cache = (jax.random.normal(ks[8], (b, h, P, N), dtype),
-           jax.random.normal(ks[9], (b,) + bc[2:], dtype), jax.random.normal(ks[10], (b, h, P), dtype))
-  return x, dt, A, lam, B, C, D, xp, cache
+  return ssd3_inputs(seed, rank, g, h, l, P, N, dtype, b)
 
 
 def _grad(fn, chunk, seq_idx, wy, ws):
