@@ -20,7 +20,10 @@ from mamba_train.ops.layer_fused_fwd_tpu import (
   _conv,
   _dt,
   _flops,
+  _heads_in,
+  _heads_out,
   _masks,
+  _rows,
   _sigmoid,
   _specs,
   _ssd_head,
@@ -52,6 +55,7 @@ def _conv_bwd(dpre, nxt, cur, taps, w_at, k, axis, mask, next_mask):
     dw[k - 1 - s] = red(dpre * taps[s - 1])  # the taps carry their masks
   return din, dw, red(dpre), dfront
 
+
 def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
   n_in = 30 if seq else 24
   ins, outs = refs[:n_in], refs[n_in:]
@@ -63,10 +67,12 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
    dh_scr, nx_scr, nb_scr, nc_scr, ntr_scr, ntc_scr, ddt_scr, dar_scr, dcs_scr, dte_scr) = outs
   zi = pl.program_id(3)
   ci = pl.num_programs(3) - 1 - zi  # the chunk of this step: the walk is in reverse
-  q = x_ref.shape[-1]
+  q = dtr_ref.shape[-1]
   cdt = x_ref.dtype
   row_mask, col_mask = _masks(seq, tap_row, tap_col)
   next_row, next_col = _masks(seq, ntr_scr, ntc_scr)
+  # The (l, i)-sized operands arrive row-major, as the GEMMs write and read them.
+  xs, zs, dgs, xps = (_heads_in(ref, hb) for ref in (x_ref, z_ref, dg_ref, xp_ref))
 
   # dh_scr: the cotangent of the state leaving this chunk, from the final state's;
   # n*_scr: the next chunk's conv pre-activation cotangents (zeros after the last) and
@@ -101,10 +107,11 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
   dcb = jnp.zeros((q, q), _F32)
   dcm = jnp.zeros(cmat.shape, _F32)
   dbm = jnp.zeros(bmat.shape, _F32)
+  dxs, dzs = [], []
   for i in range(hb):
     row = pl.ds(i, 1)
-    cur = x_ref[i].astype(_F32)
-    acc, taps = _conv(cur, prev(fx_ref[i], xp_ref[i]), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
+    cur = xs[i]
+    acc, taps = _conv(cur, prev(fx_ref[i], xps[i]), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
     sig = _sigmoid(acc)
     xf = (acc * sig).astype(cdt).astype(_F32)
     dt_i, d_i = dt[i:i + 1, :], d_ref[row, :]
@@ -113,10 +120,10 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
     y = _ssd_head(xf, dt_i, d_i, cb, lmat, state, cmat, decay_in[i:i + 1, :], cdt)
     # The gate's backward: the gated y's cotangent plus its sum of squares' (2 gated dssq).
     yr = y.astype(cdt).astype(_F32)
-    zf = z_ref[i].astype(_F32)
+    zf = zs[i]
     sz = _sigmoid(zf)
-    dgated = dg_ref[i].astype(_F32) + 2.0 * (yr * zf * sz) * dssq
-    dz_ref[i] = (dgated * yr * dsilu(zf, sz)).astype(dz_ref.dtype)
+    dgated = dgs[i] + 2.0 * (yr * zf * sz) * dssq
+    dzs.append(dgated * yr * dsilu(zf, sz))
     dy = (dgated * zf * sz).astype(cdt)
     # The SSD chunk's backward (ssd_tpu._one_pass_bwd_kernel): its outputs, then the state leaving it.
     dx, ddt, da, dd, dcs, dh_in, dc_i, dl = ssd_tpu._outputs_head_bwd(
@@ -131,7 +138,7 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
     dpre = (dx + dx_s).astype(cdt).astype(_F32) * dsilu(acc, sig)
     dxr, dw, dbias, dfront = _conv_bwd(dpre, nx_scr[i], cur, taps, lambda j: wx_ref[j, i], k, 1, row_mask,
                                        next_row)
-    dx_ref[i] = dxr.astype(dx_ref.dtype)
+    dxs.append(dxr)
     for j in range(k):
       dwx_ref[j, i] += dw[j]
     dbx_ref[i] += dbias
@@ -141,6 +148,8 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
     def _():
       dfx_ref[i] = dfront
 
+  dx_ref[...] = _heads_out(dxs, dx_ref.dtype)
+  dz_ref[...] = _heads_out(dzs, dz_ref.dtype)
   # dt's: d a_k += sum_{t >= k} dcs[t] + sum_{s < k} d to_end[s] (masked matmuls at
   # HIGHEST, as ssd_tpu's), a = dt A, dt = clip(softplus(v)).
   da = (dar_scr[...]
@@ -183,7 +192,7 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
 
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   """The backward kernel on the forward's grid, the chunks in reverse (see the module
-  doc). Returns, in the kernels' layouts: dx, dz (as x), B's and C's raw gradients per
+  doc). Returns, in the kernels' layouts: dx, dz (as x: (b, l, i) row-major), B's and C's raw gradients per
   head block (c, b, g, head blocks, q, n) float32, dt_raw's (c, b, g, r, q), the rows
   of d A (times A: A_log's) and d D to sum, the initial state's, the conv weights' and
   biases' per sequence (and head block for B, C), and the fronts' (at the end of a
@@ -200,7 +209,7 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   in_specs = (common[:14] + [spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, rev(zi), 0, 0))]
               + common[15:18]
               + [common[0], spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)),
-                 common[14], spec((None, None, None, hb, p, q), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, ri, 0, 0)),
+                 common[14], _rows(d, earlier),
                  spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0)),
                  spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0))]
               + common[18:])

@@ -100,6 +100,19 @@ def _masks(seq, tap_row, tap_col):
   return (lambda s: tap_row[s - 1:s, :]), (lambda s: tap_col[:, s - 1:s])
 
 
+def _heads_in(ref, hb):
+  """A row-major (q, hb p) block of (b, l, i) (channels on lanes, as the GEMMs write
+  it) as (hb, p, q) float32, positions on lanes, the orientation of the per-head math:
+  one transpose on chip, where XLA would relay the whole tensor through HBM."""
+  q, width = ref.shape
+  return ref[...].astype(_F32).T.reshape(hb, width // hb, q)
+
+
+def _heads_out(heads, dtype):
+  """`_heads_in`'s inverse: the hb heads' (p, q) blocks as one (q, hb p) row-major block."""
+  return jnp.concatenate(heads, axis=0).T.astype(dtype)
+
+
 def _kernel(*refs, hb, k, seq, length, dt_limit, save):
   n_in = 24 if seq else 18
   ins, outs = refs[:n_in], refs[n_in:]
@@ -113,6 +126,7 @@ def _kernel(*refs, hb, k, seq, length, dt_limit, save):
   zi = pl.program_id(3)
   cdt = x_ref.dtype
   row_mask, col_mask = _masks(seq, tap_row, tap_col)
+  xs, zs = _heads_in(x_ref, hb), _heads_in(z_ref, hb)
 
   @pl.when(zi == 0)
   def _():
@@ -139,11 +153,11 @@ def _kernel(*refs, hb, k, seq, length, dt_limit, save):
   a = dt * a_ref[...]
   after, upto, keep, cb, a, decay_in, through, w = ssd_tpu._chunk_terms(
       _Value(a), _Value(bmat), _Value(cmat), row_ref, col_ref, in_ref, end_ref)
+  gates = []
   for i in range(hb):
     # Prologue: x's conv + SiLU for head i, (p, q) with positions on lanes.
-    acc, _ = _conv(x_ref[i].astype(_F32), px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1,
-                   row_mask)
-    px_scr[i] = x_ref[i]
+    acc, _ = _conv(xs[i], px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
+    px_scr[i] = xs[i].astype(cdt)  # exact: x arrived in the compute dtype
     xf = _silu(acc).astype(cdt).astype(_F32)  # x as the SSD reads it (compute dtype)
     # The one-pass SSD's chunk for head i (ssd_tpu._one_pass_kernel).
     dt_i = dt[i:i + 1, :]
@@ -153,9 +167,10 @@ def _kernel(*refs, hb, k, seq, length, dt_limit, save):
     own = jax.lax.dot((xf * dt_i * w[i:i + 1, :]).astype(cdt), bmat, preferred_element_type=_F32)
     h_scr[i] = state * through[i:i + 1, :] + own
     # Epilogue: the gate, and the sum of squares over this head's p channels.
-    gated = y.astype(cdt).astype(_F32) * _silu(z_ref[i].astype(_F32))
-    g_ref[i] = gated.astype(g_ref.dtype)
+    gated = y.astype(cdt).astype(_F32) * _silu(zs[i])
+    gates.append(gated)
     ssq_ref[pl.ds(i, 1), :] = jnp.sum(gated * gated, axis=0, keepdims=True)
+  g_ref[...] = _heads_out(gates, g_ref.dtype)
 
   @pl.when(zi == pl.num_programs(3) - 1)
   def _():
@@ -198,9 +213,9 @@ class _Dims(NamedTuple):
 
 
 def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx):
-  """The kernels' shapes and their operands in the kernels' layouts: x and z (c, b, g,
-  r, p, q), positions on lanes; B, C (c, b, g, q, n); dt (c, b, g, r, q). XLA writes
-  x and z so from in_proj's GEMMs (`mamba2._mixer_fused`)."""
+  """The kernels' shapes and their operands in the kernels' layouts: x and z as in_proj's
+  GEMMs write them, (b, l, i) row-major (padded to whole chunks), read in (q, hb p)
+  blocks; B, C (c, b, g, q, n); dt (c, b, g, r, q)."""
   b, l, i = xr.shape
   h = dt_raw.shape[-1]
   g, k, q = ngroups, w["conv_x"].shape[0], chunk
@@ -209,7 +224,7 @@ def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state
   hb = ssd_tpu._head_block(r)
   d = _Dims(b, l, i, h, g, r, p, n, k, q, (l + pad) // q, pad, hb, r // hb)
   c, cdt = d.c, xr.dtype
-  heads = lambda v: _chunks(v, q, pad, (b, c, q, g, r, p), (1, 0, 3, 4, 5, 2))
+  heads = lambda v: jnp.pad(v, [(0, 0), (0, pad), (0, 0)]) if pad else v
   bcc = _chunks(bc, q, pad, (b, c, q, 2, g, n), (3, 1, 0, 4, 2, 5))  # (2, c, b, g, q, n)
   wbc = w["conv_bc"].astype(_F32).reshape(k, 2, g, n).transpose(1, 2, 0, 3)  # (2, g, k, n)
   bbc = w["conv_bc_bias"].astype(_F32).reshape(2, g, 1, n)
@@ -234,11 +249,16 @@ def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state
   return d, args
 
 
+def _rows(d, chunk_of):
+  """The BlockSpec of an (l, i)-sized activation, (b, l, i) row-major: a chunk's
+  positions of a head block's channels, (q, hb p)."""
+  return pl.BlockSpec((None, d.q, d.hb * d.p), lambda bi, gi, ri, zi: (bi, chunk_of(zi), gi * d.nblk + ri))
+
+
 def _specs(d, chunk_of, seq):
   """The BlockSpecs of `_prep`'s operands on the grid (b, g, head blocks, steps);
   chunk_of(step) is the chunk a step takes (in order forward, reversed backward)."""
   hb, p, q, n, k = d.hb, d.p, d.q, d.n, d.k
-  heads6 = lambda bi, gi, ri, zi: (chunk_of(zi), bi, gi, ri, 0, 0)
   head = lambda bi, gi, ri, zi: (chunk_of(zi), bi, gi, ri, 0)
   group = lambda bi, gi, ri, zi: (chunk_of(zi), bi, gi, 0, 0)
   state = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
@@ -246,7 +266,7 @@ def _specs(d, chunk_of, seq):
   per_group = lambda bi, gi, ri, zi: (gi, 0, 0)
   front_bc = lambda bi, gi, ri, zi: (bi, gi, 0, 0)
   spec = pl.BlockSpec
-  specs = [spec((None, None, None, hb, p, q), heads6), spec((None, None, None, hb, p, q), heads6),
+  specs = [_rows(d, chunk_of), _rows(d, chunk_of),
            spec((None, None, None, hb, q), head),
            spec((None, None, None, q, n), group), spec((None, None, None, q, n), group),
            spec((k, None, hb, p, 1), lambda bi, gi, ri, zi: (0, gi, ri, 0, 0)),
@@ -269,7 +289,7 @@ def _flops(d, per_head, per_block):
 
 
 def _call(d, args, dt_limit, interpret, save=False):
-  """The forward kernel: the gated y (c, b, g, r, p, q), the per-head sums of squares
+  """The forward kernel: the gated y (b, l, i) row-major, the per-head sums of squares
   (c, b, g, r, q), the final state (b, g, r, p, n); with `save` the states entering
   each chunk (b, g, r, c, p, n) float32 as well (the backward kernel's residual)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
@@ -291,10 +311,9 @@ def _call(d, args, dt_limit, interpret, save=False):
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)
                          + (c * init.size * 4 if save else 0)))
   spec = pl.BlockSpec
-  heads6 = lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0, 0)
   out_shape = [jax.ShapeDtypeStruct(xc.shape, cdt), jax.ShapeDtypeStruct(dtc.shape, _F32),
                jax.ShapeDtypeStruct(init.shape, _F32)]
-  out_specs = [spec((None, None, None, hb, p, q), heads6),
+  out_specs = [_rows(d, lambda zi: zi),
                spec((None, None, None, hb, q), lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0)),
                spec((None, None, hb, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0))]
   if save:

@@ -23,7 +23,13 @@ needs them again (docs/bench/tpu_ssd.md). Here, per chunk and head block, on chi
   summed per group in XLA.
 
 Between in_proj's output and out_proj's input only the gated y is written (and the
-final state).
+final state). The (l, d_inner)-sized operands and results (x, z and the gated y; in
+the backward the gated y's cotangent, dx and dz) stay as the GEMMs write and read
+them, (b, l, i) row-major: each program reads and writes a chunk's (q, hb p) block,
+channels on lanes, and turns it to the per-head math's (hb, p, q) orientation
+(positions on lanes) and back with one transpose on chip, so XLA adds no relayout
+copies around the kernels (docs/bench/fused_layer.md). Mosaic then needs a head
+block's channels, hb p, to be a multiple of 128 or all of d_inner (p 64: 8 heads).
 
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
@@ -66,6 +72,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mamba_train.ops import ssd_tpu
 from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call
 from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep
 
@@ -74,7 +81,7 @@ def _outputs(d, gated, ssq, final):
   """The forward kernel's outputs back to (b, l, ...): the gated y channels-minor
   (out_proj's operand), the squares per group, the final state (b, h, p, n)."""
   b, c, q, l = d.b, d.c, d.q, d.l
-  gated = gated.transpose(1, 0, 5, 2, 3, 4).reshape(b, c * q, d.i)[:, :l]
+  gated = gated[:, :l]  # already row-major
   ssq = ssq.transpose(1, 0, 4, 2, 3).reshape(b, c * q, d.g, d.r).sum(-1)[:, :l]
   return gated, ssq, final.reshape(b, d.h, d.p, d.n)
 
@@ -97,11 +104,12 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
   d, args = _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
   b, l, c, q, g, r, k, n = d.b, d.l, d.c, d.q, d.g, d.r, d.k, d.n
   dgated, dssq, dfinal = ct
-  dg = _chunks(dgated.astype(xr.dtype), q, d.pad, (b, c, q, g, r, d.p), (1, 0, 3, 4, 5, 2))
+  dg = dgated.astype(xr.dtype)
+  dg = jnp.pad(dg, [(0, 0), (0, d.pad), (0, 0)]) if d.pad else dg
   dssq = _chunks(dssq.astype(_F32)[..., None], q, d.pad, (b, c, q, g, 1), (1, 0, 3, 4, 2))
   (dx, dz, dbp, dcp, ddtr, da, dd, dinit, dwx, dbx, dwb, dbb, dwc, dbcb, dfx, dfb, dfc) = _bwd_call(
       d, args, states, dg, dssq, dfinal.astype(_F32).reshape(b, g, r, d.p, n), dt_limit, interpret)
-  back = lambda v: v.transpose(1, 0, 5, 2, 3, 4).reshape(b, c * q, d.i)[:, :l]
+  back = lambda v: v[:, :l]  # dx, dz row-major, as in_proj's GEMMs read them
   dbc = jnp.stack([dbp.sum(3), dcp.sum(3)], 3)  # (c, b, g, 2, q, n)
   dbc = dbc.transpose(1, 0, 4, 3, 2, 5).reshape(b, c * q, 2, g * n)[:, :l]
   ddtr = ddtr.transpose(1, 0, 4, 2, 3).reshape(b, c * q, d.h)[:, :l]
@@ -123,10 +131,18 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
+
 def mixer_core_tpu(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
                    front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False):
   """`layer_math.mixer_core` as one Pallas TPU kernel, forward and backward (see the module doc)."""
   b, h, k = xr.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
+  i, r = xr.shape[-1], h // ngroups
+  width = ssd_tpu._head_block(r) * (i // h)
+  if not interpret and width % 128 and width != i:
+    # Mosaic's blocks span whole 128-lane vregs or the whole axis.
+    raise ValueError(f"the fused TPU layer reads x in blocks of {width} channels (a head block of "
+                     f"{width // (i // h)} heads x headdim {i // h}), which must be a multiple of 128 or all of "
+                     f"d_inner ({i}): use runtime.layer_impl='xla'")
   if initial_state is None:
     initial_state = jnp.zeros((b, h, xr.shape[-1] // h, bc.shape[-1] // ngroups), _F32)
   front_x = jnp.zeros((b, k - 1, xr.shape[-1]), _F32) if front_x is None else front_x
