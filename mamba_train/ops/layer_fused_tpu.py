@@ -29,7 +29,8 @@ them, (b, l, i) row-major: each program reads and writes a chunk's (q, hb p) blo
 channels on lanes, and turns it to the per-head math's (hb, p, q) orientation
 (positions on lanes) and back with one transpose on chip, so XLA adds no relayout
 copies around the kernels (docs/bench/fused_layer.md). Mosaic then needs a head
-block's channels, hb p, to be a multiple of 128 or all of d_inner (p 64: 8 heads).
+block's channels, hb p, to be a multiple of 128 or all of d_inner (p 64: 8 heads);
+where they are not, `mixer_core_tpu` runs the plain form over the SSD kernel.
 
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
@@ -72,7 +73,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mamba_train.ops import ssd_tpu
+from mamba_train.ops import layer_math, ssd_tpu
 from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call
 from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep
 
@@ -139,10 +140,13 @@ def mixer_core_tpu(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(
   i, r = xr.shape[-1], h // ngroups
   width = ssd_tpu._head_block(r) * (i // h)
   if not interpret and width % 128 and width != i:
-    # Mosaic's blocks span whole 128-lane vregs or the whole axis.
-    raise ValueError(f"the fused TPU layer reads x in blocks of {width} channels (a head block of "
-                     f"{width // (i // h)} heads x headdim {i // h}), which must be a multiple of 128 or all of "
-                     f"d_inner ({i}): use runtime.layer_impl='xla'")
+    # Mosaic's blocks span whole 128-lane vregs or the whole axis, and a head block's
+    # channels (hb p, hb 8 or all of a group's heads) do neither: the layer's plain
+    # form over the one-pass SSD kernel, the same function (what `table.build` runs
+    # where this kernel takes no split sequence).
+    ssd = functools.partial(ssd_tpu.ssd_fused, interpret=False)
+    return layer_math.mixer_core(z, xr, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
+                                 front_bc=front_bc, initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
   if initial_state is None:
     initial_state = jnp.zeros((b, h, xr.shape[-1] // h, bc.shape[-1] // ngroups), _F32)
   front_x = jnp.zeros((b, k - 1, xr.shape[-1]), _F32) if front_x is None else front_x
