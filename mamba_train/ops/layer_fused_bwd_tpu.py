@@ -192,11 +192,11 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
 
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   """The backward kernel on the forward's grid, the chunks in reverse (see the module
-  doc). Returns, in the kernels' layouts: dx, dz (as x: (b, l, i) row-major), B's and C's raw gradients per
-  head block (c, b, g, head blocks, q, n) float32, dt_raw's (c, b, g, r, q), the rows
-  of d A (times A: A_log's) and d D to sum, the initial state's, the conv weights' and
-  biases' per sequence (and head block for B, C), and the fronts' (at the end of a
-  chunk-sized block)."""
+  doc). Returns, in the kernels' layouts: dx, dz (as x: (b, l, i) row-major), B's and
+  C's raw gradients per head block (c, b, g, head blocks, q, n) float32, dt_raw's (c,
+  b, g, r, q), the rows of d A (times A: A_log's) and d D to sum, the initial state's,
+  the conv weights' and biases' per sequence (and head block for B, C), and the
+  fronts' (at the end of a chunk-sized block)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
   xc, dtc, bc0, init = args[0], args[2], args[3], args[14]
   seq = len(args) > 18
