@@ -53,7 +53,9 @@ def compile_layer(args):
   _, _, devices = tpu_devices(args.topology)
   rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl, layer_impl=args.layer_impl,
                remat=args.remat).resolve("tpu", devices[0].device_kind)
-  rep = NamedSharding(make_mesh({"data": -1}, devices), P())
+  # One device: a TPU7x chip shows two (its TensorCores), and a Mosaic kernel under a
+  # mesh of two would need a shard_map; the count is one device's program either way.
+  rep = NamedSharding(make_mesh({"data": 1}, devices[:1]), P())
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
   ids = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=rep)
   progs = {}
