@@ -202,7 +202,9 @@ out["in_proj"] = 2 * c.seq_len * m.d_model * (2 * m.d_inner + 2 * m.ngroups * m.
 devices7 = tpu_devices("tpu7x-8")[2]
 mesh7 = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices7[:1])
 plan7 = run_config.validate(c, num_devices=1, platform=devices7[0].platform)
-out["tpu7x"] = [devices7[0].device_kind, len(devices7), aot.cost_with_layers(plan7, mesh7, 1, unroll=False)["flops"]]
+out["tpu7x"] = [devices7[0].device_kind, len(devices7), aot.cost_with_layers(plan7, mesh7, 1, unroll=False)["flops"],
+                run_config.validate(c, num_devices=1, platform=devices7[0].platform,
+                                    device_kind=devices7[0].device_kind).runtime.layer_impl]
 print(json.dumps(out))
 """
 
@@ -213,7 +215,8 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   backward's recomputation with the forward: `full` and `save_in_proj` counted the
   same FLOPs. The one-layer train step for one v6e must count `full` above
   `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h). In the
-  same process the `save_in_proj` step compiles for a TPU7x TensorCore (tpu7x-8)."""
+  same process the `save_in_proj` step compiles for a TPU7x TensorCore (tpu7x-8), and
+  'auto' picks the fused layer for the device kind libtpu reports there."""
   require_libtpu()
   import json
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
@@ -224,8 +227,9 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   flops = json.loads(r.stdout.strip().splitlines()[-1])
   assert flops["full"] - flops["save_in_proj"] == pytest.approx(flops["in_proj"], rel=0.02), flops
   # TPU7x: eight TensorCores of four chips as eight devices, and the same program's FLOPs.
-  kind, n, flops7 = flops["tpu7x"]
+  kind, n, flops7, layer7 = flops["tpu7x"]
   assert kind == "TPU7x" and n == 8, flops
+  assert layer7 == "fused", flops  # 'auto' on the kind libtpu reports (FUSED_LAYER_CHIPS)
   assert flops7 == pytest.approx(flops["save_in_proj"], rel=0.02), flops
 
 

@@ -93,9 +93,9 @@ def test_model_with_fused_layer_matches_xla_model():
   from mamba_train import Runtime, config_for
   from mamba_train.model.select import ops_for
   cfg = config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8)
-  # 'auto' picks it on v6e only, where both counts say it moves fewer bytes (not on
-  # v5p, compute-bound, nor on a TPU of unknown kind).
-  assert Runtime().resolve("tpu", "TPU v6 lite").layer_impl == "fused"
+  # 'auto' picks it on v6e and TPU7x, where both counts say it moves fewer bytes (not
+  # on v5p, compute-bound, nor on a TPU of unknown kind).
+  assert Runtime().resolve("tpu", "TPU v6 lite").layer_impl == Runtime().resolve("tpu", "TPU7x").layer_impl == "fused"
   assert Runtime().resolve("tpu", "TPU v5").layer_impl == Runtime().resolve("tpu").layer_impl == "xla"
   rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True, remat="save_in_proj").resolve("cpu")
   assert ("mixer", "fused", "runtime") in ops_for(cfg, rt).choices

@@ -93,10 +93,11 @@ def default_impl(backend: str) -> str:
 
 # The TPUs (`device_kind` prefixes) where XLA's counts of the 1.3b train step, the
 # scanned two-layer program and the unrolled step both, say the fused layer moves fewer
-# bytes than XLA's (docs/bench/fused_layer.md, "Row-major blocks"). Not v5p, which is
-# compute-bound there and where the kernels' recompute adds FLOPs; not TPU7x, v5e or v4:
-# not counted.
-FUSED_LAYER_CHIPS = ("TPU v6 lite", "TPU v6e")
+# bytes than XLA's, and the step stays memory-bound with the kernels' recompute added
+# (docs/bench/fused_layer.md, "Row-major blocks" for v6e, "TPU7x with the row-major
+# kernel" for TPU7x). Not v5p, which is compute-bound there, so the recompute's FLOPs
+# make it slower; not v5e or v4: not counted.
+FUSED_LAYER_CHIPS = ("TPU v6 lite", "TPU v6e", "TPU7x")
 
 
 def default_layer_impl(backend: str, device_kind: str = "") -> str:
