@@ -182,6 +182,14 @@ def route(p, u, cfg: Mamba2Config):
   return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor, scores
 
 
+def counts(ids, n: int):
+  """(n,) int32: how many of `ids` (any shape, values in [0, n) or outside, which
+  count nowhere) equal each of 0..n-1. A compare and a sum, not jnp.bincount's
+  scatter-add, which libtpu compiles as a sort of the ids and a scatter: a large
+  piece of program each time (docs/bench/compile_depth.md)."""
+  return jnp.sum(ids.reshape(-1, 1) == jnp.arange(n, dtype=ids.dtype), axis=0, dtype=jnp.int32)
+
+
 def router_stats(experts, scores, cfg: Mamba2Config) -> dict[str, Array]:
   """Tokens per expert (e,) float32, and the auxiliary load-balancing loss (a
   scalar, 1 at a perfectly even load): E * sum_e f_e P_e with f_e the fraction of
@@ -189,7 +197,7 @@ def router_stats(experts, scores, cfg: Mamba2Config) -> dict[str, Array]:
   normalised over experts (Switch Transformer's loss, as Megatron-Core computes it
   for sigmoid routers)."""
   e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-  load = jnp.zeros((e,), F32).at[experts.reshape(-1)].add(1.0)
+  load = counts(experts, e).astype(F32)
   t = experts.shape[0]
   frac = load / (t * k)
   probs = jnp.mean(scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20), axis=0)
@@ -252,7 +260,7 @@ def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep
   flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
   order = _saved(jnp.argsort(flat, stable=True))
   token = order // k
-  sizes = _saved(jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32))
+  sizes = _saved(counts(flat, e))
   rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
   w = jnp.take(weights.reshape(-1), order)
   return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
@@ -301,7 +309,8 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
     y, keep = split.experts(ops.expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma, mark=_saved)
+                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma, mark=_saved,
+                            count=counts)
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])

@@ -67,7 +67,7 @@ class ExpertSplit:
   hidden: Axes
 
   def experts(self, mlp: Callable, x, experts, weights, up, down, cd, cap=None, within=None,
-              check_vma: bool = True, mark: Callable = lambda a: a):
+              check_vma: bool = True, mark: Callable = lambda a: a, count: Callable | None = None):
     """sum_j weights[.., j] * expert_{experts[.., j]}(x) as `moe.experts_ragged`
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
@@ -80,7 +80,9 @@ class ExpertSplit:
     over the axes they are not split on, as check_vma's types would.
     mark(a) -> a: applied to each integer result of the dispatch (which assignments
     are kept, the sort orders, the buffer slots, the group sizes): the model names
-    them for its remat policy to save.
+    them for its remat policy to save. count(ids, n) -> (n,) int32: how many ids
+    equal each of 0..n-1 (default jnp.bincount; the model passes one that compiles
+    to less TPU program).
     Returns y (..., w) float32 and keep (..., k) bool (None when dropless)."""
     n = self.mesh.shape[self.expert] if self.expert else 1
     e = down.shape[0]
@@ -101,7 +103,7 @@ class ExpertSplit:
       keep = mark(self._keep(experts, cap, within, e)) if capped else None
       x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
       y = self._local(mlp, x, experts, weights, up, down, cd, n,
-                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark)
+                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count)
       if _names(hidden):
         y = jax.lax.psum(y, hidden)
       y = y.reshape(shape[:-1] + y.shape[-1:])
@@ -126,7 +128,7 @@ class ExpertSplit:
     return within(experts, cap, before)
 
   def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None,
-             mark: Callable = lambda a: a):
+             mark: Callable = lambda a: a, count: Callable | None = None):
     t, k = experts.shape
     e_local = down.shape[0]
     m = t * k
@@ -151,7 +153,8 @@ class ExpertSplit:
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
     # Empty slots carry id e_local: sorted last, past every group, they meet no expert.
     by_expert = mark(jnp.argsort(ids, stable=True))
-    sizes = mark(jnp.bincount(ids, length=e_local + 1)[:e_local].astype(jnp.int32))
+    count = count or (lambda a, m: jnp.bincount(a, length=m + 1)[:m].astype(jnp.int32))
+    sizes = mark(count(ids, e_local))  # empty slots (id e_local) count nowhere
     out = mlp(jnp.take(rows, by_expert, axis=0), up, down, sizes, cd)
     out = jnp.zeros_like(out).at[by_expert].set(out)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
