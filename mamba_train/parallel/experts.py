@@ -144,10 +144,14 @@ class ExpertSplit:
     start = jnp.searchsorted(dest, jnp.arange(n), side="left")  # first assignment to each device
     slot = dest * cap + jnp.arange(m) - start[jnp.minimum(dest, n - 1)]  # its row in the buffer
     slot = mark(jnp.where(dest < n, slot, n * cap))  # dropped: out of range, never written or read
+    # slot never decreases along the sorted assignments (by device, then in turn; the
+    # dropped last): said to XLA, whose TPU scatter then needs no sort of its indices
+    # (each a large piece of program; docs/bench/compile_depth.md), nor does the
+    # scatter-add that is the gradient of the gather by slot below.
     rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(
-        jnp.take(x, order // k, axis=0).astype(cd), mode="drop")
+        jnp.take(x, order // k, axis=0).astype(cd), mode="drop", indices_are_sorted=True)
     ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set(
-        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop")
+        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop", indices_are_sorted=True)
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
@@ -159,5 +163,6 @@ class ExpertSplit:
     out = jnp.zeros_like(out).at[by_expert].set(out)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * jnp.take(weights.reshape(-1), order)[:, None]
+    got = (jnp.take(out, slot, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
+           * jnp.take(weights.reshape(-1), order)[:, None])
     return jnp.zeros((t, out.shape[-1]), F32).at[order // k].add(got)
