@@ -317,3 +317,19 @@ def skip_on_known_transformers_bug(ref_config) -> None:
     pytest.skip(f"known upstream bug in transformers {transformers.__version__}: NemotronHModel.forward calls "
                 f"DynamicCache(config).get_seq_length(), which fails when layer 0 is "
                 f"{ref_config.layers_block_type[0]!r} ({err})")
+
+
+def step_through(graphdef, params, cache, ids, start: int, stop: int):
+  """Decode ids[:, start:stop] one token at a time from `cache` (one jitted step, the
+  model split as `nnx.split` gives it); the logits of each position, stacked (b, n, vocab)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from mamba_train.generation import step
+  one = jax.jit(lambda p, t, c: step(nnx.merge(graphdef, p), t, c))
+  got = []
+  for t in range(start, stop):
+    logits, cache = one(params, ids[:, t], cache)
+    got.append(logits)
+  return jnp.stack(got, 1)

@@ -228,11 +228,12 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   assert flops7 == pytest.approx(flops["save_in_proj"], rel=0.02), flops
 
 
-@pytest.mark.parametrize("lora_rank", [0, 2])
-def test_hybrid_every_layer_cost_counts_each_kind(lora_rank):
+def test_hybrid_every_layer_cost_counts_each_kind():
   """A hybrid's every-layer counts (one layer of each kind from small unrolled
   patterns) against XLA's counts of the whole step with its layers unrolled. With
-  LoRA on attention too: the one-layer 'M' program has no attention to adapt."""
+  LoRA on attention too: the one-layer 'M' program has no attention to adapt, so the
+  count must drop that kind's adapters (without adapters the same counts run minus
+  that filter; the pure Mamba-2 model's case is the test above)."""
   import jax
 
   from configs import base
@@ -244,7 +245,7 @@ def test_hybrid_every_layer_cost_counts_each_kind(lora_rank):
   c.model.update(d_model=32, n_layer=3, vocab_size=64, d_state=8, headdim=8, chunk_size=8,
                  layer_pattern="M*M", attn_num_heads=2, attn_head_dim=8)
   c.seq_len, c.batch_size = 8, 1
-  c.lora.rank = lora_rank
+  c.lora.rank = 2
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   plan = run_config.validate(c, num_devices=1, platform=mesh.devices.flat[0].platform)
   got = aot.hybrid_every_layer_cost(plan, mesh)

@@ -16,7 +16,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 
 import mamba_train
 from mamba_train import Mamba2Config, Mamba2LM, load_model
-from mamba_train.generation import prefill, step
+from mamba_train.generation import prefill
 from mamba_train.interop import convert, files, mamba_ssm as mamba_ssm_layout, nemotron_h
 from mamba_train.interop.export import save_mamba_ssm
 from mamba_train.model import attention as attn_lib, pattern as pattern_lib
@@ -25,7 +25,7 @@ from mamba_train.ops import attention as attention_ops, attention_tpu
 from mamba_train.parallel import sharding
 
 import reference_checks
-from helpers import rel, skip_on_known_transformers_bug
+from helpers import rel, skip_on_known_transformers_bug, step_through
 
 forward = nnx.jit(lambda model, ids, seq_idx=None: model(ids, seq_idx=seq_idx))
 
@@ -159,12 +159,8 @@ def test_cached_decoding_equals_full_forward(hyb):
   assert not cache.kv_valid[:, :, 11:].any() and (np.asarray(cache.kv_pos) == 11).all()
   assert cache.nbytes == Mamba2Cache.bytes_for(hyb.config, 2, 19)
   assert Mamba2Cache.bytes_per_position(hyb.config, 2) == 2 * 2 * (2 * 2 * 8 * 4 + 1)
-  one = jax.jit(lambda p, t, c: step(nnx.merge(gd, p), t, c))
-  got = [logits]
-  for t in range(11, 18):
-    logits, cache = one(params, ids[:, t], cache)
-    got.append(logits)
-  assert rel(jnp.stack(got, 1), full[:, 10:18]) < 1e-5
+  got = step_through(gd, params, cache, ids, 11, 18)
+  assert rel(jnp.concatenate([logits[:, None], got], 1), full[:, 10:18]) < 1e-5
   # (generate's on-device loop, with left padding, is held against transformers above.)
 
 

@@ -16,11 +16,11 @@ import pytest
 from flax import nnx
 
 from mamba_train import Mamba2Config, Mamba2LM
-from mamba_train.generation import prefill, step
+from mamba_train.generation import prefill
 from mamba_train.model import pattern as pattern_lib
 from mamba_train.model.runtime import Runtime
 
-from helpers import rel
+from helpers import rel, step_through
 
 # Every kind, no repeat: the runs would compile one body per change of kind.
 IRREGULAR = Mamba2Config(d_model=32, n_layer=9, d_state=8, headdim=16, ngroups=2, chunk_size=8,
@@ -102,12 +102,8 @@ def test_cached_decoding_steps(model):
   with schedule("steps"):
     logits, cache = jax.jit(lambda p, i: prefill(nnx.merge(gd, p), i, capacity=13))(params, ids[:, :8])
     assert cache.k.shape[0] == 2  # keys and values: per attention layer, as with the runs
-    one = jax.jit(lambda p, t, c: step(nnx.merge(gd, p), t, c))
-    got = [logits]
-    for t in range(8, 12):
-      logits, cache = one(params, ids[:, t], cache)
-      got.append(logits)
-  assert rel(jnp.stack(got, 1), full[:, 7:12]) < 1e-5
+    got = step_through(gd, params, cache, ids, 8, 12)
+  assert rel(jnp.concatenate([logits[:, None], got], 1), full[:, 7:12]) < 1e-5
 
 
 def test_steps_compile_flat_in_depth():
