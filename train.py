@@ -92,6 +92,7 @@ def main(argv):
     explicit = config_flags.get_override_values(flags.FLAGS["config"])
     plan = run_config.validate(config, num_devices=jax.device_count(),
                                process_count=jax.process_count(), platform=jax.devices()[0].platform,
+                               device_kind=jax.devices()[0].device_kind,
                                reference=base.get_config(), data_root=os.path.join(_HERE, "data"),
                                init_model=run_config.init_architecture(config.init_from), explicit=explicit)
     loop.train(plan, _WORKDIR.value, force_resume=_FORCE_RESUME.value)

@@ -116,7 +116,7 @@ def run_plan(args, size: str, batch: int, seq_len: int, **model_overrides):
   c.runtime.update(unresolved_runtime(args).to_dict())
   c.batch_size, c.seq_len = batch, seq_len
   c.mesh.update(data=1, fsdp=1, tensor=1)
-  return validate(c, num_devices=1, platform=jax.devices()[0].platform)
+  return validate(c, num_devices=1, platform=jax.devices()[0].platform, device_kind=jax.devices()[0].device_kind)
 
 
 def one_device_mesh():

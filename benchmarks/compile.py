@@ -98,7 +98,7 @@ def compile_forward(model_cfg, runtime: Runtime, batch: int, seq_len: int, topol
   time at the chip's datasheet peaks."""
   gen, topo, devices = tpu_devices(topology)
   chip = metrics.CHIPS[gen]
-  rt = runtime.resolve("tpu")
+  rt = runtime.resolve("tpu", devices[0].device_kind)
   mesh = make_mesh({"data": -1}, devices)
   # The logits row-major, as a host reads them. TPU's default layout for an f32
   # (b, l, 50277) result is positions-minor (the vocabulary is no multiple of

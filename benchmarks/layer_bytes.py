@@ -50,9 +50,9 @@ def _on(sharding, tree):
 
 def compile_layer(args):
   cfg = config_for(args.config, n_layer=args.n_layer)
-  rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl, layer_impl=args.layer_impl,
-               remat=args.remat).resolve("tpu")
   _, _, devices = tpu_devices(args.topology)
+  rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl, layer_impl=args.layer_impl,
+               remat=args.remat).resolve("tpu", devices[0].device_kind)
   rep = NamedSharding(make_mesh({"data": -1}, devices), P())
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
   ids = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=rep)
@@ -98,7 +98,7 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--ssd_impl", default="pallas")
-  ap.add_argument("--layer_impl", default="auto", help="runtime.layer_impl (auto: TPU's choice)")
+  ap.add_argument("--layer_impl", default="auto", help="runtime.layer_impl (auto: the topology's chip's choice)")
   ap.add_argument("--remat", default="none", help="runtime.remat (auto: TPU's choice)")
   ap.add_argument("--topology", default="v6e:1x1")
   ap.add_argument("--train", action="store_true", help="also compile value_and_grad of the training loss")

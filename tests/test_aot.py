@@ -72,6 +72,7 @@ def test_tiny_hybrid_train_step_compiles_for_v6e(tmp_path):
   rep = json.loads(out.read_text())
   assert rep["devices"] == 4 and rep["mesh"]["data"] == 4
   assert rep["model"]["layer_pattern"] == "MM*-" and rep["runtime"]["attention"] == "splash"
+  assert rep["runtime"]["layer_impl"] == "fused"  # 'auto' on a v6e (the chip's kind, not only "tpu")
   mem = rep["memory"]
   # The state (parameters, two Adam moments, step, rng) is an argument of the step, per device.
   assert mem["argument_bytes"] > 0 and 0 < mem["peak_bytes"] < rep["hbm_bytes_per_device"]

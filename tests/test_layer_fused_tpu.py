@@ -89,10 +89,14 @@ def test_model_with_fused_layer_matches_xla_model():
   """A one-layer tiny model with 4 groups over packed documents at a ragged length,
   logits and every parameter's gradient: the fused layer in the interpreter (remat
   save_in_proj, the norm folded into out_proj) against the XLA model (no remat); and
-  the table's choice."""
+  the table's choice, and where 'auto' makes it."""
   from mamba_train import Runtime, config_for
   from mamba_train.model.select import ops_for
   cfg = config_for("tiny", n_layer=1, chunk_size=16, ngroups=4, d_state=8)
+  # 'auto' picks it on v6e only, where both counts say it moves fewer bytes (not on
+  # v5p, compute-bound, nor on a TPU of unknown kind).
+  assert Runtime().resolve("tpu", "TPU v6 lite").layer_impl == "fused"
+  assert Runtime().resolve("tpu", "TPU v5").layer_impl == Runtime().resolve("tpu").layer_impl == "xla"
   rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True, remat="save_in_proj").resolve("cpu")
   assert ("mixer", "fused", "runtime") in ops_for(cfg, rt).choices
   from flax import nnx
@@ -154,6 +158,15 @@ for topo in sys.argv[1:]:
                          S((b, l), jnp.int32)).compile().as_text()
   assert all(name in hlo for name in names), names
   print("compiled", topo)
+# A head block's channels that fill no whole vreg of lanes (2 groups of 3 heads of 64:
+# 192 of 384): the plain form over the SSD kernel, not a Mosaic error.
+h, g = 6, 2
+i = h * p
+w = dict(conv_x=S((k, i)), conv_x_bias=S((i,)), conv_bc=S((k, 2, g * n)), conv_bc_bias=S((2, g * n)),
+         dt_bias=S((h,)), A_log=S((h,)), D=S((h,)))
+hlo = jax.jit(lambda *a: mixer_core_tpu(*a, q, ngroups=g)).lower(
+    S((b, l, i), bf), S((b, l, i), bf), S((b, l, 2, g * n), bf), S((b, l, h)), w).compile().as_text()
+assert "mixer_fused" not in hlo and "ssd_one_pass" in hlo
 """
 
 

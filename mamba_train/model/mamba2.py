@@ -210,19 +210,13 @@ def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops,
   output. Several groups scale y per group on the GEMM's operand; with an adapter on
   out_proj, which reads the normalised y, the whole norm is applied to y first."""
   b, l, i = xr.shape
-  g, k, chunk = cfg.ngroups, cfg.d_conv, ops.ssd_chunk
-  # The kernel reads x and z, and writes the gated y, chunk-major with positions
-  # minor: in_proj's GEMMs write them so, and y turns channels-minor in its dtype
-  # for out_proj (as `mixer` does around the SSD kernel), not through relayout copies.
-  whole = l % chunk == 0
-  major = lambda v: with_layout_constraint(v.reshape(b, l // chunk, chunk, i), _CHUNK_MAJOR).reshape(b, l, i)
-  if whole:
-    z, xr = major(z), major(xr)
+  g, k = cfg.ngroups, cfg.d_conv
+  # The kernels read x and z and write the gated y (and in the backward read its
+  # cotangent and write dx, dz) row-major, as the GEMMs write and read them: no layout
+  # constraint, no relayout copies (ops/layer_fused_tpu.py).
   gated, ssq, ssm = ops.mixer(z, xr, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
                               ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
                               front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
-  if whole:
-    gated = with_layout_constraint(major(gated), Layout(major_to_minor=(0, 1, 2)))
   rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
   cd, prec = rt.compute_dtype, rt.matmul_precision
   adapter = mm.adapter_of(p, "out_proj")

@@ -7,9 +7,10 @@ assignments past an expert's capacity: a training-time choice, as MaxText's and
 Megatron's capacity factor, that caps the expert-parallel exchange's buffers.
 
 The caller resolves a runtime for the backend it compiles for
-(`Runtime(...).resolve("tpu")`): the model, the FLOP count and an ahead-of-time
-compile for a TPU then agree, whatever machine Python runs on. A model built with
-an unresolved runtime resolves it for JAX's default backend.
+(`Runtime(...).resolve("tpu")`, and the chip's `device_kind` where choices differ
+per chip: `resolve("tpu", "TPU v6 lite")`): the model, the FLOP count and an
+ahead-of-time compile for a TPU then agree, whatever machine Python runs on. A model
+built with an unresolved runtime resolves it for JAX's default backend and its devices.
 """
 
 from __future__ import annotations
@@ -90,12 +91,24 @@ def default_impl(backend: str) -> str:
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
-def default_layer_impl(backend: str) -> str:
-  """The layer kernels of `layer_gpu` on NVIDIA GPUs (docs/bench/gpu.md); the plain
-  forms elsewhere. On TPUs too: the Mosaic kernels of `layer_tpu` ('mosaic') move more
-  bytes than XLA's fusions in the scanned 1.3b train step, whose remat recomputes them
-  in the backward pass where XLA fuses the recompute into its consumers
+# The TPUs (`device_kind` prefixes) where XLA's counts of the 1.3b train step, the
+# scanned two-layer program and the unrolled step both, say the fused layer moves fewer
+# bytes than XLA's (docs/bench/fused_layer.md, "Row-major blocks"). Not v5p, which is
+# compute-bound there and where the kernels' recompute adds FLOPs; not TPU7x, v5e or v4:
+# not counted.
+FUSED_LAYER_CHIPS = ("TPU v6 lite", "TPU v6e")
+
+
+def default_layer_impl(backend: str, device_kind: str = "") -> str:
+  """The layer between in_proj and out_proj as one kernel ('fused') on the TPUs of
+  FUSED_LAYER_CHIPS; the layer kernels of `layer_gpu` on NVIDIA GPUs
+  (docs/bench/gpu.md); the plain forms elsewhere, other TPUs (and a TPU of unknown
+  kind) included: the Mosaic kernels of `layer_tpu` ('mosaic') move more bytes than
+  XLA's fusions in the scanned 1.3b train step, whose remat recomputes them in the
+  backward pass where XLA fuses the recompute into its consumers
   (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels")."""
+  if backend == "tpu" and device_kind.startswith(FUSED_LAYER_CHIPS):
+    return "fused"
   return "triton" if backend in ("gpu", "cuda") else "xla"
 
 
@@ -225,18 +238,21 @@ class Runtime(FrozenFields):
     return "auto" not in (self.ssd_form, self.ssd_impl, self.attention, self.decode_layers, self.layer_impl,
                           self.moe_impl, self.decode_impl, self.remat)
 
-  def resolve(self, backend: str | None = None) -> "Runtime":
+  def resolve(self, backend: str | None = None, device_kind: str | None = None) -> "Runtime":
     """This runtime with 'auto' replaced by `backend`'s choice (default: JAX's
-    default backend, the machine this process runs on)."""
+    default backend, the machine this process runs on, and its devices' kind);
+    `device_kind` (a device's, as JAX reports it) refines the choice per chip where
+    the counts differ between chips (`default_layer_impl`)."""
     if self.resolved:
       return self
     if backend is None:
       import jax  # only here: choosing for the host is the one place that asks it
       backend = jax.default_backend()
+      device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
     return self.replace(
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
-        layer_impl=default_layer_impl(backend) if self.layer_impl == "auto" else self.layer_impl,
+        layer_impl=default_layer_impl(backend, device_kind or "") if self.layer_impl == "auto" else self.layer_impl,
         moe_impl=default_moe_impl(backend) if self.moe_impl == "auto" else self.moe_impl,
         decode_impl=default_decode_impl(backend) if self.decode_impl == "auto" else self.decode_impl,
         remat=default_remat(backend) if self.remat == "auto" else self.remat,

@@ -175,6 +175,7 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   gpu = is_gpu_topology(topology)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
+                             device_kind=devices[0].device_kind,
                              reference=reference)
   with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
     return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts)

@@ -178,11 +178,14 @@ class Plan:
 
 def validate(config, *, num_devices: int, process_count: int = 1, reference=None,
              platform: str | None = None, data_root: str = "data",
-             init_model: Mamba2Config | None = None, explicit: Collection[str] = ()) -> Plan:
+             init_model: Mamba2Config | None = None, explicit: Collection[str] = (),
+             device_kind: str | None = None) -> Plan:
   """Raise ConfigError listing every problem found; return the run's `Plan`.
 
   `platform` is that of the devices the run's mesh spans (default: JAX's default
-  backend, this host's); the runtime is resolved for it. `data_root` is where a
+  backend, this host's), `device_kind` their kind as JAX reports it (default: this
+  host's when platform is not given, else unknown); the runtime is resolved for them
+  (`Runtime.resolve`). `data_root` is where a
   corpus run without data.dir or data.mixture prepares the default corpus.
 
   `init_model`: the architecture of config.init_from (`init_architecture`); it replaces
@@ -257,10 +260,11 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   if platform is None:
     import jax  # only here: planning for this host is the one case that asks it
     platform = jax.default_backend()
+    device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
   if lora is not None:
     lora = lora.replace(packed_int4=platform != "cpu")  # see LoraSpec.packed_int4
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
-              runtime=rt.resolve(platform), platform=platform, mesh_shape=mesh, layout=layout,
+              runtime=rt.resolve(platform, device_kind), platform=platform, mesh_shape=mesh, layout=layout,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
               dpo=dpo, grpo=grpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
 
