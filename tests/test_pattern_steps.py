@@ -60,8 +60,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def both(model):
-  """{schedule: (logits, router statistics, gradients)} of one batch."""
+def loss_fn(model):
+  """(loss(params) -> (loss, (logits, states)), params) of one batch."""
   gd, params = nnx.split(model)
   ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
 
@@ -73,6 +73,13 @@ def both(model):
     return -jnp.mean(y[:, :-1].reshape(-1, 64)[jnp.arange(30), ids[:, 1:].reshape(-1)]) + \
         jnp.mean(states["moe_aux"]), (logits, states)
 
+  return loss, params
+
+
+@pytest.fixture(scope="module")
+def both(loss_fn):
+  """{schedule: (logits, router statistics, gradients)} of one batch."""
+  loss, params = loss_fn
   out = {}
   for name in ("runs", "steps"):
     with schedule(name):
@@ -92,6 +99,21 @@ def test_steps_equal_runs(both):
     assert a.shape == b.shape
     assert np.abs(a - b).max() <= 1e-6 * max(np.abs(a).max(), 1e-30)
   assert sum(np.abs(a).sum() for a in leaves0) > 0
+
+
+def test_remat_keeps_the_moe_dispatch(loss_fn):
+  """Full remat recomputes the MoE layers in the backward pass but not their
+  dispatch: the router's top-k and the sorts of the assignments run once, in the
+  forward pass (the train step's program holds as many as the forward's), their
+  integer results saved (`moe.DISPATCH`). Each is a large piece of TPU program,
+  compiled per occurrence (docs/bench/compile_depth.md). Lowering only."""
+  loss, params = loss_fn
+  count = lambda f: sum(f.lower(params).as_text().count(op) for op in ("stablehlo.sort", "top_k"))
+  with schedule("steps"):
+    forward = count(jax.jit(lambda p: loss(p)[0]))
+    step = count(jax.jit(jax.grad(lambda p: loss(p)[0])))
+  assert forward >= 2  # the MoE body's top-k and argsort (the steps schedule: one body a kind)
+  assert step == forward
 
 
 def test_cached_decoding_steps(model):

@@ -70,9 +70,12 @@ def _param(value, axes):
 def remat_policy(name: str, ops: Ops):
   """The `jax.checkpoint` policy of the runtime's remat `name` (runtime.REMAT, not
   'none'), for a model whose SSD runs as `ops` says."""
-  save = jax.checkpoint_policies.save_only_these_names
+  cp = jax.checkpoint_policies
+  # Every policy also saves the MoE dispatch's integer results (moe_lib.DISPATCH: small,
+  # and costly to recompute and to compile again on TPU).
+  save = lambda *names: cp.save_only_these_names(*names, moe_lib.DISPATCH)
   policies = {
-      "full": None,  # recompute everything in the backward pass
+      "full": save(),  # recompute everything in the backward pass but the MoE dispatch's indices
       # The in_proj results (one (b, l, 2i + 2gn) buffer in the compute dtype, and dt):
       # the backward pass recomputes only what is cheap from them (the conv + SiLU, the
       # dt softplus, the SSD's forward, the gate and norm), not the pre-norm and the
@@ -82,8 +85,8 @@ def remat_policy(name: str, ops: Ops):
       # GPUs), so the backward pass does not run the forward kernel again.
       "save_in_proj_ssd": save(*IN_PROJ_NAMES, *ops.ssd_save_names),
       # The matmuls' results, and what `Ops.ssd_saved_with_matmuls` says of the SSD kernel's.
-      "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
-          jax.checkpoint_policies.dots_with_no_batch_dims_saveable, save(*ops.ssd_saved_with_matmuls)),
+      "save_matmuls": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                                 save(*ops.ssd_saved_with_matmuls)),
   }
   return policies[name]
 

@@ -56,6 +56,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
@@ -90,6 +91,18 @@ MATMUL_WEIGHTS = frozenset({"experts_up", "experts_gate", "experts_down", "laten
 BIAS = "e_score_correction_bias"
 # The keys of the statistics an 'E' layer returns beside its output.
 STATS = ("moe_load", "moe_aux", "moe_dropped")
+# The dispatch's integer results (the chosen experts, which assignments are kept,
+# the sort orders, row slots and group sizes): every remat policy saves them
+# (`lm.remat_policy`), a few hundred KB a layer, so the backward pass does not run
+# the router's top-k and the dispatch's sorts and index scatters again. On TPU each
+# sort or scatter of the t k assignments is tens of thousands of instructions of
+# program, compiled per occurrence: recomputed, they were a third of an MoE layer's
+# sorts and most of the train step's compile time (docs/bench/compile_depth.md).
+DISPATCH = "moe_dispatch"
+
+
+def _saved(x):
+  return checkpoint_name(x, DISPATCH)
 
 
 def shapes(cfg: Mamba2Config) -> dict[str, tuple[int, ...]]:
@@ -160,12 +173,21 @@ def route(p, u, cfg: Mamba2Config):
     keep = jnp.any(best[:, :, None] == jnp.arange(g)[None, None, :], axis=1)  # (t, g)
     choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
   top, experts = jax.lax.top_k(choice, k)
+  experts = _saved(experts)
   if softmax:
     return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1) * cfg.routed_scaling_factor, scores
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if cfg.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor, scores
+
+
+def counts(ids, n: int):
+  """(n,) int32: how many of `ids` (any shape, values in [0, n) or outside, which
+  count nowhere) equal each of 0..n-1. A compare and a sum, not jnp.bincount's
+  scatter-add, which libtpu compiles as a sort of the ids and a scatter: a large
+  piece of program each time (docs/bench/compile_depth.md)."""
+  return jnp.sum(ids.reshape(-1, 1) == jnp.arange(n, dtype=ids.dtype), axis=0, dtype=jnp.int32)
 
 
 def router_stats(experts, scores, cfg: Mamba2Config) -> dict[str, Array]:
@@ -175,7 +197,7 @@ def router_stats(experts, scores, cfg: Mamba2Config) -> dict[str, Array]:
   normalised over experts (Switch Transformer's loss, as Megatron-Core computes it
   for sigmoid routers)."""
   e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-  load = jnp.zeros((e,), F32).at[experts.reshape(-1)].add(1.0)
+  load = counts(experts, e).astype(F32)
   t = experts.shape[0]
   frac = load / (t * k)
   probs = jnp.mean(scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20), axis=0)
@@ -236,9 +258,9 @@ def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep
   t, k = experts.shape
   e = down.shape[0]
   flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  order = _saved(jnp.argsort(flat, stable=True))
   token = order // k
-  sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
+  sizes = _saved(counts(flat, e))
   rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
   w = jnp.take(weights.reshape(-1), order)
   return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
@@ -272,8 +294,8 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
   keep = None
   if cap is not None and (dense or sharding.expert_split() is None):
     rows3 = experts.reshape(*lead, -1)
-    keep = (within_capacity_reference(rows3, cap, cfg.n_routed_experts) if dense
-            else within_capacity(rows3, cap)).reshape(experts.shape)
+    keep = _saved((within_capacity_reference(rows3, cap, cfg.n_routed_experts) if dense
+                   else within_capacity(rows3, cap)).reshape(experts.shape))
   mm = lambda a, w: jnp.einsum("td,dw->tw", a.astype(cd), w.astype(cd), preferred_element_type=F32)
   xe = mm(x, p["latent_down"]) if cfg.moe_latent_size else x
   up, down = p["experts_up"].astype(cd), p["experts_down"].astype(cd)
@@ -287,7 +309,8 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
     y, keep = split.experts(ops.expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma)
+                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma, mark=_saved,
+                            count=counts)
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:
     y = mm(y, p["latent_up"])

@@ -67,7 +67,7 @@ class ExpertSplit:
   hidden: Axes
 
   def experts(self, mlp: Callable, x, experts, weights, up, down, cd, cap=None, within=None,
-              check_vma: bool = True):
+              check_vma: bool = True, mark: Callable = lambda a: a, count: Callable | None = None):
     """sum_j weights[.., j] * expert_{experts[.., j]}(x) as `moe.experts_ragged`
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
@@ -78,6 +78,11 @@ class ExpertSplit:
     check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
     no varying-axes type; shard_map then psums the replicated weights' gradients
     over the axes they are not split on, as check_vma's types would.
+    mark(a) -> a: applied to each integer result of the dispatch (which assignments
+    are kept, the sort orders, the buffer slots, the group sizes): the model names
+    them for its remat policy to save. count(ids, n) -> (n,) int32: how many ids
+    equal each of 0..n-1 (default jnp.bincount; the model passes one that compiles
+    to less TPU program).
     Returns y (..., w) float32 and keep (..., k) bool (None when dropless)."""
     n = self.mesh.shape[self.expert] if self.expert else 1
     e = down.shape[0]
@@ -95,10 +100,10 @@ class ExpertSplit:
 
     def local(x, experts, weights, up, down):
       shape = x.shape
-      keep = self._keep(experts, cap, within, e) if capped else None
+      keep = mark(self._keep(experts, cap, within, e)) if capped else None
       x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
       y = self._local(mlp, x, experts, weights, up, down, cd, n,
-                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap)
+                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count)
       if _names(hidden):
         y = jax.lax.psum(y, hidden)
       y = y.reshape(shape[:-1] + y.shape[-1:])
@@ -122,7 +127,8 @@ class ExpertSplit:
       before = jnp.sum(jnp.where((jnp.arange(every.shape[0]) < me)[:, None, None], every, 0), axis=0)
     return within(experts, cap, before)
 
-  def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None):
+  def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None,
+             mark: Callable = lambda a: a, count: Callable | None = None):
     t, k = experts.shape
     e_local = down.shape[0]
     m = t * k
@@ -132,25 +138,31 @@ class ExpertSplit:
     flat = experts.reshape(-1)
     if keep is not None:
       flat = jnp.where(keep.reshape(-1), flat, n * e_local)  # dropped: past every device
-    order = jnp.argsort(flat, stable=True)
+    order = mark(jnp.argsort(flat, stable=True))
     sorted_e = flat[order]
     dest = sorted_e // e_local  # the device holding each assignment's expert (n: dropped)
     start = jnp.searchsorted(dest, jnp.arange(n), side="left")  # first assignment to each device
     slot = dest * cap + jnp.arange(m) - start[jnp.minimum(dest, n - 1)]  # its row in the buffer
-    slot = jnp.where(dest < n, slot, n * cap)  # dropped: out of range, never written or read
+    slot = mark(jnp.where(dest < n, slot, n * cap))  # dropped: out of range, never written or read
+    # slot never decreases along the sorted assignments (by device, then in turn; the
+    # dropped last): said to XLA, whose TPU scatter then needs no sort of its indices
+    # (each a large piece of program; docs/bench/compile_depth.md), nor does the
+    # scatter-add that is the gradient of the gather by slot below.
     rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(
-        jnp.take(x, order // k, axis=0).astype(cd), mode="drop")
+        jnp.take(x, order // k, axis=0).astype(cd), mode="drop", indices_are_sorted=True)
     ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set(
-        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop")
+        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop", indices_are_sorted=True)
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
     # Empty slots carry id e_local: sorted last, past every group, they meet no expert.
-    by_expert = jnp.argsort(ids, stable=True)
-    sizes = jnp.bincount(ids, length=e_local + 1)[:e_local].astype(jnp.int32)
+    by_expert = mark(jnp.argsort(ids, stable=True))
+    count = count or (lambda a, m: jnp.bincount(a, length=m + 1)[:m].astype(jnp.int32))
+    sizes = mark(count(ids, e_local))  # empty slots (id e_local) count nowhere
     out = mlp(jnp.take(rows, by_expert, axis=0), up, down, sizes, cd)
     out = jnp.zeros_like(out).at[by_expert].set(out)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * jnp.take(weights.reshape(-1), order)[:, None]
+    got = (jnp.take(out, slot, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
+           * jnp.take(weights.reshape(-1), order)[:, None])
     return jnp.zeros((t, out.shape[-1]), F32).at[order // k].add(got)
