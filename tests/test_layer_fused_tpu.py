@@ -110,6 +110,28 @@ def test_model_with_fused_layer_matches_xla_model():
   assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"), tol=1e-6)
 
 
+def test_table_runs_the_kernel_only_on_whole_groups():
+  """The selection under a mesh, decided without devices: the kernel runs per device's
+  heads where whole groups sit on each (2 and 4 groups over 2 devices, 1 group on one),
+  and falls back to the plain forms, naming why, where a group would span devices (its
+  sums of squares would be partial: 1 group over 2 devices, 2 over 4) or with a window. (The
+  numbers on a data x fsdp x tensor mesh and the split sequence's fallback:
+  tests/test_sequence_parallel.py.)"""
+  from mamba_train import Runtime, config_for
+  from mamba_train.ops import table
+  from mamba_train.parallel.heads import HeadSplit
+  rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True).resolve("cpu")
+  split = "fused takes no group split over devices (ngroups % heads' devices)"
+  for g, devices, want in ((2, 2, "runtime"), (4, 2, "runtime"), (1, 1, "runtime"), (1, 2, split), (2, 4, split)):
+    ops = table.build(rt, config_for("tiny", ngroups=g), table.Mesh(heads=HeadSplit(None, "data", "tensor", devices),
+                                                                    active=True))
+    assert ops.chose("mixer") == ("fused" if want == "runtime" else "xla")
+    assert ("mixer", ops.chose("mixer"), want) in ops.choices, (g, devices, ops.choices)
+    assert (ops.mixer is not None) == (want == "runtime")
+  windowed = table.build(rt, config_for("tiny", ssd_window=64))
+  assert ("mixer", "xla", "fused takes no window (ssd_window)") in windowed.choices and windowed.mixer is None
+
+
 _AOT = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

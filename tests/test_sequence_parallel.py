@@ -1,16 +1,20 @@
 """The sequence mesh axis: one sequence split over devices gives the unsharded
 model's logits, final states, gradients and training losses; checkpoints move
 between sequence=4 and sequence=1; and the scan holds at 65k+ positions against
-the sequential recurrence.
+the sequential recurrence. The fused Mamba-2 layer (ops/layer_fused_tpu.py,
+interpreted) against the XLA model on one device: under data x fsdp x tensor, and
+its fallback to the plain forms under a split sequence.
 
 The multi-device checks run in one subprocess on 8 simulated CPU devices (the
 device count is fixed when jax starts; compiling is most of the cost); the tests
 read what it saved. The long-length test runs in this process on one device.
 """
 
+import functools
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,6 +40,17 @@ TRAIN = {  # name -> (mesh config, runtime overrides, grad_accum)
     "s2t2f2_parallel": ({"sequence": 2, "tensor": 2, "fsdp": 2}, {"ssd_form": "parallel"}, 1),
 }
 STEPS = 3
+# The fused layer (`layer_impl='fused'`, Pallas' interpreter): one layer of 2 groups, so
+# that whole groups sit on each of tensor's 2 devices (a group split over devices is the
+# table's other fallback), 40 positions (2.5 chunks), batch 4 over data x fsdp. Under data x
+# fsdp x tensor the kernels run per device's batch and heads (`HeadSplit.mixer`); under a
+# split sequence the table falls back to the plain forms (its one walk over the chunks
+# carries the conv's halo and the state within a device), here with the SSD kernel per slice.
+FUSED_LAYER = {"d2f2t2_fusedlayer": {"data": 2, "fsdp": 2, "tensor": 2},
+               "s2f2t2_fusedlayer": {"sequence": 2, "fsdp": 2, "tensor": 2}}
+# Document starts: 17 (the conv's taps at 17-19 reach back across the chunk boundary at
+# 16 into another document), 21 (across the sequence split's device edge at 20), 5, 30.
+FUSED_DOCS = ((17, 21), (5,), (), (30,))
 
 
 def _documents(b, l):
@@ -71,7 +86,7 @@ def _worker(out_dir):
   fused_rt = Runtime(ssd_impl="interpret").resolve("cpu")
   gpu_rt = Runtime(ssd_impl="triton_interpret").resolve("cpu")
 
-  def loss_and_grads(params, ids, seq, states, weights, rt=rt):
+  def loss_and_grads(params, ids, seq, states, weights, rt=rt, cfg=cfg):
     def f(params, states):
       m = Mamba2LM.from_params(cfg, params, rt)
       h, final = m.backbone(ids, seq_idx=seq, states=states)
@@ -103,6 +118,8 @@ def _worker(out_dir):
         return loss_and_grads(*a, rt=rt)
 
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.jit(sharded)(*inputs)))
+
+  out["fused_layer"] = _fused_layer(out_dir, cfg.replace(n_layer=1, ngroups=2), loss_and_grads, flat, rng)
 
   # --- a hybrid (Mamba-2, attention with rotary and GQA, MLP): queries split, keys and
   # values gathered over the sequence axis; logits and gradients against unsharded ---
@@ -163,6 +180,49 @@ def _worker(out_dir):
     json.dump(out, f)
 
 
+def _fused_layer(out_dir, cfg, loss_and_grads, flat, rng):
+  """FUSED_LAYER's meshes: the XLA model on one device (fused_ref.npz), the fused one on
+  each mesh (NAME.npz); returns the mixer's choice and reason on each mesh, and the CPU
+  seconds each case cost (what it costs the suite)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from mamba_train import Mamba2LM, Runtime
+  from mamba_train.model.select import ops_for
+  from mamba_train.parallel import sharding
+  from mamba_train.parallel.mesh import make_mesh
+  b, l = len(FUSED_DOCS), 40
+  xla_rt = Runtime().resolve("cpu")
+  fused_rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True).resolve("cpu")
+  params = Mamba2LM(cfg, rngs=nnx.Rngs(2), runtime=xla_rt).params()
+  ids = jnp.asarray(rng.integers(0, 64, (b, l)), jnp.int32)
+  seq = np.zeros((b, l), np.int32)
+  for row, starts in enumerate(FUSED_DOCS):
+    for s in starts:
+      seq[row, s:] += 1
+  states = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32),
+                        jax.eval_shape(lambda: Mamba2LM.from_params(cfg, params, xla_rt).backbone(ids)[1]))
+  inputs = (params, ids, jnp.asarray(seq), states, jnp.asarray(rng.normal(size=(b, l, 64)), jnp.float32))
+  t0 = time.process_time()
+  np.savez(os.path.join(out_dir, "fused_ref.npz"),
+           **flat(jax.jit(functools.partial(loss_and_grads, rt=xla_rt, cfg=cfg))(*inputs)))
+  chose, seconds = {}, {"ref": time.process_time() - t0}
+  for name, mesh_cfg in FUSED_LAYER.items():
+    t0 = time.process_time()
+    mesh = make_mesh(mesh_cfg)
+
+    def sharded(*a, mesh=mesh):
+      with sharding.use_rules(mesh):
+        return loss_and_grads(*a, rt=fused_rt, cfg=cfg)
+
+    with sharding.use_rules(mesh):
+      chose[name] = next(c for c in ops_for(cfg, fused_rt).choices if c[0] == "mixer")[1:]
+    np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.jit(sharded)(*inputs)))
+    seconds[name] = time.process_time() - t0
+  return {"chose": chose, "seconds": seconds}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, on_simulated_devices):
   out = tmp_path_factory.mktemp("sequence")
@@ -183,6 +243,24 @@ def test_split_sequence_equals_unsharded(runs, name):
   for key in ref:
     assert np.isfinite(got[key]).all(), key
     # float32 reassociation (slices' summaries combined in another order): ~1e-6.
+    assert _rel(got[key], ref[key]) < 1e-5, (key, _rel(got[key], ref[key]))
+
+
+@pytest.mark.parametrize("name", list(FUSED_LAYER))
+def test_fused_layer_on_a_mesh_equals_xla_on_one_device(runs, name):
+  """The fused layer's logits, final states (conv and SSM, from random initial ones) and
+  every gradient (parameters and initial states) against the XLA model on one device;
+  the table ran the kernel under data x fsdp x tensor and fell back, naming the split
+  sequence, under sequence."""
+  results, out = runs
+  impl, why = results["fused_layer"]["chose"][name]
+  if "sequence" in FUSED_LAYER[name]:
+    assert (impl, why) == ("xla", "fused takes no split sequence (the 'sequence' mesh axis)")
+  else:
+    assert (impl, why) == ("fused", "runtime")
+  ref, got = dict(np.load(out / "fused_ref.npz")), dict(np.load(out / f"{name}.npz"))
+  assert sorted(got) == sorted(ref) and any("conv_x" in k for k in ref) and any("A_log" in k for k in ref)
+  for key in ref:
     assert _rel(got[key], ref[key]) < 1e-5, (key, _rel(got[key], ref[key]))
 
 
