@@ -93,7 +93,7 @@ def _project_in(p, u, rt, cd, acc):
   mamba_ssm's order) one float32 dot. Both results are named for the remat policies."""
   prec = rt.matmul_precision
   zx, bcw, hw, aw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_heads"], p["in_proj_angles"]
-  d, i, rgn, h, a = zx.shape[0], zx.shape[2], bcw.shape[2], hw.shape[2], aw.shape[1]
+  d, i, rgn, h = zx.shape[0], zx.shape[2], bcw.shape[2], hw.shape[2]
   big = jnp.concatenate([zx.reshape(d, 2 * i), bcw.reshape(d, 2 * rgn)], 1)
   small = jnp.concatenate([hw.reshape(d, 3 * h), aw], 1)
   adapter = mm.adapter_of(p, "in_proj")

@@ -76,13 +76,14 @@ def _dt(dtr_ref, dtb_ref, chunk, length, dt_limit):
   q = dtr_ref.shape[-1]
   v = dtr_ref[...] + dtb_ref[...]
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, q), 1)
-  passes = chunk * q + lane < length
+  inside = chunk * q + lane < length
+  passes = inside
   dt = _softplus(v)
   lo, hi = dt_limit
   if lo > 0.0 or hi < float("inf"):
     passes = passes & (dt > lo) & (dt < hi)
     dt = jnp.clip(dt, lo, hi)
-  return jnp.where(chunk * q + lane < length, dt, 0.0), v, passes
+  return jnp.where(inside, dt, 0.0), v, passes
 
 
 def _ssd_head(xf, dt_i, d_i, cb, lmat, state, cmat, decay_row, cdt):

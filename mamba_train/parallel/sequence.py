@@ -144,7 +144,6 @@ class SequenceSplit:
     b, l, h, p = x.shape
     self._check_length(l)
     ax, size = self.axis, self.size
-    siso = B.ndim == 4
     if seq_idx is None:
       seq_idx = jnp.zeros((b, l), jnp.int32)
     if initial is None:
