@@ -170,8 +170,9 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. `trip_counts`: count every layer from the one compile, each loop body scaled by
-  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
-  or the per-device peak exceeds HBM."""
+  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles.
+  Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
+  per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
