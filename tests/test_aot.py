@@ -294,3 +294,49 @@ def test_trip_scaled_cost_counts_each_loop_body_as_often_as_it_runs():
   assert abs(got["flops"] - 5 * 4 * matmul) < 1e-5 * 5 * 4 * matmul  # loop counters' adds aside
   assert abs(got["once"]["flops"] - 2 * matmul) < 1e-5 * 2 * matmul
   assert got["bytes accessed"] > 5 * got["once"]["bytes accessed"]
+
+
+_TPU_TRIPS = """
+import json, tempfile
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from mamba_train.parallel.topology import tpu_devices
+from mamba_train.tools import hlo
+mesh = Mesh(tpu_devices("v5p:2x2x1")[2], ("x",))
+def double(x_ref, o_ref):
+  o_ref[...] = x_ref[...] * 2
+def local(x, i):  # a gather v5p offloads to its SparseCores, an add, a Pallas kernel with an estimate
+  est = pl.CostEstimate(flops=1000, bytes_accessed=4096, transcendentals=7)
+  return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=est)(x[i] + 1)
+def f(x, i):
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False)
+  return jax.lax.fori_loop(0, 3, lambda _, x: step(x, i), x)
+x = jax.ShapeDtypeStruct((8192, 256), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+i = jax.ShapeDtypeStruct((8192,), jnp.int32, sharding=NamedSharding(mesh, P("x")))
+with tempfile.TemporaryDirectory() as d:
+  compiled = jax.jit(f).lower(x, i).compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_proto": True})
+  proto = hlo.dumped_module_proto(d)
+got = hlo.trip_scaled_cost(compiled, None, proto)
+print(json.dumps({**{k: v for k, v in got.items() if k != "once"}, "offloaded": b"async-update" in proto}))
+"""
+
+
+def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels():
+  """XLA:TPU's program for four v5p chips with a SparseCore-offloaded gather (whose
+  `async-update`s jaxlib cannot read back from the executable) and a Pallas kernel
+  in a loop of 3: read from XLA's dump, the loop body counted three times, the
+  kernel by the estimate it carries (three times its 1000 FLOPs), the add to each
+  device's 2048 x 256 gathered rows three times."""
+  require_libtpu()
+  import json
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", _TPU_TRIPS], capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  assert got["offloaded"], got  # the rewrite the reader needs was exercised
+  assert [n for _, n in got["loops"]] == [3], got
+  assert got["kernel flops"] == 3 * 1000 and got["kernel transcendentals"] == 3 * 7, got
+  assert got["kernel bytes accessed"] == 3 * 4096, got
+  assert 3 * 2048 * 256 <= got["flops"] <= 1.05 * 3 * 2048 * 256, got  # the loop's counter adds aside

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from mamba_train.model.params import weight_names
 from mamba_train.ops import table
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
-from mamba_train.tools.hlo import kernel_costs, trip_scaled_cost, xla_cost
+from mamba_train.tools.hlo import dumped_module_proto, kernel_costs, trip_scaled_cost, xla_cost
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -203,9 +204,14 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   with metrics.Timer() as t:
     lowered = built.train_step.lower(state, batch)
   report["lower_s"] = t.seconds
+  # --trip_counts on TPUs reads the optimised module from XLA's dump (hlo.dumped_module_proto).
+  dump = tempfile.TemporaryDirectory() if trip_counts and not gpu else contextlib.nullcontext()
   try:
-    with metrics.Timer() as t:
-      compiled = lowered.compile()
+    with dump as dump_dir:
+      options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_proto": True} if dump_dir else None
+      with metrics.Timer() as t:
+        compiled = lowered.compile(compiler_options=options)
+      proto = dumped_module_proto(dump_dir) if dump_dir else None
   except Exception as e:  # noqa: BLE001 - XLA:TPU refuses programs that overflow HBM
     msg = str(e)
     if "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
@@ -221,7 +227,8 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   report["cost"] = cost
   # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
   # count): the estimates of the calls XLA kept, added apart.
-  kernels = kernel_costs(compiled, built.train_step.trace(state, batch).jaxpr) if gpu else None
+  jaxpr = built.train_step.trace(state, batch).jaxpr if gpu or trip_counts else None
+  kernels = kernel_costs(compiled, jaxpr) if gpu else None
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -242,18 +249,21 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   elif trip_counts:
     try:
-      scaled = trip_scaled_cost(compiled)
+      scaled = trip_scaled_cost(compiled, jaxpr, proto)
     except Exception as e:  # noqa: BLE001 - jaxlib cannot read the module back: keep the compile's report
       report["cost_trip_scaled_error"] = str(e).strip().splitlines()[0][:300]
     else:
       report["cost_trip_scaled"] = scaled
-      full = {k: scaled[k] for k in ("flops", "bytes accessed")}
+      # The CPU analysis counts a Pallas call as nothing on TPUs too (XLA:TPU's own counts
+      # its estimate): the kernels' estimates, scaled by the same trips, on every platform.
+      full = {k: scaled[k] for k in ("flops", "bytes accessed", "kernel flops", "kernel bytes accessed")}
+      kernels = kernels or {}
   elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full
   if full is None:  # the scanned body counted once: bytes a lower bound
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
-  if kernels:
+  if kernels is not None:
     if report["cost_every_layer"] and "kernel flops" in report["cost_every_layer"]:
       kernels = {k: report["cost_every_layer"]["kernel " + k] for k in ("flops", "bytes accessed")}
     report["kernel_cost"] = kernels

@@ -11,7 +11,9 @@ program's bytes down by op (`benchmarks/layer_bytes.py`, `benchmarks/gpu_bytes.p
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 from typing import Iterator
 
@@ -33,6 +35,8 @@ MOVES_NOTHING = frozenset({"parameter", "get-tuple-element", "bitcast", "tuple",
                            "replica-id"})
 _FUSED = ("fused", "horizontally_fused", "wrapped")
 _TOKEN = re.compile(r"[A-Za-z_]\w*")
+# The estimate a TPU Pallas (Mosaic) custom call carries: XLA:TPU counts the kernel by it.
+_COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 
 
 def itemsize(dtype: str) -> int:
@@ -173,6 +177,29 @@ def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   return 2.0 * m * k * n, float(sum(e * math.prod(d) for e, d in (res[0], *operands)))
 
 
+def _kernel_line_cost(line: str, found: dict[str, list]) -> tuple[float, float, float] | None:
+  """(FLOPs, bytes, transcendentals) of one custom call's HLO line: the cost estimate a
+  Mosaic (TPU) kernel carries in its backend config, else the estimate of the Pallas
+  call it is (matched by kernel name, then result shapes, in `found`, from
+  `kernel_estimates`), or tokamax's ragged dot's `ragged_dot_cost`; None for any other line."""
+  if "custom-call(" not in line:
+    return None
+  mosaic = _COST_ESTIMATE.search(line)
+  if mosaic:
+    est = json.loads(mosaic.group(1))
+    return tuple(float(est.get(k, 0)) for k in ("flops", "bytes_accessed", "transcendentals"))
+  ragged = ragged_dot_cost(line)
+  if ragged is not None:
+    return ragged[0], ragged[1], 0.0
+  names = [t for t in set(_TOKEN.findall(line)) if t in found]
+  if not names:
+    return None
+  cands = found[max(names, key=len)]
+  result = tuple(d for _, d in shapes(line.split("custom-call(")[0]))
+  est = next((e for sh, e in cands if sh == result), cands[0][1])
+  return est.flops, est.bytes_accessed, est.transcendentals
+
+
 def kernel_costs(compiled, jaxpr) -> dict[str, float]:
   """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
   as XLA counts its own ops (a loop body once: `aot.every_layer_cost` scales it):
@@ -185,22 +212,9 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
   total = dict.fromkeys(COUNTS, 0.0)
   found = kernel_estimates(jaxpr)
   for line, fused in body_lines(compiled.as_text()):
-    if fused or "custom-call(" not in line:  # fusion bodies hold no calls of ours
-      continue
-    ragged = ragged_dot_cost(line)
-    if ragged is not None:
-      total["flops"] += ragged[0]
-      total["bytes accessed"] += ragged[1]
-      continue
-    names = [t for t in set(_TOKEN.findall(line)) if t in found]
-    if not names:
-      continue
-    cands = found[max(names, key=len)]
-    result = tuple(d for _, d in shapes(line.split("custom-call(")[0]))
-    est = next((e for sh, e in cands if sh == result), cands[0][1])
-    total["flops"] += est.flops
-    total["bytes accessed"] += est.bytes_accessed
-    total["transcendentals"] += est.transcendentals
+    c = None if fused else _kernel_line_cost(line, found)  # fusion bodies hold no calls of ours
+    if c is not None:
+      total = {k: total[k] + v for k, v in zip(COUNTS, c)}
   return total
 
 
@@ -220,10 +234,14 @@ _MODULE_ENTRY_NAME, _MODULE_COMPUTATIONS, _MODULE_ENTRY_ID = 2, 3, 6  # HloModul
 # input_output_alias, dynamic_parameter_binding, cross_program_prefetches,
 # spmd_output_sharding, spmd_parameters_shardings, buffer_donor.
 _MODULE_ENTRY_ONLY = frozenset({8, 9, 10, 12, 14, 18})
-_COMPUTATION_NAME, _COMPUTATION_ID = 1, 5  # HloComputationProto
+_COMPUTATION_NAME, _COMPUTATION_INSTRUCTIONS, _COMPUTATION_ID = 1, 2, 5  # HloComputationProto
+_INSTRUCTION_OPCODE, _INSTRUCTION_OPERANDS = 2, 36  # HloInstructionProto
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+).*?body=%?([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r"known_trip_count\D+(\d+)")
 _S32_CONSTANT = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
+# The computations an instruction calls: fusions, loops, reductions' adders, branches, async ops.
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations|"
+                     r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
 def _varint(b: bytes, i: int) -> tuple[int, int]:
@@ -281,6 +299,47 @@ def _with_entry(proto: bytes, name: str, cid: int) -> bytes:
   return bytes(out)
 
 
+def _packed(value: bytes | int) -> list[int]:
+  if isinstance(value, int):  # an unpacked repeated field: one value a field
+    return [value]
+  out, i = [], 0
+  while i < len(value):
+    v, i = _varint(value, i)
+    out.append(v)
+  return out
+
+
+def _field(number: int, value: bytes) -> bytes:
+  return _encode_varint(number << 3 | 2) + _encode_varint(len(value)) + value
+
+
+def _one_operand_async_updates(instruction: bytes) -> bytes:
+  fields = list(_proto_fields(instruction))
+  if next((v for f, _, v in fields if f == _INSTRUCTION_OPCODE), b"") != b"async-update":
+    return instruction
+  ids = [i for f, _, v in fields if f == _INSTRUCTION_OPERANDS for i in _packed(v)]
+  if len(ids) <= 1:
+    return instruction
+  out = [raw for f, raw, _ in fields if f != _INSTRUCTION_OPERANDS]
+  return b"".join(out) + _field(_INSTRUCTION_OPERANDS, _encode_varint(ids[0]))
+
+
+def _readable(proto: bytes) -> bytes:
+  """The module with each `async-update` given its one operand, the async op it updates.
+  XLA:TPU's multi-chip programs (v5p's and v6e's gather and scatter offloads) give
+  theirs more, which jaxlib's reader refuses ("async-update instruction should have 1
+  operands"); the others only order it, and the cost analysis counts an update as nothing."""
+  out = bytearray()
+  for field, raw, value in _proto_fields(proto):
+    if field != _MODULE_COMPUTATIONS:
+      out += raw
+      continue
+    comp = b"".join(_field(f, _one_operand_async_updates(v)) if f == _COMPUTATION_INSTRUCTIONS else r
+                    for f, r, v in _proto_fields(value))
+    out += _field(_MODULE_COMPUTATIONS, comp)
+  return bytes(out)
+
+
 def _computation_ids(proto: bytes) -> dict[str, int]:
   ids = {}
   for field, _, value in _proto_fields(proto):
@@ -318,30 +377,69 @@ def _trips(line: str, condition: list[str]) -> int:
   return bounds.pop()
 
 
-def trip_scaled_cost(compiled) -> dict:
+def dumped_module_proto(dump_dir: str) -> bytes:
+  """The HloModuleProto of the optimised module XLA dumped into `dump_dir` (the
+  compile option `xla_dump_to` with `xla_dump_hlo_as_proto`: one program compiled there).
+  XLA:TPU's multi-chip programs cannot be read from the executable: jaxlib reads its
+  module back and refuses their SparseCore offloads' `async-update`s (more than one
+  operand), where the dumped protobuf reads once `_readable` has rewritten them."""
+  names = [n for n in os.listdir(dump_dir) if n.endswith(".after_optimizations.hlo.pb")]
+  if len(names) != 1:
+    raise ValueError(f"expected one optimised module in {dump_dir}, found {sorted(names)}")
+  with open(os.path.join(dump_dir, names[0]), "rb") as f:
+    hlo_proto = f.read()
+  return next(v for field, _, v in _proto_fields(hlo_proto) if field == 1)  # HloProto.hlo_module
+
+
+def trip_scaled_cost(compiled, jaxpr=None, proto: bytes | None = None) -> dict:
   """XLA's FLOP and byte counts of a compiled program with every while-loop body (nested
   ones too) counted trip-count times: {"flops", "bytes accessed", "transcendentals",
-  "once": the same analysis with each body once, "loops": [(body, trips)]}. XLA's HLO
-  cost analysis through the CPU client on the optimised module (private jaxlib entry
-  points, as `gpu_hlo_cost`); on TPUs its bytes follow the CPU's rules, not XLA:TPU's own.
-  Loops of the entry computation and of loop bodies are scaled (a scanned model's layers,
-  forward and backward); one inside a `call` or `conditional` branch is counted once.
-  Raises where jaxlib cannot read the compiled module back: XLA:TPU's programs for more
-  than one chip hold async collectives its reader refuses (CPU, GPU and one TPU chip read)."""
+  "kernel flops", "kernel bytes accessed", "kernel transcendentals", "once": the same
+  with each body once, "loops": [(body, trips)]}. XLA's HLO cost analysis through the
+  CPU client on the optimised module (private jaxlib entry points, as `gpu_hlo_cost`);
+  on TPUs its bytes follow the CPU's rules, not XLA:TPU's own. Loops of the entry
+  computation and of loop bodies are scaled (a scanned model's layers, forward and
+  backward); one inside a `call` or `conditional` branch is counted once, and a
+  `conditional` counts its costliest branch, each trip (an upper bound where a loop
+  skips a layer by `lax.cond`). That analysis counts a custom call as nothing, so the
+  Pallas kernels' estimates are the "kernel" counts, scaled by the same trips: a TPU
+  kernel's from its backend config, a GPU kernel's matched in the traced program's
+  `jaxpr` (as `kernel_costs`). `proto`: the module's HloModuleProto where the
+  executable's cannot be read back (`dumped_module_proto`)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-  module = compiled.runtime_executable().hlo_modules()[0]
-  proto = module.as_serialized_hlo_module_proto()
+  from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+  if proto is None:
+    proto = compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
+  proto = _readable(proto)
   ids = _computation_ids(proto)
-  comps, entry = _computation_lines(module.to_string())
+  comps, entry = _computation_lines(xla_client.hlo.HloModule.from_serialized_hlo_module_proto(proto).to_string())
   cpu = xla_bridge.get_backend("cpu")
-  once_cache, total_cache, loops = {}, {}, []
+  found = kernel_estimates(jaxpr) if jaxpr is not None else {}
+  keys = COUNTS + tuple("kernel " + k for k in COUNTS)
+  once_cache, total_cache, kernel_cache, loops = {}, {}, {}, []
+
+  def kernels_once(name):
+    """The kernels of a computation and of those it calls, each call's once."""
+    if name not in kernel_cache:
+      t = [0.0] * len(COUNTS)
+      for line in comps.get(name, ()):
+        c = _kernel_line_cost(line, found)
+        if c is not None:
+          t = [a + b for a, b in zip(t, c)]
+        for called in _CALLED.findall(line):
+          for sub in called.strip("{}").replace("%", "").split(","):
+            if sub.strip() in comps:
+              t = [a + b for a, b in zip(t, kernels_once(sub.strip()))]
+      kernel_cache[name] = t
+    return kernel_cache[name]
 
   def once(name):
     if name not in once_cache:
-      sub = type(module).from_serialized_hlo_module_proto(_with_entry(proto, name, ids[name]))
+      sub = xla_client.hlo.HloModule.from_serialized_hlo_module_proto(_with_entry(proto, name, ids[name]))
       c = _jax.hlo_module_cost_analysis(cpu, sub)
       once_cache[name] = {k: float(c.get(k, 0.0)) for k in COUNTS}
+      once_cache[name].update(zip(("kernel " + k for k in COUNTS), kernels_once(name)))
     return once_cache[name]
 
   def total(name):
@@ -354,7 +452,7 @@ def trip_scaled_cost(compiled) -> dict:
           n = _trips(line, comps[cond])
           loops.append((body, n))
           # The analysis counted the body once (its own loops' bodies once too): the rest.
-          t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in t}
+          t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in keys}
       total_cache[name] = t
     return total_cache[name]
 
