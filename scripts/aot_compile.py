@@ -128,6 +128,9 @@ _TRIP_COUNTS = flags.DEFINE_bool("trip_counts", False, "Count every layer from t
                                  "body of the compiled step scaled by its trip count (XLA's cost analysis "
                                  "through the CPU client), instead of --every_layer's smaller compiles.")
 
+_HLO_DUMP = flags.DEFINE_string("hlo_dump", "", "Keep XLA's dump of the optimised train step in this folder "
+                                "(its HLO as protobuf), for reading the program op by op.")
+
 
 def main(argv):
   del argv
@@ -150,7 +153,8 @@ def main(argv):
     jax.config.update("jax_platforms", "cpu")
   try:
     report = aot.compile_train_step(config, _TOPOLOGY.value, _EVERY_LAYER.value,
-                                    reference=base.get_config(), trip_counts=_TRIP_COUNTS.value)
+                                    reference=base.get_config(), trip_counts=_TRIP_COUNTS.value,
+                                    hlo_dump=_HLO_DUMP.value)
   except aot.DoesNotFit as e:
     print(f"DOES NOT FIT: {e}", file=sys.stderr)
     sys.exit(2)

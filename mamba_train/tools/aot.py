@@ -167,11 +167,13 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
 
 
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None,
-                       trip_counts: bool = False) -> dict:
+                       trip_counts: bool = False, hlo_dump: str = "") -> dict:
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. `trip_counts`: count every layer from the one compile, each loop body scaled by
   its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles.
+  `hlo_dump`: a folder to keep XLA's dump of the optimised step in (TPU: the one
+  --trip_counts reads; a temporary one otherwise).
   Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
   per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
@@ -180,11 +182,11 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
                              device_kind=devices[0].device_kind,
                              reference=reference)
   with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
-    return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts)
+    return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts, hlo_dump)
 
 
 def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, every_layer: bool,
-                        trip_counts: bool = False) -> dict:
+                        trip_counts: bool = False, hlo_dump: str = "") -> dict:
   chip = metrics.CHIPS[gen]
   chips = math.prod(int(d) for d in topo.split(":")[1].split("x"))
   per_device = chips / len(devices)  # v4's default config shows each TensorCore as a device
@@ -205,13 +207,14 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
     lowered = built.train_step.lower(state, batch)
   report["lower_s"] = t.seconds
   # --trip_counts on TPUs reads the optimised module from XLA's dump (hlo.dumped_module_proto).
-  dump = tempfile.TemporaryDirectory() if trip_counts and not gpu else contextlib.nullcontext()
+  dump = (contextlib.nullcontext(hlo_dump) if hlo_dump else
+          tempfile.TemporaryDirectory() if trip_counts and not gpu else contextlib.nullcontext())
   try:
     with dump as dump_dir:
       options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_proto": True} if dump_dir else None
       with metrics.Timer() as t:
         compiled = lowered.compile(compiler_options=options)
-      proto = dumped_module_proto(dump_dir) if dump_dir else None
+      proto = dumped_module_proto(dump_dir) if dump_dir and trip_counts and not gpu else None
   except Exception as e:  # noqa: BLE001 - XLA:TPU refuses programs that overflow HBM
     msg = str(e)
     if "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():

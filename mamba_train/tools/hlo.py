@@ -378,15 +378,15 @@ def _trips(line: str, condition: list[str]) -> int:
 
 
 def dumped_module_proto(dump_dir: str) -> bytes:
-  """The HloModuleProto of the optimised module XLA dumped into `dump_dir` (the
-  compile option `xla_dump_to` with `xla_dump_hlo_as_proto`: one program compiled there).
+  """The HloModuleProto of the optimised module XLA dumped last into `dump_dir` (the
+  compile option `xla_dump_to` with `xla_dump_hlo_as_proto`).
   XLA:TPU's multi-chip programs cannot be read from the executable: jaxlib reads its
   module back and refuses their SparseCore offloads' `async-update`s (more than one
   operand), where the dumped protobuf reads once `_readable` has rewritten them."""
-  names = [n for n in os.listdir(dump_dir) if n.endswith(".after_optimizations.hlo.pb")]
-  if len(names) != 1:
-    raise ValueError(f"expected one optimised module in {dump_dir}, found {sorted(names)}")
-  with open(os.path.join(dump_dir, names[0]), "rb") as f:
+  paths = [os.path.join(dump_dir, n) for n in os.listdir(dump_dir) if n.endswith(".after_optimizations.hlo.pb")]
+  if not paths:
+    raise ValueError(f"no optimised module in {dump_dir}")
+  with open(max(paths, key=os.path.getmtime), "rb") as f:  # a folder kept across runs: the latest
     hlo_proto = f.read()
   return next(v for field, _, v in _proto_fields(hlo_proto) if field == 1)  # HloProto.hlo_module
 
