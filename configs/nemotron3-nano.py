@@ -4,23 +4,29 @@ sharded over fsdp, bfloat16 matmuls, full remat.
 
   python train.py --config configs/nemotron3-nano.py --workdir runs/nano-ft \\
       --config.init_from=PATH/TO/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --config.data.dir=data/my_sft
-  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v5p-128
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v5p-128 --trip_counts
   python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v6e-256 \\
-      --config.batch_size=128 --config.seq_len=2048 --config.mesh.sequence=2
+      --config.batch_size=128 --config.seq_len=2048 --config.mesh.sequence=2 --trip_counts
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v5p-64 --trip_counts
+  python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology v6e-64 \\
+      --config.batch_size=128 --config.seq_len=2048 --trip_counts
 
 Dispatch has a capacity (moe.capacity_factor 1.25, MaxText's and Megatron's usual
 value): each expert takes at most 1.25 x an even share of a sequence's
 assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatch
 (capacity_factor=0) sizes the expert all-to-all's buffers for the worst case and
-did not fit either slice; at 1.25 both fit (v5p-128: 58.9 GiB a chip of 95; v6e-256:
-28.4 of 32; docs/bench/moe.md). On H100s (add --config.runtime.attention=xla to
+did not fit either slice; at 1.25 both fit. On H100s (add --config.runtime.attention=xla to
 compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 (70.1 GiB a
 GPU; 16 x 2048: 74.9) in the layout config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert',
 the non-expert weights, their gradients and moments split over the 8 GPUs of the
 expert group as well, ZeRO-3; with 'fsdp' they are whole on every GPU and the state
 alone is 65.7 GiB), and LoRA (--config.lora.rank=16, 55 GiB a GPU); two hosts
 (h100-16: fsdp 2, so 'auto' keeps 'fsdp') 70 GiB a GPU at 16 x 2048. The TPU slices
-(fsdp 8 or 16) keep 'fsdp'.
+keep 'fsdp' (fsdp 4 to 16), and a full finetune fits each at the recipe's tokens a step
+(megablox experts; XLA's memory a chip, 2026-12-04): v5p-64 (32 chips, fsdp 4) 34.3 GiB
+of 95 at 64 x 4096; v5p-128 17.3 of 95; v6e-64 (fsdp 8) 17.4 of 32 at 128 x 2048;
+v6e-256 V6E256_MEM of 32. Roofline MFU on active parameters (--trip_counts) 33%, 34%, 10%
+and V6E256_MFU: memory-bound, the v6e slices most (docs/bench/moe.md).
 
   python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology h100-8 \
       --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla

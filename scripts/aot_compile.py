@@ -97,8 +97,9 @@ def format_report(r: dict) -> str:
   k = r.get("kernel_cost")
   if k:
     w = r["cost_with_kernels"]
+    where = " and in the CPU analysis of --trip_counts" if r.get("cost_trip_scaled") else ""
     lines.append(f"Pallas kernels per device (their cost estimates{', every layer' if f else ''}; XLA counts "
-                 f"them as 0 on GPUs{' and in the CPU analysis of --trip_counts' if r.get('cost_trip_scaled') else ''}): "
+                 f"them as 0 on GPUs{where}): "
                  f"{k['flops']:.3e} FLOPs, {k['bytes accessed']:.3e} bytes; with XLA's: {w['flops']:.3e} FLOPs, "
                  f"{w['bytes accessed']:.3e} bytes, {w['flops'] / max(w['bytes accessed'], 1):.0f} FLOP/byte")
   rl = r.get("roofline")

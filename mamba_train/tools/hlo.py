@@ -407,8 +407,7 @@ def trip_scaled_cost(compiled, jaxpr=None, proto: bytes | None = None) -> dict:
   `jaxpr` (as `kernel_costs`). `proto`: the module's HloModuleProto where the
   executable's cannot be read back (`dumped_module_proto`)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-  from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-  from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+  from jax._src.lib import _jax, xla_client  # pylint: disable=import-outside-toplevel
   if proto is None:
     proto = compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
   proto = _readable(proto)
