@@ -25,8 +25,8 @@ alone is 65.7 GiB), and LoRA (--config.lora.rank=16, 55 GiB a GPU); two hosts
 keep 'fsdp' (fsdp 4 to 16), and a full finetune fits each at the recipe's tokens a step
 (megablox experts; XLA's memory a chip, 2026-12-04): v5p-64 (32 chips, fsdp 4) 34.3 GiB
 of 95 at 64 x 4096; v5p-128 17.3 of 95; v6e-64 (fsdp 8) 17.4 of 32 at 128 x 2048;
-v6e-256 V6E256_MEM of 32. Roofline MFU on active parameters (--trip_counts) 33%, 34%, 10%
-and V6E256_MFU: memory-bound, the v6e slices most (docs/bench/moe.md).
+v6e-256 9.7 of 32. Roofline MFU on active parameters (--trip_counts) 33%, 34%, 10%
+and 4%: memory-bound, the v6e slices most (docs/bench/moe.md).
 
   python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology h100-8 \
       --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla
