@@ -209,6 +209,18 @@ print(json.dumps(out))
 """
 
 
+def _run_on_libtpu(code: str):
+  """Run `code` in a fresh process that compiles for TPUs; its last line, read as JSON."""
+  require_libtpu()
+  import json
+  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_every_layer_programs_keep_the_recompute_on_tpu():
   """The every-layer count's programs run their layers as straight-line code (one
   layer, two unrolled), where a remat with prevent_cse=False let XLA:TPU merge the
@@ -217,14 +229,7 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h). In the
   same process the `save_in_proj` step compiles for a TPU7x TensorCore (tpu7x-8), and
   'auto' picks the fused layer for the device kind libtpu reports there."""
-  require_libtpu()
-  import json
-  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", _RECOMPUTE], capture_output=True, text=True, env=env, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  flops = json.loads(r.stdout.strip().splitlines()[-1])
+  flops = _run_on_libtpu(_RECOMPUTE)
   assert flops["full"] - flops["save_in_proj"] == pytest.approx(flops["in_proj"], rel=0.02), flops
   # TPU7x: eight TensorCores of four chips as eight devices, and the same program's FLOPs.
   kind, n, flops7, layer7 = flops["tpu7x"]
@@ -328,13 +333,7 @@ def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels():
   in a loop of 3: read from XLA's dump, the loop body counted three times, the
   kernel by the estimate it carries (three times its 1000 FLOPs), the add to each
   device's 2048 x 256 gathered rows three times."""
-  require_libtpu()
-  import json
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", _TPU_TRIPS], capture_output=True, text=True, env=env, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  got = json.loads(r.stdout.strip().splitlines()[-1])
+  got = _run_on_libtpu(_TPU_TRIPS)
   assert got["offloaded"], got  # the rewrite the reader needs was exercised
   assert [n for _, n in got["loops"]] == [3], got
   assert got["kernel flops"] == 3 * 1000 and got["kernel transcendentals"] == 3 * 7, got
