@@ -299,6 +299,9 @@ def test_trip_scaled_cost_counts_each_loop_body_as_often_as_it_runs():
   assert abs(got["flops"] - 5 * 4 * matmul) < 1e-5 * 5 * 4 * matmul  # loop counters' adds aside
   assert abs(got["once"]["flops"] - 2 * matmul) < 1e-5 * 2 * matmul
   assert got["bytes accessed"] > 5 * got["once"]["bytes accessed"]
+  # XLA:TPU's windowed einsums count in u32 (a 32-way gather as 16 steps of two shards).
+  cond = ["%c = u32[]{:T(128)} constant(16)", "ROOT %lt = pred[] compare(%i, %c), direction=LT"]
+  assert hlo._trips("%w = (u32[]) while(%t), condition=%cond, body=%body", cond) == 16
 
 
 _TPU_TRIPS = """

@@ -238,7 +238,7 @@ _COMPUTATION_NAME, _COMPUTATION_INSTRUCTIONS, _COMPUTATION_ID = 1, 2, 5  # HloCo
 _INSTRUCTION_OPCODE, _INSTRUCTION_OPERANDS = 2, 36  # HloInstructionProto
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+).*?body=%?([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r"known_trip_count\D+(\d+)")
-_S32_CONSTANT = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
+_INT_CONSTANT = re.compile(r"[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
 # The computations an instruction calls: fusions, loops, reductions' adders, branches, async ops.
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations|"
                      r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
@@ -367,11 +367,12 @@ def _computation_lines(text: str) -> tuple[dict[str, list[str]], str]:
 
 def _trips(line: str, condition: list[str]) -> int:
   """A while loop's trip count: XLA's `known_trip_count` where it kept it, else the bound
-  of a scan's condition (counter < N from 0: its one s32 constant)."""
+  of a loop condition (counter < N from 0: its one integer constant; s32 for a scan, u32
+  for XLA:TPU's windowed einsums)."""
   known = _KNOWN_TRIPS.search(line)
   if known:
     return int(known.group(1))
-  bounds = {int(c) for l in condition for c in _S32_CONSTANT.findall(l)}
+  bounds = {int(c) for l in condition for c in _INT_CONSTANT.findall(l)}
   if len(bounds) != 1:
     raise ValueError(f"cannot read a trip count from a loop condition with constants {sorted(bounds)}")
   return bounds.pop()
