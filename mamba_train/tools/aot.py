@@ -220,7 +220,8 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   report["cost"] = cost
   # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
   # count): the estimates of the calls XLA kept, added apart.
-  kernels = kernel_costs(compiled, built.train_step.trace(state, batch).jaxpr) if gpu else None
+  jaxpr = built.train_step.trace(state, batch).jaxpr if gpu else None
+  kernels = kernel_costs(compiled, jaxpr) if gpu else None
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -247,6 +248,8 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
     else:
       report["cost_trip_scaled"] = scaled
       full = {k: scaled[k] for k in ("flops", "bytes accessed")}
+      if gpu:  # the kernels in the loop bodies as often as XLA's ops there
+        kernels = kernel_costs(compiled, jaxpr, trip_counts=True)
   elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full
