@@ -61,10 +61,10 @@ CONV_CHANNELS = 128
 # (a 1.3b row is 4096 channels: 16 float32 a thread at 8 warps).
 NORM_ROWS = 16
 NUM_WARPS = 8
-# Names a remat policy can save (the model's 'save_matmuls' does on GPUs): the conv's
-# activation (the SSD's input, which its backward kernel reads) and the norm's output
-# (out_proj's input, which its weight's gradient reads), so the backward pass runs
-# neither forward kernel again (docs/bench/gpu.md, 2026-12-04).
+# Names a remat policy can save ('save_matmuls' with the layers unrolled: `table.build`):
+# the conv's activation (the SSD's input, which its backward kernel reads) and the
+# norm's output (out_proj's input, which its weight's gradient reads), so the backward
+# pass runs neither forward kernel again (docs/bench/gpu.md, 2026-12-04).
 SAVE_NAMES = ("layer_gpu_conv", "layer_gpu_norm")
 
 
