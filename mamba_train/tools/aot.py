@@ -171,8 +171,9 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. `trip_counts`: count every layer from the one compile, each loop body scaled by
-  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
-  or the per-device peak exceeds HBM."""
+  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles.
+  Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
+  per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
   # On GPUs every layer is counted from the one compile, its loop bodies times their trip
   # counts: what `save_matmuls` keeps of the GPU kernels differs between a layer scan and
