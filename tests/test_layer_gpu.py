@@ -66,6 +66,7 @@ def test_gated_norm_kernel_reads_the_gate_in_place_from_a_joined_array():
   import jax.numpy as jnp
 
   from mamba_train.ops import layer_math
+
   from kernel_checks import norm_grads, norm_inputs, rel
   shape, groups, width = (1, 16, 32), 2, 48  # two groups of 16 (no padding), 16 channels past the gate
   y, _, w, wo = norm_inputs(shape)
