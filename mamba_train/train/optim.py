@@ -146,7 +146,9 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
   `window` accepted steps' (`factor` 0: no norm check). Skipped steps count in
   `notfinite_count` (the streak the training loop stops on) and `weight_jump` says which
   kind the last one was. Any optax transformation works as `inner`; a guarded one is
-  returned as it is.
+  returned as it is. `inner` runs twice a step on the same inputs (once for the checks,
+  once for the step applied: see `update`), so it must be a function of them (a host
+  callback in it is called twice).
 
   Why a factor of 10 against the window's largest norm cannot trip a healthy run: the
   parameter norm grows by at most the update norm in a step, which was 5e-4..6e-2 of it
