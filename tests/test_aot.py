@@ -325,8 +325,10 @@ i = jax.ShapeDtypeStruct((8192,), jnp.int32, sharding=NamedSharding(mesh, P("x")
 with tempfile.TemporaryDirectory() as d:
   compiled = jax.jit(f).lower(x, i).compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_proto": True})
   proto = hlo.dumped_module_proto(d)
-got = hlo.trip_scaled_cost(compiled, None, proto)
-print(json.dumps({**{k: v for k, v in got.items() if k != "once"}, "offloaded": b"async-update" in proto}))
+got = hlo.trip_scaled_cost(compiled, proto)
+kernels = hlo.kernel_costs(hlo.optimised_text(compiled, proto), jax.jit(f).trace(x, i).jaxpr, trip_counts=True)
+print(json.dumps({**{k: v for k, v in got.items() if k != "once"}, **{"kernel " + k: v for k, v in kernels.items()},
+                  "offloaded": b"async-update" in proto}))
 """
 
 
@@ -334,7 +336,8 @@ def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels():
   """XLA:TPU's program for four v5p chips with a SparseCore-offloaded gather (whose
   `async-update`s jaxlib cannot read back from the executable) and a Pallas kernel
   in a loop of 3: read from XLA's dump, the loop body counted three times, the
-  kernel by the estimate it carries (three times its 1000 FLOPs), the add to each
+  kernel (`kernel_costs` with trip counts) by the estimate its backend config carries
+  (three times its 1000 FLOPs), the add to each
   device's 2048 x 256 gathered rows three times."""
   got = _run_on_libtpu(_TPU_TRIPS)
   assert got["offloaded"], got  # the rewrite the reader needs was exercised
@@ -342,3 +345,40 @@ def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels():
   assert got["kernel flops"] == 3 * 1000 and got["kernel transcendentals"] == 3 * 7, got
   assert got["kernel bytes accessed"] == 3 * 4096, got
   assert 3 * 2048 * 256 <= got["flops"] <= 1.05 * 3 * 2048 * 256, got  # the loop's counter adds aside
+
+
+def test_kernel_costs_with_trip_counts_count_a_kernel_in_a_loop_body_as_often_as_it_runs():
+  """`hlo.kernel_costs(..., trip_counts=True)`, what `--trip_counts` adds to XLA's
+  trip-scaled count on GPUs: a Pallas call in a scan of 5 holding a scan of 3 counted
+  15 times and one in the entry once (text only: the traced program gives the
+  estimates, an HLO text written here the calls); each once without trip counts."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+
+  from mamba_train.tools import hlo
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  est = pl.CostEstimate(flops=10, transcendentals=1, bytes_accessed=100)
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), cost_estimate=est,
+                        interpret=True, name="probe_kernel")
+  jaxpr = jax.jit(call).trace(jnp.ones((8,), jnp.float32)).jaxpr
+  cc = '  %{0} = f32[8]{{0}} custom-call(f32[8]{{0}} %p), custom_call_target="__gpu$xla.gpu.triton", ' \
+       'backend_config={{"name":"probe_kernel"}}'
+  text = "\n".join([
+      "HloModule m", "",
+      "%inner_body (p: f32[8]) -> f32[8] {", cc.format("k1"), "}", "",
+      "%inner_cond (p: f32[8]) -> pred[] {", "  %n = s32[] constant(3)", "}", "",
+      "%outer_body (p: f32[8]) -> f32[8] {",
+      "  %w = f32[8]{0} while(f32[8]{0} %p), condition=%inner_cond, body=%inner_body", "}", "",
+      "%outer_cond (p: f32[8]) -> pred[] {", "  %n = s32[] constant(5)", "}", "",
+      "ENTRY %main (p: f32[8]) -> f32[8] {", cc.format("k0"),
+      "  %w = f32[8]{0} while(f32[8]{0} %k0), condition=%outer_cond, body=%outer_body", "}", ""])
+  assert hlo.loop_multiplicities(text) == {"main": 1, "outer_body": 5, "outer_cond": 1, "inner_body": 15,
+                                           "inner_cond": 5}
+  once = hlo.kernel_costs(text, jaxpr)
+  scaled = hlo.kernel_costs(text, jaxpr, trip_counts=True)
+  assert once == {"flops": 20.0, "bytes accessed": 200.0, "transcendentals": 2.0}
+  assert scaled == {"flops": 160.0, "bytes accessed": 1600.0, "transcendentals": 16.0}

@@ -72,7 +72,7 @@ class ExpertSplit:
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
     down (e, f, w). mlp(rows, up, down,
-    sizes, cd) -> rows float32: the experts on rows sorted by expert. cap: the
+    sizes, cd) -> rows float32 or `cd`: the experts on rows sorted by expert. cap: the
     assignments an expert takes from one sequence (None: dropless), and
     within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
     check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
@@ -143,15 +143,20 @@ class ExpertSplit:
     dest = sorted_e // e_local  # the device holding each assignment's expert (n: dropped)
     start = jnp.searchsorted(dest, jnp.arange(n), side="left")  # first assignment to each device
     slot = dest * cap + jnp.arange(m) - start[jnp.minimum(dest, n - 1)]  # its row in the buffer
-    slot = mark(jnp.where(dest < n, slot, n * cap))  # dropped: out of range, never written or read
+    # dropped: out of range (each its own row past the buffer), never written or read
+    slot = mark(jnp.where(dest < n, slot, n * cap + jnp.arange(m)))
     # slot never decreases along the sorted assignments (by device, then in turn; the
     # dropped last): said to XLA, whose TPU scatter then needs no sort of its indices
     # (each a large piece of program; docs/bench/compile_depth.md), nor does the
-    # scatter-add that is the gradient of the gather by slot below.
+    # scatter-add that is the gradient of the gather by slot below. And no two are
+    # equal: said to JAX, whose derivative of a scatter that may overwrite is
+    # otherwise a second scatter of u32 ids the size of the buffer, a compare and a
+    # masked scatter-add, forward and in the recompute (3.3 GB of an MoE layer's
+    # traffic on h100-8: docs/bench/moe.md, "One MoE layer's bytes").
     rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(
-        jnp.take(x, order // k, axis=0).astype(cd), mode="drop", indices_are_sorted=True)
+        jnp.take(x, order // k, axis=0).astype(cd), mode="drop", indices_are_sorted=True, unique_indices=True)
     ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set(
-        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop", indices_are_sorted=True)
+        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop", indices_are_sorted=True, unique_indices=True)
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
@@ -159,8 +164,10 @@ class ExpertSplit:
     by_expert = mark(jnp.argsort(ids, stable=True))
     count = count or (lambda a, m: jnp.bincount(a, length=m + 1)[:m].astype(jnp.int32))
     sizes = mark(count(ids, e_local))  # empty slots (id e_local) count nowhere
+    # The rows come back in the dtype mlp gives them (the compute dtype for tokamax's
+    # kernels) and stay in it to the weighted sum, which widens them to float32.
     out = mlp(jnp.take(rows, by_expert, axis=0), up, down, sizes, cd)
-    out = jnp.zeros_like(out).at[by_expert].set(out)
+    out = jnp.zeros_like(out).at[by_expert].set(out, unique_indices=True)  # by_expert: a permutation
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
     got = (jnp.take(out, slot, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)

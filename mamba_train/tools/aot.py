@@ -7,8 +7,9 @@ slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
 state and batch shardings it trains with; the state and batch are abstract (shapes
 and shardings only), so nothing is allocated. The report: per-device memory from
 XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
-layer counted (two more small compiles: one layer, and two layers unrolled; none
-when `runtime.unroll_layers` compiles every layer into the step itself), the
+layer counted (two more small compiles: one layer, and two layers unrolled; on GPUs
+the one compile's loop bodies times their trip counts; none when
+`runtime.unroll_layers` compiles every layer into the step itself), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
 
@@ -35,7 +36,7 @@ from mamba_train.model.params import weight_names
 from mamba_train.ops import table
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import gpu_devices, is_gpu_topology, tpu_devices
-from mamba_train.tools.hlo import dumped_module_proto, kernel_costs, trip_scaled_cost, xla_cost
+from mamba_train.tools.hlo import dumped_module_proto, kernel_costs, optimised_text, trip_scaled_cost, xla_cost
 from mamba_train.train import run_config
 from mamba_train.train.step import abstract_batch, build
 
@@ -177,6 +178,12 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
   per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
+  # On GPUs every layer is counted from the one compile, its loop bodies times their trip
+  # counts: what `save_matmuls` keeps of the GPU kernels differs between a layer scan and
+  # unrolled layers (`table.build`), so `every_layer`'s differencing of a scanned layer
+  # against two unrolled ones would mix the two programs' remat (and never sees the scan's
+  # stack copies, docs/bench/gpu.md 2026-12-04).
+  trip_counts = trip_counts or (gpu and every_layer)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              device_kind=devices[0].device_kind,
@@ -252,15 +259,16 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
     full = {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   elif trip_counts:
     try:
-      scaled = trip_scaled_cost(compiled, jaxpr, proto)
+      scaled = trip_scaled_cost(compiled, proto)
     except Exception as e:  # noqa: BLE001 - jaxlib cannot read the module back: keep the compile's report
       report["cost_trip_scaled_error"] = str(e).strip().splitlines()[0][:300]
     else:
       report["cost_trip_scaled"] = scaled
-      # The CPU analysis counts a Pallas call as nothing on TPUs too (XLA:TPU's own counts
-      # its estimate): the kernels' estimates, scaled by the same trips, on every platform.
-      full = {k: scaled[k] for k in ("flops", "bytes accessed", "kernel flops", "kernel bytes accessed")}
-      kernels = kernels or {}
+      full = {k: scaled[k] for k in ("flops", "bytes accessed")}
+      # That analysis counts a Pallas call as nothing, on TPUs too (XLA:TPU's own count takes
+      # the estimate a Mosaic kernel carries): the kernels in the loop bodies as often as
+      # XLA's ops there, on every platform.
+      kernels = kernel_costs(optimised_text(compiled, proto), jaxpr, trip_counts=True)
   elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full

@@ -68,6 +68,18 @@ def body_lines(hlo: str) -> Iterator[tuple[str, bool]]:
     yield line, fused
 
 
+def body_lines_named(hlo: str) -> Iterator[tuple[tuple[str | None, str], bool]]:
+  """`body_lines` with each line's computation name: ((computation, line), fused)."""
+  fused, comp = False, None
+  for line in hlo.splitlines():
+    if line and not line[0].isspace():
+      m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)", line)
+      comp = m.group(1) if m else None
+      fused = line.lstrip("%").startswith(_FUSED)
+      continue
+    yield (comp, line), fused
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
   name: str
@@ -200,9 +212,11 @@ def _kernel_line_cost(line: str, found: dict[str, list]) -> tuple[float, float, 
   return est.flops, est.bytes_accessed, est.transcendentals
 
 
-def kernel_costs(compiled, jaxpr) -> dict[str, float]:
-  """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
-  as XLA counts its own ops (a loop body once: `aot.every_layer_cost` scales it):
+def kernel_costs(compiled, jaxpr, *, trip_counts: bool = False) -> dict[str, float]:
+  """The cost estimates of the Pallas calls XLA kept in a compiled program (or its
+  optimised HLO text), counted as XLA counts its own ops (a loop body once:
+  `aot.every_layer_cost` scales it), or with `trip_counts` each call as often as the
+  loops around it run (`loop_multiplicities`, as `trip_scaled_cost` counts XLA's ops):
   each custom call of the optimised module matched by kernel name (and result
   shapes) to its estimate in the traced program, and tokamax's ragged dots (the GPU
   experts), which carry no estimate, by `ragged_dot_cost`. From the compiled
@@ -211,11 +225,46 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
   holds."""
   total = dict.fromkeys(COUNTS, 0.0)
   found = kernel_estimates(jaxpr)
-  for line, fused in body_lines(compiled.as_text()):
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  times = loop_multiplicities(text) if trip_counts else {}
+  for (comp, line), fused in body_lines_named(text):
     c = None if fused else _kernel_line_cost(line, found)  # fusion bodies hold no calls of ours
     if c is not None:
-      total = {k: total[k] + v for k, v in zip(COUNTS, c)}
+      n = times.get(comp, 1)
+      total = {k: total[k] + n * v for k, v in zip(COUNTS, c)}
   return total
+
+
+_CALLED = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations|called_computations)="
+                     r"\{?([%\w.\-, ]+)\}?")
+
+
+def loop_multiplicities(text: str) -> dict[str, int]:
+  """How many times each non-fused computation of an optimised module runs in one run
+  of its entry: a while body its loop's trip count (`_trips`) times its caller's, a
+  called computation (call, conditional branch, async wrapper) its caller's. A
+  computation reached twice takes the larger count, the bound `trip_scaled_cost`'s rule
+  agrees with for the programs here (each layer body one loop)."""
+  comps, entry = _computation_lines(text)
+  times: dict[str, int] = {}
+
+  def visit(name: str, n: int):
+    if name not in comps or times.get(name, 0) >= n:
+      return
+    times[name] = n
+    for line in comps[name]:
+      w = _WHILE.search(line)
+      if w:
+        cond, body = w.groups()
+        visit(body, n * _trips(line, comps.get(cond, [])))
+        visit(cond, n)
+        continue
+      for group in _CALLED.findall(line):
+        for callee in group.split(","):
+          visit(callee.strip().lstrip("%"), n)
+
+  visit(entry, 1)
+  return times
 
 
 # ---------------------------------------------------------------------------
@@ -239,9 +288,6 @@ _INSTRUCTION_OPCODE, _INSTRUCTION_OPERANDS = 2, 36  # HloInstructionProto
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.\-]+).*?body=%?([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r"known_trip_count\D+(\d+)")
 _INT_CONSTANT = re.compile(r"[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
-# The computations an instruction calls: fusions, loops, reductions' adders, branches, async ops.
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations|"
-                     r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
 def _varint(b: bytes, i: int) -> tuple[int, int]:
@@ -392,21 +438,28 @@ def dumped_module_proto(dump_dir: str) -> bytes:
   return next(v for field, _, v in _proto_fields(hlo_proto) if field == 1)  # HloProto.hlo_module
 
 
-def trip_scaled_cost(compiled, jaxpr=None, proto: bytes | None = None) -> dict:
+def optimised_text(compiled, proto: bytes | None = None) -> str:
+  """The optimised module's HLO text: from `proto` (`dumped_module_proto`) where the
+  executable's module cannot be read back (XLA:TPU's multi-chip programs), else the
+  compiled program's own."""
+  if proto is None:
+    return compiled.as_text()
+  from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+  return xla_client.hlo.HloModule.from_serialized_hlo_module_proto(_readable(proto)).to_string()
+
+
+def trip_scaled_cost(compiled, proto: bytes | None = None) -> dict:
   """XLA's FLOP and byte counts of a compiled program with every while-loop body (nested
   ones too) counted trip-count times: {"flops", "bytes accessed", "transcendentals",
-  "kernel flops", "kernel bytes accessed", "kernel transcendentals", "once": the same
-  with each body once, "loops": [(body, trips)]}. XLA's HLO cost analysis through the
-  CPU client on the optimised module (private jaxlib entry points, as `gpu_hlo_cost`);
-  on TPUs its bytes follow the CPU's rules, not XLA:TPU's own. Loops of the entry
-  computation and of loop bodies are scaled (a scanned model's layers, forward and
-  backward); one inside a `call` or `conditional` branch is counted once, and a
-  `conditional` counts its costliest branch, each trip (an upper bound where a loop
-  skips a layer by `lax.cond`). That analysis counts a custom call as nothing, so the
-  Pallas kernels' estimates are the "kernel" counts, scaled by the same trips: a TPU
-  kernel's from its backend config, a GPU kernel's matched in the traced program's
-  `jaxpr` (as `kernel_costs`). `proto`: the module's HloModuleProto where the
-  executable's cannot be read back (`dumped_module_proto`)."""
+  "once": the same analysis with each body once, "loops": [(body, trips)]}. XLA's HLO
+  cost analysis through the CPU client on the optimised module (private jaxlib entry
+  points, as `gpu_hlo_cost`); on TPUs its bytes follow the CPU's rules, not XLA:TPU's own.
+  Loops of the entry computation and of loop bodies are scaled (a scanned model's layers,
+  forward and backward); one inside a `call` or `conditional` branch is counted once, and
+  a `conditional` counts its costliest branch each trip (an upper bound where a loop skips
+  a layer by `lax.cond`). The analysis counts a custom call (a Pallas kernel) as nothing,
+  on TPUs too: `kernel_costs(..., trip_counts=True)` counts those. `proto`: the module's
+  HloModuleProto where the executable's cannot be read back (`dumped_module_proto`)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from jax._src.lib import _jax, xla_client  # pylint: disable=import-outside-toplevel
   if proto is None:
@@ -415,31 +468,13 @@ def trip_scaled_cost(compiled, jaxpr=None, proto: bytes | None = None) -> dict:
   ids = _computation_ids(proto)
   comps, entry = _computation_lines(xla_client.hlo.HloModule.from_serialized_hlo_module_proto(proto).to_string())
   cpu = xla_bridge.get_backend("cpu")
-  found = kernel_estimates(jaxpr) if jaxpr is not None else {}
-  keys = COUNTS + tuple("kernel " + k for k in COUNTS)
-  once_cache, total_cache, kernel_cache, loops = {}, {}, {}, []
-
-  def kernels_once(name):
-    """The kernels of a computation and of those it calls, each call's once."""
-    if name not in kernel_cache:
-      t = [0.0] * len(COUNTS)
-      for line in comps.get(name, ()):
-        c = _kernel_line_cost(line, found)
-        if c is not None:
-          t = [a + b for a, b in zip(t, c)]
-        for called in _CALLED.findall(line):
-          for sub in called.strip("{}").replace("%", "").split(","):
-            if sub.strip() in comps:
-              t = [a + b for a, b in zip(t, kernels_once(sub.strip()))]
-      kernel_cache[name] = t
-    return kernel_cache[name]
+  once_cache, total_cache, loops = {}, {}, []
 
   def once(name):
     if name not in once_cache:
       sub = xla_client.hlo.HloModule.from_serialized_hlo_module_proto(_with_entry(proto, name, ids[name]))
       c = _jax.hlo_module_cost_analysis(cpu, sub)
       once_cache[name] = {k: float(c.get(k, 0.0)) for k in COUNTS}
-      once_cache[name].update(zip(("kernel " + k for k in COUNTS), kernels_once(name)))
     return once_cache[name]
 
   def total(name):
@@ -452,7 +487,7 @@ def trip_scaled_cost(compiled, jaxpr=None, proto: bytes | None = None) -> dict:
           n = _trips(line, comps[cond])
           loops.append((body, n))
           # The analysis counted the body once (its own loops' bodies once too): the rest.
-          t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in keys}
+          t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in t}
       total_cache[name] = t
     return total_cache[name]
 
