@@ -92,7 +92,9 @@ BOMB = 7
 
 # At the BOMB-th train step (a host-side count, read through io_callback), one parameter's
 # update (the embedding's) is multiplied by 1e6 inside the guarded optimizer: a finite
-# step that blows the weights up, as a bad batch or kernel would.
+# step that blows the weights up, as a bad batch or kernel would. The guard runs its
+# inner transformation twice a step (once for its checks, once for the step applied:
+# optim.guard), so the step is the count of calls halved.
 BOMB_PATCH = f"""
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.experimental import io_callback
@@ -100,7 +102,7 @@ from mamba_train.train import optim as _optim
 _calls = [0]
 def _factor():
   _calls[0] += 1
-  return np.float32(1e6 if _calls[0] == {BOMB} else 1.0)
+  return np.float32(1e6 if (_calls[0] + 1) // 2 == {BOMB} else 1.0)
 def _update(u, s, p=None):
   f = io_callback(_factor, jax.ShapeDtypeStruct((), jnp.float32))
   return dict(u, embedding=u["embedding"] * f), s

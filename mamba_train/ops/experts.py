@@ -32,28 +32,36 @@ def split_gate(up):
 
 
 def grouped(rows, up, gate, down, sizes, cd, gmm, pad: int):
-  """`expert_mlp_xla` by a grouped-matmul kernel gmm(a, w) -> float32 that, like
-  megablox's and tokamax's, leaves rows past sum(sizes) unwritten (whatever memory
-  held, forward, and for the lhs gradient backward): each product's output is zeroed
-  there, and its input too, which zeroes the unwritten gradient rows on the way
+  """`expert_mlp_xla` by a grouped-matmul kernel gmm(a, w) -> float32 or `cd` that,
+  like megablox's and tokamax's, leaves rows past sum(sizes) unwritten (whatever
+  memory held, forward, and for the lhs gradient backward): each product's output is
+  zeroed there, and its input too, which zeroes the unwritten gradient rows on the way
   back. The rows are padded to `pad` more (megablox: to its row tile; tokamax: a row
-  block past the end, which its kernel reads unmasked), padding being such rows."""
+  block past the end, which its kernel reads unmasked), padding being such rows. The
+  activation is float32; the result is in gmm's dtype (`expert_mlp_xla`)."""
   m = rows.shape[0]
   valid = (jnp.arange(m + pad) < jnp.sum(sizes))[:, None]
 
   def masked(a, w):
     out = gmm(jnp.where(valid, a, jnp.zeros((), a.dtype)), w)
-    return jnp.where(valid, out, 0.0)
+    return jnp.where(valid, out, jnp.zeros((), out.dtype))
 
   rows = jnp.pad(rows, ((0, pad), (0, 0)))
-  hid = act(masked(rows, up), None if gate is None else masked(rows, gate))
+  hidden = lambda w: masked(rows, w).astype(F32)
+  hid = act(hidden(up), None if gate is None else hidden(gate))
   return masked(hid.astype(cd), down)[:m]
 
 
 def expert_mlp_xla(rows, up, down, sizes, cd):
   """rows (m, w) sorted by expert, sizes (e,) rows per expert (summing to at most m;
   rows past the sum meet no expert and come out zero) -> (m, w) float32. up: (e, w,
-  f), or (gate, up) for swiglu; up and down in the compute dtype `cd`."""
+  f), or (gate, up) for swiglu; up and down in the compute dtype `cd`.
+
+  The kernels beside it may return the rows in `cd` where their product's result is
+  in it anyway (tokamax's): the dispatch keeps the rows in the dtype they come in
+  (the unsorting, the return all-to-all) and widens them to float32 only in the
+  weighted sum onto the tokens, so a float32 copy of every row is never written, and
+  the rows' gradient comes back in that dtype too."""
   gate, up = split_gate(up)
   sizes = sizes.astype(jnp.int32)
   ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)

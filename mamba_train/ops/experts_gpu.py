@@ -10,8 +10,6 @@ import jax.numpy as jnp
 
 from mamba_train.ops.experts import grouped, split_gate
 
-F32 = jnp.float32
-
 
 def import_tokamax():
   """tokamax, imported on first use (it is the optional `gpu` extra; CPU and TPU
@@ -92,8 +90,11 @@ def expert_mlp_tokamax(rows, up, down, sizes, cd):
     flags.FLAGS.mark_as_parsed()
   # Results in the compute dtype (float32 accumulation inside): the gradients flowing
   # back into the backward kernels are then in it too, and a bfloat16 run's backward
-  # products run at the bfloat16 rate, not at float32's with bfloat16 weights.
+  # products run at the bfloat16 rate, not at float32's with bfloat16 weights. The
+  # rows leave in it (`grouped` widens only the hidden units for the activation): the
+  # dispatch carries them in bfloat16 to the weighted sum, the same values as widened
+  # here, at half the bytes (docs/bench/moe.md, "One MoE layer's bytes").
   gmm = lambda a, w: tokamax.ragged_dot(a, _no_grad_for_empty(w, sizes), sizes, preferred_element_type=cd,
-                                        implementation=impl).astype(F32)
+                                        implementation=impl)
 
   return grouped(rows, up, gate, down, sizes, cd, gmm, TOKAMAX_ROW_PAD)

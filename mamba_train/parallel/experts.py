@@ -75,7 +75,7 @@ class ExpertSplit:
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
     down (e, f, w). mlp(rows, up, down,
-    sizes, cd) -> rows float32: the experts on rows sorted by expert. cap: the
+    sizes, cd) -> rows float32 or `cd`: the experts on rows grouped by expert. cap: the
     assignments an expert takes from one sequence (None: dropless), and
     within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
     check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
@@ -149,7 +149,9 @@ class ExpertSplit:
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
-    # Rows grouped by local expert for the grouped matmuls, and back, by gathers.
+    # Rows grouped by local expert for the grouped matmuls, and back, by gathers. The
+    # rows come back in the dtype mlp gives them (the compute dtype for tokamax's
+    # kernels) and stay in it to the weighted sum, which widens them to float32.
     pos, by_expert, sizes = (mark(a) for a in group_by_expert(ids, n, e_local, count))
     out = mlp(take_rows(rows, by_expert, pos), up, down, sizes, cd)
     out = take_rows(out, pos, by_expert)

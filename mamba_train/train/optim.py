@@ -146,7 +146,9 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
   `window` accepted steps' (`factor` 0: no norm check). Skipped steps count in
   `notfinite_count` (the streak the training loop stops on) and `weight_jump` says which
   kind the last one was. Any optax transformation works as `inner`; a guarded one is
-  returned as it is.
+  returned as it is. `inner` runs twice a step on the same inputs (once for the checks,
+  once for the step applied: see `update`), so it must be a function of them (a host
+  callback in it is called twice).
 
   Why a factor of 10 against the window's largest norm cannot trip a healthy run: the
   parameter norm grows by at most the update norm in a step, which was 5e-4..6e-2 of it
@@ -171,11 +173,21 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
                       update_norms=jnp.zeros((window,), f32), accepted=jnp.zeros((), jnp.int32))
 
   def update(grads, state: GuardState, params=None, **extra):
-    updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((grads, updates))]))
-    u_norm = optax.tree.norm(updates).astype(f32)
-    p_norm = (optax.tree.norm(optax.apply_updates(params, updates)).astype(f32)
-              if params is not None else jnp.zeros((), f32))
+    # The inner step runs twice on the same inputs: once for the checks below, once for
+    # the step applied, its state behind an optimization barrier so XLA keeps the two
+    # apart. Run once, its updates were written out in full and read back by the checks
+    # and by the parameters' update; run twice, the checks are one reduction that
+    # reads the gradient, the state and the parameters, and the update one pass that
+    # writes the parameters and state: 42 bytes a float32 parameter with a bfloat16
+    # gradient on h100-8, against 58 (docs/bench/moe.md, "One MoE layer's bytes").
+    checked, _ = inner.update(grads, state.inner_state, params, **extra)
+    u_sq, p_sq = _squares(checked, params)
+    u_norm, p_norm = jnp.sqrt(u_sq), jnp.sqrt(p_sq)
+    # A non-finite update shows in its squares' sum (as does one whose norm passes
+    # float32's range, 1.8e19), so only the gradient is checked element by element.
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)])) & jnp.isfinite(u_sq)
+    before = jax.lax.optimization_barrier(state.inner_state)
+    updates, inner_state = inner.update(grads, before, params, **extra)
     full = state.accepted >= window
     jump = full & (factor > 0) & ((p_norm > factor * jnp.max(state.param_norms))
                                   | (u_norm > factor * jnp.max(state.update_norms)))
@@ -183,7 +195,7 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
     keep = lambda new, old: jnp.where(ok, new, old)
     slot = state.accepted % window
     new_state = GuardState(
-        inner_state=jax.tree.map(keep, inner_state, state.inner_state),
+        inner_state=jax.tree.map(keep, inner_state, before),
         notfinite_count=jnp.where(ok, 0, state.notfinite_count + 1).astype(jnp.int32),
         total_skipped=state.total_skipped + (~ok).astype(jnp.int32),
         weight_jump=(finite & jump).astype(jnp.int32), update_norm=u_norm,
@@ -193,6 +205,23 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
     return jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates), new_state
 
   return GuardedTransformation(init, update)
+
+
+def _squares(updates, params) -> tuple[jax.Array, jax.Array]:
+  """(sum of the updates' squares, sum of the squares of the parameters after them),
+  float32, each leaf's two sums as the real and imaginary parts of one complex sum:
+  one reduction, which XLA:GPU fuses with the update's computation, where two sums
+  of the same update (a sum of each, or a variadic reduce) have it written out and
+  read back (docs/bench/moe.md, "One MoE layer's bytes"). An inf or NaN anywhere
+  makes the sums non-finite. params None: the second sum is the first."""
+  u_sq = p_sq = jnp.zeros((), jnp.float32)
+  for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params) if params is not None else
+                  [None] * len(jax.tree.leaves(updates))):
+    u = u.astype(jnp.float32)
+    after = u if p is None else (p + u).astype(p.dtype).astype(jnp.float32)
+    z = jnp.sum(jax.lax.complex(u * u, after * after))
+    u_sq, p_sq = u_sq + jnp.real(z), p_sq + jnp.imag(z)
+  return u_sq, p_sq
 
 
 def nonfinite_streak(opt_state: GuardState) -> jax.Array:

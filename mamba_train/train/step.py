@@ -189,7 +189,10 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       metrics = {
           "loss": loss,
           "grad_norm": optax.tree.norm(grads),
-          "param_norm": optax.tree.norm(new_params),
+          # Behind a barrier, a pass of its own that reads the new parameters: fused
+          # into the pass that writes them, it kept XLA:GPU from writing them in place,
+          # and each was copied after (docs/bench/moe.md, "One MoE layer's bytes").
+          "param_norm": optax.tree.norm(jax.lax.optimization_barrier(new_params)),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           **guard_metrics(opt_state),
