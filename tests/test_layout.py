@@ -198,7 +198,7 @@ _PARALLEL_KNOWS_NO = tuple(f"{PACKAGE}.{p}" for p in ("model", "train", "data", 
 # The plain forms the kernels stand beside (mamba_train/ops/): the SSD's (Mamba-2's and
 # Mamba-3's), the layer's elementwise chain, the experts' grouped matmuls, attention.
 _MATH = ("mamba_train.ops.ssd", "mamba_train.ops.ssd3", "mamba_train.ops.layer_math",
-         "mamba_train.ops.experts", "mamba_train.ops.attention")
+         "mamba_train.ops.experts", "mamba_train.ops.dispatch", "mamba_train.ops.attention")
 # The kernels: what runs in Pallas (or tokamax) instead of XLA's own ops.
 _KERNEL_MODULES = ("mamba_train.ops.ssd_tpu", "mamba_train.ops.ssd_gpu", "mamba_train.ops.layer_tpu",
                    "mamba_train.ops.layer_gpu", "mamba_train.ops.decode_tpu", "mamba_train.ops.experts_tpu",

@@ -18,7 +18,7 @@ from mamba_train.interop import mamba_ssm as mamba_ssm_layout, nemotron_h
 from mamba_train.interop.export import save_hf, save_mamba_ssm
 from mamba_train.model import moe as moe_lib
 from mamba_train.model.runtime import Runtime
-from mamba_train.ops import experts, experts_gpu, experts_tpu
+from mamba_train.ops import dispatch, experts, experts_gpu, experts_tpu
 
 import reference_checks
 from helpers import rel, skip_on_known_transformers_bug
@@ -170,7 +170,7 @@ def test_capacity_drops_as_the_dense_reference():
   """A capacity factor (Runtime.moe_capacity_factor): large enough, the dropless
   output bit for bit; small, the grouped matmuls with assignments past capacity
   dropped against every expert on every token with the same assignments masked
-  (kept by one-hot running counts, not the sort), forward and gradients."""
+  (kept there by a sort, here by one-hot running counts), forward and gradients."""
   cfg = MOE_CFG.replace(moe_latent_size=0, n_group=1, topk_group=1)
   p = jax.tree.map(lambda a: a[0], Mamba2LM(cfg, rngs=nnx.Rngs(1)).layer_params("E"))
   u = jax.random.normal(jax.random.key(2), (3, 37, 32))
@@ -181,7 +181,7 @@ def test_capacity_drops_as_the_dense_reference():
   assert float(s_big["moe_dropped"]) == 0.0 == float(s0["moe_dropped"])
   experts = moe_lib.route(p, u.reshape(-1, 32), cfg)[0].reshape(3, 37, 2)
   cap = moe_lib.capacity(37, cfg, 0.5)  # ceil(0.5 * 37 * 2 / 8) = 5
-  keep = moe_lib.within_capacity(experts, cap)
+  keep = moe_lib.within_capacity(experts, cap, n_experts=8)
   np.testing.assert_array_equal(keep, moe_lib.within_capacity_reference(experts, cap, 8))
   (y, s), (yd, sd) = run(0.5), run(0.5, dense=True)
   assert float(s["moe_dropped"]) == float(sd["moe_dropped"]) == float(np.sum(~np.asarray(keep))) > 0
@@ -192,6 +192,54 @@ def test_capacity_drops_as_the_dense_reference():
   for name in set(p) - {"norm", moe_lib.BIAS}:
     assert rel(got[0][name], want[0][name]) < 1e-5, name
   assert rel(got[1], want[1]) < 1e-5
+
+
+def test_dispatch_without_sorts_is_the_stable_sort():
+  """ops/dispatch.py against numpy's stable sort by expert: the buffer slots, their
+  inverse and experts (2 devices of 4 experts, some assignments dropped), the grouping
+  of received blocks; and `take_rows` (a gather whose gradient is the gather by the
+  inverse) against jnp.take, forward and gradient (autodiff's scatter-add)."""
+  rng = np.random.default_rng(0)
+  n, e_local, t, k = 2, 4, 15, 3
+  m = t * k
+  flat = rng.integers(0, n * e_local, m)
+  flat[rng.random(m) < 0.2] = n * e_local  # dropped
+  cap = int(max(np.sum(flat // e_local == d) for d in range(n)))
+  x = jax.random.normal(jax.random.key(0), (t, 5))
+  cot = jax.random.normal(jax.random.key(1), (n * cap, 5))
+
+  @jax.jit
+  def run(flat, x):  # one compile
+    slot, src, ids = dispatch.assignment_slots(flat, n, e_local, cap)
+    plain = lambda x: jnp.take(x, src // k, axis=0, mode="fill", fill_value=0)
+    ours = lambda x: dispatch.take_rows(x, src, slot, k)
+    grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * cot))(x)
+    return ((slot, src, ids), dispatch.group_by_expert(ids, n, e_local), (ours(x), plain(x)),
+            (grad(ours), grad(plain)))
+  (slot, src, ids), (pos, by_expert, sizes), rows, grads = jax.tree.map(
+      np.asarray, run(jnp.asarray(flat, jnp.int32), x))
+  order = np.argsort(flat, kind="stable")
+  want_slot = np.full(m, n * cap)
+  for d in range(n):
+    mine = order[flat[order] // e_local == d]
+    want_slot[mine] = d * cap + np.arange(len(mine))
+  np.testing.assert_array_equal(slot, want_slot)
+  want_src, want_ids = np.full(n * cap, m), np.full(n * cap, e_local)
+  want_src[want_slot[flat < n * e_local]] = np.flatnonzero(flat < n * e_local)
+  want_ids[want_slot[flat < n * e_local]] = flat[flat < n * e_local] % e_local
+  np.testing.assert_array_equal(src, want_src)
+  np.testing.assert_array_equal(ids, want_ids)
+  by = np.argsort(ids, kind="stable")
+  filled = int(np.sum(ids < e_local))
+  np.testing.assert_array_equal(by_expert[:filled], by[:filled])
+  assert np.all(by_expert[filled:] == n * cap)
+  np.testing.assert_array_equal(pos[by[:filled]], np.arange(filled))
+  assert np.all(pos[ids == e_local] == n * cap)
+  np.testing.assert_array_equal(sizes, np.bincount(ids[ids < e_local], minlength=e_local))
+  np.testing.assert_array_equal(rows[0], rows[1])
+  assert np.any(rows[0])
+  np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+  assert np.any(grads[0])
 
 
 def test_dropped_share_on_known_logits():

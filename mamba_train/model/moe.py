@@ -24,7 +24,8 @@ assignments of each sequence of l tokens, counted in token order (a token's k
 choices in turn); the rest are dropped (they add nothing, the other weights are
 not renormalised) and counted (`moe_dropped`). The count is per sequence, so the
 function does not depend on how the batch is split over devices. The (token,
-expert) pairs are sorted by expert and the experts run as two grouped matmuls
+expert) pairs are laid out by expert (ties in token order, from running counts,
+not a sort: ops/dispatch.py) and the experts run as two grouped matmuls
 (`jax.lax.ragged_dot`: one (T k, w) x (E, w, f) product whose row groups are the
 experts' tokens), so the program asks for T k rows of work whatever E. Who runs
 them is the runtime's choice for the experts, made in `ops/table.py`: XLA's ragged_dot
@@ -51,6 +52,7 @@ expert hidden units, s shared-expert hidden units, e experts, k experts per toke
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -61,6 +63,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.select import ops_for
+from mamba_train.ops.dispatch import assignment_slots, take_rows
 from mamba_train.ops.experts import act
 from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
@@ -92,12 +95,11 @@ BIAS = "e_score_correction_bias"
 # The keys of the statistics an 'E' layer returns beside its output.
 STATS = ("moe_load", "moe_aux", "moe_dropped")
 # The dispatch's integer results (the chosen experts, which assignments are kept,
-# the sort orders, row slots and group sizes): every remat policy saves them
+# row slots and their inverses, group sizes): every remat policy saves them
 # (`lm.remat_policy`), a few hundred KB a layer, so the backward pass does not run
-# the router's top-k and the dispatch's sorts and index scatters again. On TPU each
+# the router's top-k and the dispatch's counts and index scatters again. On TPU each
 # sort or scatter of the t k assignments is tens of thousands of instructions of
-# program, compiled per occurrence: recomputed, they were a third of an MoE layer's
-# sorts and most of the train step's compile time (docs/bench/compile_depth.md).
+# program, compiled per occurrence (docs/bench/compile_depth.md).
 DISPATCH = "moe_dispatch"
 
 
@@ -176,7 +178,9 @@ def route(p, u, cfg: Mamba2Config):
   experts = _saved(experts)
   if softmax:
     return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1) * cfg.routed_scaling_factor, scores
-  weights = jnp.take_along_axis(scores, experts, axis=1)
+  # Each choice's score by a compare and a sum over experts, not take_along_axis,
+  # whose gradient is a scatter-add (libtpu: a sort and a scatter); the same values.
+  weights = jnp.sum(jnp.where(experts[:, :, None] == jnp.arange(e), scores[:, None, :], 0.0), axis=-1)
   if cfg.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor, scores
@@ -217,30 +221,34 @@ def capacity(length: int, cfg: Mamba2Config, factor: float) -> int:
   return max(1, math.ceil(factor * length * cfg.num_experts_per_tok / cfg.n_routed_experts))
 
 
-def within_capacity(experts, cap: int, before=None):
+def within_capacity(experts, cap: int, before=None, *, n_experts: int):
   """experts (b, l, k) -> (b, l, k) bool: whether each assignment is among the first
   `cap` of its sequence to its expert, in token order (token-major, a token's k
   choices in turn). before (b, E): assignments each expert already took from
-  earlier parts of the sequence (a sequence split over devices). By a stable sort
-  of each row's assignments by expert: an assignment's rank is its index minus its
-  expert group's first."""
+  earlier parts of the sequence (a sequence split over devices). By a running
+  count of the one-hot (b, l k, E) assignments, not a sort (libtpu compiles each
+  sort of the t k assignments as a large piece of program:
+  docs/bench/compile_depth.md)."""
   b, l, k = experts.shape
   flat = experts.reshape(b, l * k)
-  order = jnp.argsort(flat, axis=1, stable=True)
-  grouped = jnp.take_along_axis(flat, order, axis=1)
-  first = jax.vmap(lambda g: jnp.searchsorted(g, g, side="left"))(grouped)
-  rank = jnp.zeros_like(flat).at[jnp.arange(b)[:, None], order].set(jnp.arange(l * k) - first)
+  hot = (flat[..., None] == jnp.arange(n_experts, dtype=flat.dtype)).astype(jnp.int32)
+  rank = jnp.sum((jnp.cumsum(hot, axis=1) - hot) * hot, axis=-1)  # earlier ones to the same expert
   if before is not None:
     rank = rank + jnp.take_along_axis(before.astype(rank.dtype), flat, axis=1)
   return (rank < cap).reshape(b, l, k)
 
 
 def within_capacity_reference(experts, cap: int, n_experts: int):
-  """`within_capacity` by one-hot running counts ((b, l k, E), for tests)."""
+  """`within_capacity` by a stable sort of each row's assignments by expert (an
+  assignment's rank is its index minus its expert group's first), for tests."""
+  del n_experts
   b, l, k = experts.shape
-  hot = jax.nn.one_hot(experts.reshape(b, l * k), n_experts, dtype=jnp.int32)
-  seen = jnp.cumsum(hot, axis=1) - hot  # assignments to the same expert before this one
-  return (jnp.sum(seen * hot, axis=-1) < cap).reshape(b, l, k)
+  flat = experts.reshape(b, l * k)
+  order = jnp.argsort(flat, axis=1, stable=True)
+  grouped = jnp.take_along_axis(flat, order, axis=1)
+  first = jax.vmap(lambda g: jnp.searchsorted(g, g, side="left"))(grouped)
+  rank = jnp.zeros_like(flat).at[jnp.arange(b)[:, None], order].set(jnp.arange(l * k) - first)
+  return (rank < cap).reshape(b, l, k)
 
 
 def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep=None):
@@ -250,20 +258,19 @@ def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep
   for swiglu experts; down (e, f, w); all already in the compute dtype `cd`;
   keep (t, k) bool or None: False drops the assignment (past its expert's
   capacity); expert_mlp: who runs the grouped matmuls (`Ops.expert_mlp`). Returns (t, w)
-  float32. The t k (token, expert) pairs are sorted
-  by expert (a stable sort: ties keep token order; dropped ones last, past every
-  group, where no expert meets them), each pair's token row gathered, both
-  matmuls run per expert group, and each row scattered back onto its token with
-  its weight."""
+  float32. The t k (token, expert) pairs' rows are laid out by expert (ties in
+  token order; dropped ones nowhere: the rows past every group are zero), both
+  matmuls run per expert group, and each pair's row taken back, weighted and
+  summed onto its token; the layout by running counts and the rows moved by
+  gathers both ways (`ops/dispatch.py`), no sort."""
   t, k = experts.shape
   e = down.shape[0]
   flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
-  order = _saved(jnp.argsort(flat, stable=True))
-  token = order // k
+  slot, src, _ = (_saved(a) for a in assignment_slots(flat, 1, e, t * k))
   sizes = _saved(counts(flat, e))
-  rows = expert_mlp(jnp.take(x.astype(cd), token, axis=0), up, down, sizes, cd)
-  w = jnp.take(weights.reshape(-1), order)
-  return jnp.zeros((t, rows.shape[-1]), F32).at[token].add(rows * w[:, None])
+  rows = expert_mlp(take_rows(x.astype(cd), src, slot, k), up, down, sizes, cd)
+  got = take_rows(rows, slot, src) * weights.reshape(-1, 1)
+  return jnp.sum(got.reshape(t, k, -1), axis=1)
 
 
 def experts_dense(x, experts, weights, up, down, cd):
@@ -295,7 +302,7 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
   if cap is not None and (dense or sharding.expert_split() is None):
     rows3 = experts.reshape(*lead, -1)
     keep = _saved((within_capacity_reference(rows3, cap, cfg.n_routed_experts) if dense
-                   else within_capacity(rows3, cap)).reshape(experts.shape))
+                   else within_capacity(rows3, cap, n_experts=cfg.n_routed_experts)).reshape(experts.shape))
   mm = lambda a, w: jnp.einsum("td,dw->tw", a.astype(cd), w.astype(cd), preferred_element_type=F32)
   xe = mm(x, p["latent_down"]) if cfg.moe_latent_size else x
   up, down = p["experts_up"].astype(cd), p["experts_down"].astype(cd)
@@ -309,7 +316,8 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
   else:  # under a mesh: each device its own tokens, experts over the 'expert' axis
     shaped = lambda a: a.reshape(*lead, a.shape[-1])
     y, keep = split.experts(ops.expert_mlp, shaped(xe.astype(cd)), shaped(experts), shaped(weights), up, down,
-                            cd, cap, within_capacity, check_vma=ops.expert_mlp_checks_vma, mark=_saved,
+                            cd, cap, functools.partial(within_capacity, n_experts=cfg.n_routed_experts),
+                            check_vma=ops.expert_mlp_checks_vma, mark=_saved,
                             count=counts)
     y, keep = y.reshape(x.shape[0], -1), None if keep is None else keep.reshape(experts.shape)
   if cfg.moe_latent_size:

@@ -3,17 +3,18 @@
 
 Under a mesh the routed experts run in `jax.shard_map`, each device on its own
 tokens (its part of the batch, and of the length under a sequence split), so
-no device sorts another's. Along the expert axis (n devices, E / n experts
+no device lays out another's. Along the expert axis (n devices, E / n experts
 each; Megatron-Core's and MaxText's layout, where the expert axis also splits
 the batch like a data axis):
 
-  1. each device sorts its t k (token, expert) assignments by expert, so they
-     come grouped by the device that holds the expert, and packs them into a
-     (n, C, w) buffer: up to C rows for each device;
+  1. each device lays its t k (token, expert) assignments out by expert (the
+     order a stable sort would give, from running counts: no sort), so they
+     come grouped by the device that holds the expert, in a (n, C, w) buffer:
+     up to C rows for each device;
   2. one all-to-all swaps the buffers: each device now holds, from every device,
      the rows for its own experts;
   3. it runs its experts on them as grouped matmuls (the math passed in:
-     `Ops.expert_mlp`, by default `jax.lax.ragged_dot`), rows sorted by local expert;
+     `Ops.expert_mlp`, by default `jax.lax.ragged_dot`), rows grouped by local expert;
   4. a second all-to-all returns the rows, which are weighted and added onto
      their tokens.
 
@@ -35,7 +36,7 @@ as Megatron's expert tensor parallelism; with fsdp the experts' weights are
 gathered for the layer, as every FSDP weight is.
 
 As the other modules of `parallel/`, this takes the math as a function and the
-mesh axes, and imports nothing of the package.
+mesh axes; the rows' layout and moves are `ops/dispatch.py`'s (gathers both ways).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
+
+from mamba_train.ops.dispatch import assignment_slots, group_by_expert, take_rows
 
 F32 = jnp.float32
 Axes = str | tuple[str, ...] | None
@@ -72,17 +75,16 @@ class ExpertSplit:
     computes it, over the mesh. x (b, l, w) or (b, w) in the compute dtype `cd`;
     experts, weights (..., k); up (e, w, f) or a tuple of such (a gate and up),
     down (e, f, w). mlp(rows, up, down,
-    sizes, cd) -> rows float32 or `cd`: the experts on rows sorted by expert. cap: the
+    sizes, cd) -> rows float32 or `cd`: the experts on rows grouped by expert. cap: the
     assignments an expert takes from one sequence (None: dropless), and
     within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
     check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
     no varying-axes type; shard_map then psums the replicated weights' gradients
     over the axes they are not split on, as check_vma's types would.
     mark(a) -> a: applied to each integer result of the dispatch (which assignments
-    are kept, the sort orders, the buffer slots, the group sizes): the model names
+    are kept, the buffer slots and their inverses, the group sizes): the model names
     them for its remat policy to save. count(ids, n) -> (n,) int32: how many ids
-    equal each of 0..n-1 (default jnp.bincount; the model passes one that compiles
-    to less TPU program).
+    equal each of 0..n-1 (default a compare and a sum).
     Returns y (..., w) float32 and keep (..., k) bool (None when dropless)."""
     n = self.mesh.shape[self.expert] if self.expert else 1
     e = down.shape[0]
@@ -121,7 +123,8 @@ class ExpertSplit:
     seq = _names(self.length)
     if seq and math.prod(self.mesh.shape[a] for a in seq) > 1:
       b = experts.shape[0]
-      mine = jnp.zeros((b, e), jnp.int32).at[jnp.arange(b)[:, None], experts.reshape(b, -1)].add(1)
+      # each row's assignments to each expert, by a compare and a sum (no scatter-add)
+      mine = jnp.sum(experts.reshape(b, -1, 1) == jnp.arange(e), axis=1, dtype=jnp.int32)
       every = jax.lax.all_gather(mine, seq)  # (devices along the sequence, b, E)
       me = jax.lax.axis_index(seq)
       before = jnp.sum(jnp.where((jnp.arange(every.shape[0]) < me)[:, None, None], every, 0), axis=0)
@@ -138,38 +141,21 @@ class ExpertSplit:
     flat = experts.reshape(-1)
     if keep is not None:
       flat = jnp.where(keep.reshape(-1), flat, n * e_local)  # dropped: past every device
-    order = mark(jnp.argsort(flat, stable=True))
-    sorted_e = flat[order]
-    dest = sorted_e // e_local  # the device holding each assignment's expert (n: dropped)
-    start = jnp.searchsorted(dest, jnp.arange(n), side="left")  # first assignment to each device
-    slot = dest * cap + jnp.arange(m) - start[jnp.minimum(dest, n - 1)]  # its row in the buffer
-    # dropped: out of range (each its own row past the buffer), never written or read
-    slot = mark(jnp.where(dest < n, slot, n * cap + jnp.arange(m)))
-    # slot never decreases along the sorted assignments (by device, then in turn; the
-    # dropped last): said to XLA, whose TPU scatter then needs no sort of its indices
-    # (each a large piece of program; docs/bench/compile_depth.md), nor does the
-    # scatter-add that is the gradient of the gather by slot below. And no two are
-    # equal: said to JAX, whose derivative of a scatter that may overwrite is
-    # otherwise a second scatter of u32 ids the size of the buffer, a compare and a
-    # masked scatter-add, forward and in the recompute (3.3 GB of an MoE layer's
-    # traffic on h100-8: docs/bench/moe.md, "One MoE layer's bytes").
-    rows = jnp.zeros((n * cap, x.shape[-1]), cd).at[slot].set(
-        jnp.take(x, order // k, axis=0).astype(cd), mode="drop", indices_are_sorted=True, unique_indices=True)
-    ids = jnp.full((n * cap,), e_local, jnp.int32).at[slot].set(
-        (sorted_e - dest * e_local).astype(jnp.int32), mode="drop", indices_are_sorted=True, unique_indices=True)
+    # Each assignment's row in the (n, cap) send buffer (by device, then expert, then
+    # token order: what a stable sort by expert gives) and each row's assignment, and
+    # the row's expert on its device; no sort (docs/bench/compile_depth.md).
+    slot, src, ids = (mark(a) for a in assignment_slots(flat, n, e_local, cap))
+    rows = take_rows(x.astype(cd), src, slot, k)  # empty rows zero
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
       ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
-    # Empty slots carry id e_local: sorted last, past every group, they meet no expert.
-    by_expert = mark(jnp.argsort(ids, stable=True))
-    count = count or (lambda a, m: jnp.bincount(a, length=m + 1)[:m].astype(jnp.int32))
-    sizes = mark(count(ids, e_local))  # empty slots (id e_local) count nowhere
-    # The rows come back in the dtype mlp gives them (the compute dtype for tokamax's
+    # Rows grouped by local expert for the grouped matmuls, and back, by gathers. The
+    # rows come back in the dtype mlp gives them (the compute dtype for tokamax's
     # kernels) and stay in it to the weighted sum, which widens them to float32.
-    out = mlp(jnp.take(rows, by_expert, axis=0), up, down, sizes, cd)
-    out = jnp.zeros_like(out).at[by_expert].set(out, unique_indices=True)  # by_expert: a permutation
+    pos, by_expert, sizes = (mark(a) for a in group_by_expert(ids, n, e_local, count))
+    out = mlp(take_rows(rows, by_expert, pos), up, down, sizes, cd)
+    out = take_rows(out, pos, by_expert)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = (jnp.take(out, slot, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
-           * jnp.take(weights.reshape(-1), order)[:, None])
-    return jnp.zeros((t, out.shape[-1]), F32).at[order // k].add(got)
+    got = take_rows(out, slot, src) * weights.reshape(-1, 1)  # each assignment's row, weighted; dropped zero
+    return jnp.sum(got.reshape(t, k, -1), axis=1)

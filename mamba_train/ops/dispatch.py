@@ -1,0 +1,106 @@
+"""The dispatch of a mixture-of-experts layer without a sort: where each (token,
+expert) assignment's row goes in the buffer the experts read (grouped by expert,
+ties in token order: the layout a stable sort by expert gives), and the rows moved
+there and back by gathers.
+
+libtpu compiles each sort of the t k assignments (and each scatter whose indices it
+does not know to be sorted, which it compiles as a sort and a scatter) as its own
+large piece of straight-line program: with the dispatch's sorts, an MoE layer was
+most of the Nemotron-3-Nano train step's TPU program and compile time
+(docs/bench/compile_depth.md). Here the ranks come from running counts of a
+one-hot, a permutation's inverse from a scatter of integers (small), and the rows
+move by gathers whose gradients are gathers by the inverse permutation
+(`take_rows`' custom VJP), not scatter-adds.
+
+Shapes: m assignments (t tokens times k), n devices along the expert axis (1
+without one), e_local experts a device, cap rows of the buffer a device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _counts(ids, n: int):
+  """(n,) int32: how many of `ids` equal each of 0..n-1, by a compare and a sum."""
+  return jnp.sum(ids.reshape(-1, 1) == jnp.arange(n, dtype=ids.dtype), axis=0, dtype=jnp.int32)
+
+
+def assignment_slots(flat, n: int, e_local: int, cap: int):
+  """The send buffer of the dispatch without a sort. flat (m,) each assignment's
+  expert (n e_local experts, e_local on each of n devices; n e_local: dropped) ->
+  slot (m,): its row in the (n cap) buffer: device block d = expert // e_local,
+  inside it the experts in turn and each expert's assignments in their order (the
+  rows a stable sort by expert gives), n cap where dropped; src (n cap,): each
+  row's assignment (m where empty), slot's inverse; ids (n cap,): each row's
+  expert on its device (e_local where empty). Ranks by a running count of a one-hot
+  (m, n e_local) (libtpu compiles a sort of m as a large piece of program);
+  the inverse by a scatter of integers (small). Needs at most cap kept a device."""
+  m = flat.shape[0]
+  e = n * e_local
+  hot = (flat[:, None] == jnp.arange(e, dtype=flat.dtype)).astype(jnp.int32)  # dropped: nowhere
+  run = jnp.cumsum(hot, axis=0)
+  rank = jnp.sum((run - hot) * hot, axis=1)  # earlier assignments to the same expert
+  per = run[-1].reshape(n, e_local)  # kept assignments to each expert
+  before = (jnp.cumsum(per, axis=1) - per).reshape(-1)  # to lower experts of the same device
+  kept = flat < e
+  slot = (flat // e_local) * cap + jnp.take(before, jnp.minimum(flat, e - 1)) + rank
+  slot = jnp.where(kept, slot, n * cap).astype(jnp.int32)
+  src = jnp.full((n * cap,), m, jnp.int32).at[slot].set(jnp.arange(m, dtype=jnp.int32), mode="drop",
+                                                         unique_indices=True)
+  upto = jnp.cumsum(per, axis=1)  # (n, e_local): rows of a device block up to each expert
+  ids = jnp.sum(upto[:, None, :] <= jnp.arange(cap)[None, :, None], axis=-1, dtype=jnp.int32)
+  return slot, src, ids.reshape(-1)
+
+
+def group_by_expert(ids, n: int, e_local: int, count: Callable | None = None):
+  """Received rows (n blocks of cap, each block's rows by expert, then empty ones:
+  `assignment_slots`' layout) -> pos (n cap,): each row's place when grouped by
+  expert (the order of a stable sort of ids; n cap where empty), by_expert: its
+  inverse (n cap past the rows there are), and sizes (e_local,): rows per expert,
+  by count(ids, e_local) -> (e_local,) int32. No sort: from the (n, e_local) table of
+  rows each block holds for each expert."""
+  count = count or _counts
+  cap = ids.shape[0] // n
+  blocks = ids.reshape(n, cap)
+  per = jax.vmap(lambda b: count(b, e_local))(blocks)  # (n, e_local)
+  sizes = jnp.sum(per, axis=0, dtype=jnp.int32)
+  first = jnp.cumsum(sizes) - sizes  # each expert's group's first row
+  earlier = jnp.cumsum(per, axis=0) - per  # the expert's rows in earlier blocks
+  inside = jnp.cumsum(per, axis=1) - per  # the expert's first row inside its block
+  g = jnp.minimum(blocks, e_local - 1)
+  at = lambda table: jnp.take_along_axis(table, g, axis=1)
+  pos = first[g] + at(earlier) + jnp.arange(cap)[None, :] - at(inside)
+  pos = jnp.where(blocks < e_local, pos, n * cap).reshape(-1).astype(jnp.int32)
+  by_expert = jnp.full((n * cap,), n * cap, jnp.int32).at[pos].set(jnp.arange(n * cap, dtype=jnp.int32),
+                                                                   mode="drop", unique_indices=True)
+  return pos, by_expert, sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(x, index, inverse, group: int = 1):
+  """x[index // group] along the first axis (rows of index out of range, past
+  len(x) group, zero), where index is a one-to-one map (each i hit at most once) and
+  inverse its inverse (index[inverse[i]] == i wherever inverse[i] is in range).
+  Its gradient is a gather too: dx[r] = sum over g < group of dy[inverse[r group +
+  g]], where plain autodiff would scatter-add by index, which libtpu compiles as a
+  sort of the indices and a scatter (docs/bench/compile_depth.md)."""
+  return jnp.take(x, index // group, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse, group):
+  return take_rows(x, index, inverse, group), (inverse, x.shape[0])
+
+
+def _take_rows_bwd(group, res, dy):
+  inverse, rows = res
+  dx = jnp.take(dy, inverse[:rows * group], axis=0, mode="fill", fill_value=0)
+  dx = jnp.sum(dx.reshape(rows, group, *dy.shape[1:]), axis=1) if group > 1 else dx
+  return dx, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
