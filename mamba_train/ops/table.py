@@ -181,7 +181,7 @@ class Ops:
   # layer_math.mixer_core's (the layer between in_proj and out_proj for an
   # unpadded sequence), or None: conv, SSD and norm run one by one
   mixer: Callable | None
-  split_in_proj: bool  # z, x and B|C as three GEMM outputs (the TPU layer kernels read operands whole)
+  split_in_proj: bool  # z, x and B|C as three GEMM outputs (the Mosaic conv kernel reads x whole)
   decode: DecodeKernels | None  # None: the plain step
   expert_mlp: Callable  # experts.expert_mlp_xla's
   expert_mlp_checks_vma: bool  # shard_map's varying-axes check holds for it (XLA's op only)
@@ -335,8 +335,8 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
     attention = choose("attention", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)"})
   attend = _attend(attention, runtime, mesh)
 
-  # The TPU layer kernels take z, x and B|C as operands of their own, whatever runs
-  # the conv here (`mamba2._project_in`).
+  # The Mosaic conv kernel takes x as an operand of its own (`mamba2._project_in`);
+  # the fused layer reads z|x joined (`mamba2._project_in_fused`).
   split_in_proj = _impl("conv", runtime) == "mosaic"
   return Ops(ssd=ssd, ssd_chunk=chunk, ssd3=ssd3, ssd3_chunk=chunk3, ssd3_step=step3, ssd_chunk_major=impl == "mosaic" and seq is None,
              ssd_y_positions_minor=impl == "mosaic", ssd_save_names=tuple(save_names),
@@ -344,7 +344,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
              # runs the forward kernel again (docs/bench/gpu.md); the TPU step's counts
              # were taken without (docs/bench/tpu_ssd.md).
              ssd_saved_with_matmuls=tuple(save_names) if impl == "triton" else (), conv=conv, norm=norm,
-             split_in_proj=split_in_proj or mixer is not None, mixer=mixer,
+             split_in_proj=split_in_proj, mixer=mixer,
              decode=decode, expert_mlp=expert_mlp, expert_mlp_checks_vma=experts == "xla",
              attend=attend, choices=tuple(choices))
 
