@@ -1,8 +1,9 @@
 """The Mamba-2 layer between in_proj and out_proj as one Pallas TPU kernel (Mosaic).
 
 Same arguments and results as the plain form `layer_math.mixer_core` (the
-reference, and what CPUs run): from in_proj's outputs z, x, B|C (before the conv)
-and dt (before its softplus) to the gated SSD output y * silu(z) and each row's
+reference, and what CPUs run): from in_proj's outputs z|x (joined, as one GEMM writes
+them), B|C (before the conv) and dt (before its softplus) to the gated SSD output
+y * silu(z) and each row's
 sums of squares per norm group, which the model folds into the norm and out_proj
 (`mamba2.mixer`: out = (g * rsqrt(ssq / width + eps) * w) @ W_out, XLA fusing the
 row scaling into out_proj's operand).
@@ -23,14 +24,17 @@ needs them again (docs/bench/tpu_ssd.md). Here, per chunk and head block, on chi
   summed per group in XLA.
 
 Between in_proj's output and out_proj's input only the gated y is written (and the
-final state). The (l, d_inner)-sized operands and results (x, z and the gated y; in
-the backward the gated y's cotangent, dx and dz) stay as the GEMMs write and read
-them, (b, l, i) row-major: each program reads and writes a chunk's (q, hb p) block,
-channels on lanes, and turns it to the per-head math's (hb, p, q) orientation
-(positions on lanes) and back with one transpose on chip, so XLA adds no relayout
-copies around the kernels (docs/bench/fused_layer.md). Mosaic then needs a head
-block's channels, hb p, to be a multiple of 128 or all of d_inner (p 64: 8 heads);
-where they are not, `mixer_core_tpu` runs the plain form over the SSD kernel.
+final state). The (l, d_inner)-sized operands and results (z|x and the gated y; in
+the backward the gated y's cotangent and dz|dx) stay as the GEMMs write and read
+them, row-major: z|x is in_proj's one (b, l, 2i) output, passed twice and read
+through two BlockSpecs, z's blocks from column 0 and x's from column i; each program
+reads and writes a chunk's (q, hb p) block, channels on lanes, and turns it to the
+per-head math's (hb, p, q) orientation (positions on lanes) and back with one
+transpose on chip, so XLA adds no slice, stack or relayout copies around the kernels
+(docs/bench/fused_layer.md). Mosaic then needs a head block's channels, hb p, to be a
+multiple of 128 (p 64: 8 heads; every released size: 512, `tiny` 256), x's offset i
+being a whole number of blocks only then; where they are not, `mixer_core_tpu` runs
+the plain form over the SSD kernel (`joins`).
 
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
@@ -44,13 +48,16 @@ SSD chunk's (`ssd_tpu._outputs_head_bwd`, `_states_head_bwd`, the state's cotang
 carried in VMEM from the final state's back to the initial state's), SiLU's and the
 conv's. Walking in reverse, an input's conv gradient needs the pre-activation
 cotangents of the k - 1 positions after it, which may sit in the next chunk: that
-chunk's are kept in VMEM (the halo). It writes the gradients of in_proj's outputs (x,
-z, dt; B and C as per-head-block float32 partials, B and C being shared by a group's
-heads across blocks, summed outside; everything after dB, dC is linear in them), and
+chunk's are kept in VMEM (the halo). It writes the gradients of in_proj's outputs (z|x
+joined, as in_proj's weight- and input-gradient GEMMs read them: a step's dz and dx
+blocks sit i columns apart, more than one BlockSpec writes, so the kernel copies them
+to HBM itself, overlapped with the next step; dt; B and C as per-head-block float32
+partials, B and C being shared by a group's heads across blocks, summed outside;
+everything after dB, dC is linear in them), and
 the small ones: the conv weights and biases per sequence (and head block), rows of
 A's and D's to sum, the initial state's and the fronts'. Nothing (l, d_inner)-sized
-crosses HBM but its inputs (x, z, the gated y's cotangent and the previous chunk's x)
-and its outputs (dx, dz); docs/bench/fused_layer.md has the counts, predicted and
+crosses HBM but its inputs (z|x, the gated y's cotangent and the previous chunk's x)
+and its output (dz|dx); docs/bench/fused_layer.md has the counts, predicted and
 measured.
 
 Supported: documents (seq_idx), initial states (the SSM state, and the conv's front
