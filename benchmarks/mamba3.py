@@ -47,9 +47,10 @@ MODELS = {
 
 
 def counts(args):
-  from mamba_train.parallel.topology import tpu_devices
   from jax.sharding import NamedSharding, PartitionSpec
+
   from mamba_train.parallel.mesh import make_mesh
+  from mamba_train.parallel.topology import tpu_devices
   device = tpu_devices("v6e:1x1")[2]
   rep = NamedSharding(make_mesh({"data": 1}, device), PartitionSpec())
   width = dict(d_model=2048, n_layer=1, vocab_size=256, d_state=128, headdim=64, chunk_size=256)

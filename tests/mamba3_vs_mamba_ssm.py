@@ -27,12 +27,11 @@ SRC = Path(os.environ["MAMBA_SRC"])
 sys.path[:0] = [str(SRC), str(Path(__file__).parent), str(SRC / "tests/ops/triton"),
                 str(SRC / "tests/ops/tilelang")]
 
+import mamba3_torch as ref  # noqa: E402
 import mamba_ssm.models.mixer_seq_simple as mss  # noqa: E402
 import mamba_ssm.modules.mamba3 as m3  # noqa: E402
 import mamba_ssm.ops.triton.layer_norm as ln  # noqa: E402
 import mamba_ssm.ops.triton.layernorm_gated as lng  # noqa: E402
-
-import mamba3_torch as ref  # noqa: E402
 import test_mamba3_mimo as mimo_refs  # noqa: E402  (mamba_ssm's tests/ops/tilelang)
 import test_mamba3_siso as siso_refs  # noqa: E402  (mamba_ssm's tests/ops/triton)
 

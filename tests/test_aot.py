@@ -294,3 +294,40 @@ def test_trip_scaled_cost_counts_each_loop_body_as_often_as_it_runs():
   assert abs(got["flops"] - 5 * 4 * matmul) < 1e-5 * 5 * 4 * matmul  # loop counters' adds aside
   assert abs(got["once"]["flops"] - 2 * matmul) < 1e-5 * 2 * matmul
   assert got["bytes accessed"] > 5 * got["once"]["bytes accessed"]
+
+
+def test_kernel_costs_with_trip_counts_count_a_kernel_in_a_loop_body_as_often_as_it_runs():
+  """`hlo.kernel_costs(..., trip_counts=True)`, what `--trip_counts` adds to XLA's
+  trip-scaled count on GPUs: a Pallas call in a scan of 5 holding a scan of 3 counted
+  15 times and one in the entry once (text only: the traced program gives the
+  estimates, an HLO text written here the calls); each once without trip counts."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+
+  from mamba_train.tools import hlo
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  est = pl.CostEstimate(flops=10, transcendentals=1, bytes_accessed=100)
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), cost_estimate=est,
+                        interpret=True, name="probe_kernel")
+  jaxpr = jax.jit(call).trace(jnp.ones((8,), jnp.float32)).jaxpr
+  cc = '  %{0} = f32[8]{{0}} custom-call(f32[8]{{0}} %p), custom_call_target="__gpu$xla.gpu.triton", ' \
+       'backend_config={{"name":"probe_kernel"}}'
+  text = "\n".join([
+      "HloModule m", "",
+      "%inner_body (p: f32[8]) -> f32[8] {", cc.format("k1"), "}", "",
+      "%inner_cond (p: f32[8]) -> pred[] {", "  %n = s32[] constant(3)", "}", "",
+      "%outer_body (p: f32[8]) -> f32[8] {",
+      "  %w = f32[8]{0} while(f32[8]{0} %p), condition=%inner_cond, body=%inner_body", "}", "",
+      "%outer_cond (p: f32[8]) -> pred[] {", "  %n = s32[] constant(5)", "}", "",
+      "ENTRY %main (p: f32[8]) -> f32[8] {", cc.format("k0"),
+      "  %w = f32[8]{0} while(f32[8]{0} %k0), condition=%outer_cond, body=%outer_body", "}", ""])
+  assert hlo.loop_multiplicities(text) == {"main": 1, "outer_body": 5, "outer_cond": 1, "inner_body": 15,
+                                           "inner_cond": 5}
+  once = hlo.kernel_costs(text, jaxpr)
+  scaled = hlo.kernel_costs(text, jaxpr, trip_counts=True)
+  assert once == {"flops": 20.0, "bytes accessed": 200.0, "transcendentals": 2.0}
+  assert scaled == {"flops": 160.0, "bytes accessed": 1600.0, "transcendentals": 16.0}

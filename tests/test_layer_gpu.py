@@ -55,3 +55,28 @@ def test_model_with_layer_kernels_matches_xla_model():
                            Runtime(ssd_impl="triton_interpret", layer_impl="triton_interpret", ssd_form="parallel",
                                    remat="save_matmuls"),
                            Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"))
+
+
+def test_gated_norm_kernel_reads_the_gate_in_place_from_a_joined_array():
+  """z given as in_proj's joined output (its first i channels the gate, as the model
+  passes it on GPUs: `Ops.norm_gate_joined`), read in place by the kernels, against the
+  plain form on the gate's slice, float32: the output and the gradients of y, of the
+  weight and of the whole joined array (the gate's slice at 1e-5, exact zeros past it)."""
+  import jax
+  import jax.numpy as jnp
+
+  from mamba_train.ops import layer_math
+
+  from kernel_checks import norm_grads, norm_inputs, rel
+  shape, groups, width = (1, 16, 32), 2, 48  # two groups of 16 (no padding), 16 channels past the gate
+  y, _, w, wo = norm_inputs(shape)
+  joined = jax.random.normal(jax.random.PRNGKey(7), shape[:-1] + (width,))
+  i = shape[-1]
+  (_, o1), (dy1, dj1, dw1) = norm_grads(_NORM, groups, wo)(y, joined, w)
+  (_, o2), (dy2, dz2, dw2) = norm_grads(layer_math.gated_rms_norm, groups, wo)(y, joined[..., :i], w)
+  assert o1.shape == shape and rel(o1, o2) < 1e-5
+  assert dj1.shape == joined.shape and rel(dj1[..., :i], dz2) < 1e-5 and not jnp.any(dj1[..., i:])
+  assert rel(dy1, dy2) < 1e-5 and rel(dw1, dw2) < 1e-5
+  # read in place: no slice of the joined array before the forward kernel
+  jaxpr = str(jax.make_jaxpr(lambda y, z, w: _NORM(y, z, w, groups, 1e-5))(y, joined, w))
+  assert "slice" not in jaxpr.split("pallas_call")[0], jaxpr

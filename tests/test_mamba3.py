@@ -240,9 +240,10 @@ def test_cached_decoding_matches_the_full_forward():
   """A MIMO hybrid (Mamba-3, attention, Mamba-3, MLP): greedy tokens from `generate`
   (prefill, then the fused on-device loop over the O(1) Mamba-3 cache) equal the
   argmax of the full forward over the generated sequence, and its logits match."""
-  from helpers import scaled_random_model
   from mamba_train.generation import generate
   from mamba_train.model.cache import Mamba2Cache
+
+  from helpers import scaled_random_model
 
   cfg = _lm_cfg(is_mimo=True, mimo_rank=2, is_outproj_norm=True)
   model = scaled_random_model(cfg, seed=0)
@@ -267,8 +268,9 @@ def test_training_lowers_the_loss():
   """A few Adam steps on one batch of a pure MIMO (rank 2) Mamba-3 model lower its loss."""
   import optax
 
-  from helpers import scaled_random_model
   from mamba_train import Mamba2LM
+
+  from helpers import scaled_random_model
   cfg = _cfg(layer_pattern="33", is_mimo=True, mimo_rank=2)
   model = scaled_random_model(cfg, seed=1)
   model = Mamba2LM.from_params(cfg, model.params(), Runtime(remat="full"))

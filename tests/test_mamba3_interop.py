@@ -9,12 +9,12 @@ hand: that needs a mamba_ssm checkout, which this suite cannot import on CPU.
 
 import jax
 import jax.numpy as jnp
+import mamba3_torch as ref
 import numpy as np
 import torch
 
 from mamba_train.ops import ssd3
 
-import mamba3_torch as ref
 from helpers import rel
 
 
@@ -134,6 +134,7 @@ def test_init_from_takes_the_directorys_architecture(dirs):
   """`init_from` a mamba_ssm Mamba-3 directory: its config alone gives the architecture
   a run takes (the MIMO fields, the pattern with its MLPs) over the tiny recipe's."""
   import importlib.util
+
   from helpers import ROOT
   path, config, _ = dirs["mimo-norm-mlp"]
   arch = load_config(path)

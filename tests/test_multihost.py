@@ -19,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-
 from helpers import FAST_XLA, ROOT, free_port, log_tail, model_flags, patched
 
 STEPS = 4

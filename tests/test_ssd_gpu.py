@@ -111,16 +111,20 @@ for kernel in ("ssd_gpu_fwd_save", "ssd_gpu_bwd"):  # Triton custom calls, compi
 # The layer kernels (ops/layer_gpu.py) at the 130m layer's channels, with documents.
 from mamba_train.ops.layer_gpu import causal_conv_silu_gpu, gated_rms_norm_gpu
 i, c = 1536, 256
-def layer(x, bc, w, wb, z, gw, seq):
+def layer(x, bc, w, wb, z, gw, seq, zj):
   xs, _ = causal_conv_silu_gpu(x, w, wb, jnp.zeros((b, 3, i), x.dtype), seq)
   bcs, _ = causal_conv_silu_gpu(bc, jnp.ones((4, c)), jnp.zeros((c,)), jnp.zeros((b, 3, c)), seq)
   out = gated_rms_norm_gpu(xs, z, gw, 1, 1e-5)
-  return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(bcs.astype(jnp.float32))
+  # the gate read in place from a joined z|x|B|C-like array (3 groups of 512: no padding)
+  out2 = gated_rms_norm_gpu(xs, zj, gw, 3, 1e-5)
+  sq = lambda a: jnp.sum(a.astype(jnp.float32) ** 2)
+  return sq(out) + jnp.sum(bcs.astype(jnp.float32)) + sq(out2)
 largs = (S((b, l, i), jnp.bfloat16), S((b, l, c), jnp.bfloat16), S((4, i)), S((i,)), S((b, l, i), jnp.bfloat16),
-         S((i,)), S((b, l), jnp.int32))
-hlo = jax.jit(jax.grad(layer, argnums=tuple(range(6)))).lower(*largs).compile().as_text()
+         S((i,)), S((b, l), jnp.int32), S((b, l, 2 * i + c), jnp.bfloat16))
+hlo = jax.jit(jax.grad(layer, argnums=(0, 1, 2, 3, 4, 5, 7))).lower(*largs).compile().as_text()
 for kernel in ("conv_silu_gpu_fwd", "conv_silu_gpu_bwd", "gated_norm_gpu_fwd", "gated_norm_gpu_bwd"):
   assert kernel in hlo, kernel + " missing"
+assert any("gated_norm_gpu_fwd" in ln and f"bf16[{l},{2 * i + c}]" in ln for ln in hlo.splitlines()), "joined gate"
 print("compiled", compiled.runtime_executable().hlo_modules()[0].name)
 """
 

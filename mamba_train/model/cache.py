@@ -33,8 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mamba_train.model import attention as attn_lib
-from mamba_train.model import mamba3
+from mamba_train.model import attention as attn_lib, mamba3
 from mamba_train.model.config import ATTENTION, MAMBA, MAMBA3, Mamba2Config
 from mamba_train.model.mamba2 import zero_state
 from mamba_train.parallel import sharding

@@ -53,7 +53,7 @@ def _dt_and_A(p, dt_raw, cfg):
 IN_PROJ_NAMES = ("mamba_in_proj", "mamba_in_proj_dt")
 
 
-def _project_in(p, u, rt, split: bool = False):
+def _project_in(p, u, rt, split: bool = False, joined_z: bool = False):
   """z, x, B|C and dt from the block input u. z|x|B|C is one matmul on the weights
   joined inside their cast to the compute dtype (one weight read, one dot), written
   by the GEMM in the compute dtype (float32 accumulation, one rounding); dt is a
@@ -61,7 +61,9 @@ def _project_in(p, u, rt, split: bool = False):
   never crosses HBM in float32 (its float32 write, reads and cotangent were the
   largest bytes of a GPU layer: docs/bench/gpu.md). With an
   adapter on in_proj (its B spans all five pieces) the five stay one float32 dot.
-  split (`Ops.split_in_proj`): z, x and B|C as three GEMM outputs instead."""
+  split (`Ops.split_in_proj`): z, x and B|C as three GEMM outputs instead. joined_z
+  (`Ops.norm_gate_joined`): z as the joined z|x|B|C output itself, the gate its first
+  d_inner channels, for a norm that reads it in place."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zx, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
   if u.ndim == 2:  # one position (decoding)
@@ -87,7 +89,7 @@ def _project_in(p, u, rt, split: bool = False):
   # Named whole, before the slices: a policy that saves them keeps one buffer in the
   # compute dtype, and z, x, B, C are sliced again in the backward pass for free.
   r, dt_raw = checkpoint_name(r, IN_PROJ_NAMES[0]), checkpoint_name(dt_raw, IN_PROJ_NAMES[1])
-  z, x = r[..., :i], r[..., i:2 * i]
+  z, x = (r if joined_z else r[..., :i]), r[..., i:2 * i]
   bc = r[..., 2 * i:].reshape(*r.shape[:-1], 2, gn)
   return z, x, bc, dt_raw
 
@@ -178,7 +180,7 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   if ops.mixer is not None and mask is None:
     # The layer between the matmuls as one op (an unpadded sequence).
     return _mixer_fused(p, *_project_in_fused(p, u, rt), cfg, rt, ops, state, seq_idx)
-  z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj)
+  z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj, ops.norm_gate_joined and ops.mixer is None)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)

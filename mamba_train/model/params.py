@@ -130,8 +130,9 @@ def _mamba3_draws(cfg: Mamba2Config) -> int:
 
 # The parameters each layer multiplies by in the compute dtype (its projections);
 # every other parameter enters float32 math.
-MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "in_proj_heads", "in_proj_angles", "out_proj", "q_proj", "k_proj",
-                            "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"}) | moe_lib.MATMUL_WEIGHTS
+MATMUL_WEIGHTS = frozenset({"in_proj_zx", "in_proj_bc", "in_proj_dt", "in_proj_heads", "in_proj_angles", "out_proj",
+                            "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
+                            "down_proj"}) | moe_lib.MATMUL_WEIGHTS
 
 
 # The key under which a layer's adapters travel beside its weights (`Mamba2LM._compute_params`).

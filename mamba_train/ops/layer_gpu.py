@@ -41,6 +41,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -60,6 +61,11 @@ CONV_CHANNELS = 128
 # (a 1.3b row is 4096 channels: 16 float32 a thread at 8 warps).
 NORM_ROWS = 16
 NUM_WARPS = 8
+# Names a remat policy can save ('save_matmuls' with the layers unrolled: `table.build`):
+# the conv's activation (the SSD's input, which its backward kernel reads) and the
+# norm's output (out_proj's input, which its weight's gradient reads), so the backward
+# pass runs neither forward kernel again (docs/bench/gpu.md, 2026-12-04).
+SAVE_NAMES = ("layer_gpu_conv", "layer_gpu_norm")
 
 
 def _pow2_ceil(v: int) -> int:
@@ -236,7 +242,8 @@ def _conv(x, front, w, bias, ids, k, interpret):
 
 
 def _conv_fwd(x, front, w, bias, ids, k, interpret):
-  return _conv(x, front, w, bias, ids, k, interpret), (x, front, w, bias, ids)
+  y = checkpoint_name(_conv(x, front, w, bias, ids, k, interpret), SAVE_NAMES[0])
+  return y, (x, front, w, bias, ids)
 
 
 def _conv_bwd(k, interpret, res, dy):
@@ -336,13 +343,15 @@ def _norm(y, z, w, groups, G, eps, interpret):
 
 
 def _norm_call(y, z, w, groups, G, eps, interpret):
+  # z: (R, Ip), or wider (in_proj's joined z|x|B|C output): its first Ip channels
+  # are the gate, which the blocks' index map reads in place.
   R, Ip = y.shape
   Gp = Ip // groups
   row, wspec = _norm_specs(Gp, NORM_ROWS)
   isz = jnp.dtype(y.dtype).itemsize
   cost = pl.CostEstimate(
       flops=int(R * Ip * 8), transcendentals=int(R * Ip + R * groups),
-      bytes_accessed=int(y.size * isz + z.size * jnp.dtype(z.dtype).itemsize + R * Ip * isz + w.size * 4))
+      bytes_accessed=int(y.size * isz + R * Ip * jnp.dtype(z.dtype).itemsize + R * Ip * isz + w.size * 4))
   return pl.pallas_call(
       functools.partial(_norm_fwd_kernel, rows=NORM_ROWS, G=G, eps=eps),
       out_shape=jax.ShapeDtypeStruct((R, Ip), y.dtype), grid=(R // NORM_ROWS, groups),
@@ -351,7 +360,8 @@ def _norm_call(y, z, w, groups, G, eps, interpret):
 
 
 def _norm_fwd(y, z, w, groups, G, eps, interpret):
-  return _norm_call(y, z, w, groups, G, eps, interpret), (y, z, w)
+  out = checkpoint_name(_norm_call(y, z, w, groups, G, eps, interpret), SAVE_NAMES[1])
+  return out, (y, z, w)
 
 
 def _norm_bwd(groups, G, eps, interpret, res, do):
@@ -365,15 +375,17 @@ def _norm_bwd(groups, G, eps, interpret, res, do):
       flops=int(R * Ip * 24), transcendentals=int(R * Ip + R * groups),
       # y, z and the output's cotangent read once, dy and dz written once, the
       # weight's partial sums (one row per program) written once
-      bytes_accessed=int(2 * y.size * ysz + 2 * z.size * zsz + do.size * jnp.dtype(do.dtype).itemsize
+      bytes_accessed=int(2 * y.size * ysz + 2 * R * Ip * zsz + do.size * jnp.dtype(do.dtype).itemsize
                          + nr * Ip * 4 + w.size * 4))
   dy, dz, dw = pl.pallas_call(
       functools.partial(_norm_bwd_kernel, rows=NORM_ROWS, G=G, eps=eps),
-      out_shape=(jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(z.shape, z.dtype),
+      out_shape=(jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(y.shape, z.dtype),
                  jax.ShapeDtypeStruct((nr, Ip), _F32)),
       grid=(nr, groups), in_specs=[row, row, wspec, row],
       out_specs=(row, row, pl.BlockSpec((1, Gp), lambda ri, gi: (ri, gi))), compiler_params=_params(),
       cost_estimate=cost, interpret=interpret, name="gated_norm_gpu_bwd")(y, z, w, do)
+  if z.shape[1] > Ip:  # a joined z: zeros for the channels past the gate (XLA adds them into
+    dz = jnp.pad(dz, ((0, 0), (0, z.shape[1] - Ip)))  # the joined cotangent's one fusion)
   return dy, dz, jnp.sum(dw, axis=0).astype(w.dtype)
 
 
@@ -383,10 +395,17 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 def gated_rms_norm_gpu(y, z, weight, groups, eps, *, interpret: bool = False):
   """`layer_math.gated_rms_norm` as a Pallas Triton kernel: same arguments; the
   result in the dtype of y and z together (the compute dtype out_proj multiplies
-  in), float32 inside. y, z: (..., i); weight: (i,)."""
+  in), float32 inside. y: (..., i); weight: (i,); z: (..., i), or wider with the gate
+  its first i channels: in_proj's joined z|x|B|C output (`Ops.norm_gate_joined`),
+  which the kernels then read in place where no padding is needed (a group a power
+  of two, whole blocks of rows) instead of a slice XLA would copy out for them, in
+  the forward pass and again in the backward's (docs/bench/gpu.md, 2026-12-04); its
+  gradient is zero past the gate."""
   i = y.shape[-1]
   if i % groups:
     raise ValueError(f"d_inner ({i}) must be a multiple of groups ({groups})")
+  if z.shape[:-1] != y.shape[:-1] or z.shape[-1] < i:
+    raise ValueError(f"z {z.shape} must be y's shape {y.shape} or wider in its last axis")
   G = i // groups
   Gp = max(16, _pow2_ceil(G))
   dt = jnp.promote_types(y.dtype, z.dtype)
@@ -395,6 +414,12 @@ def gated_rms_norm_gpu(y, z, weight, groups, eps, *, interpret: bool = False):
   for d in lead:
     R *= d
   Rp = -(-R // NORM_ROWS) * NORM_ROWS
+  if z.shape[-1] > i:
+    if Gp == G and Rp == R and z.dtype == dt:
+      wk = weight.astype(_F32)
+      out = _norm(y.astype(dt).reshape(R, i), z.reshape(R, z.shape[-1]), wk, groups, G, float(eps), interpret)
+      return out.reshape(*lead, i)
+    z = z[..., :i]
   # Padding (none at the released sizes): zero channels add nothing to a group's
   # sum of squares (the mean divides by G), zero rows are dropped.
   prep = lambda a: pad_axis(pad_axis(a.astype(dt).reshape(R, groups, G), 2, Gp).reshape(R, groups * Gp), 0, Rp)

@@ -354,8 +354,9 @@ def _ssd(x, dt, A, B, C, D, h0, sq, q, interpret):
   return _fwd_call(x, dt, A, B, C, D, h0, sq, q, interpret)
 
 
-# Names a remat policy can save (the model's 'save_matmuls' does): with y and the
-# entering states kept, the backward pass need not run the forward kernel again.
+# Names a remat policy can save ('save_in_proj_ssd', and 'save_matmuls' with the layers
+# unrolled: `table.build`): with y and the entering states kept, the backward pass need
+# not run the forward kernel again.
 SAVE_NAMES = ("ssd_gpu_y", "ssd_gpu_states")
 
 

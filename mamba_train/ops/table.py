@@ -175,13 +175,16 @@ class Ops:
   ssd_chunk_major: bool  # the kernel reads x, and writes y, chunk-major with positions minor (whole chunks)
   ssd_y_positions_minor: bool  # the kernel writes y positions-minor (the gate reads it channels-minor)
   ssd_save_names: tuple[str, ...]  # what `save_in_proj_ssd` keeps of the SSD kernel
-  ssd_saved_with_matmuls: tuple[str, ...]  # what `save_matmuls` keeps of it
+  ssd_saved_with_matmuls: tuple[str, ...]  # what `save_matmuls` keeps of it and of the GPU layer kernels
   conv: Callable  # causal_conv_silu's
   norm: Callable  # gated_rms_norm's
   # layer_math.mixer_core's (the layer between in_proj and out_proj for an
   # unpadded sequence), or None: conv, SSD and norm run one by one
   mixer: Callable | None
   split_in_proj: bool  # z, x and B|C as three GEMM outputs (the Mosaic conv kernel reads x whole)
+  # The norm takes in_proj's joined z|x|B|C output as its gate, its first d_inner
+  # channels (the GPU norm kernel reads them in place: no slice copied for it).
+  norm_gate_joined: bool
   decode: DecodeKernels | None  # None: the plain step
   expert_mlp: Callable  # experts.expert_mlp_xla's
   expert_mlp_checks_vma: bool  # shard_map's varying-axes check holds for it (XLA's op only)
@@ -338,13 +341,27 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   # The Mosaic conv kernel takes x as an operand of its own (`mamba2._project_in`);
   # the fused layer reads z|x joined (`mamba2._project_in_fused`).
   split_in_proj = _impl("conv", runtime) == "mosaic"
+  # What `save_matmuls` keeps of the GPU kernels beside the matmuls' results, as the 1.3b
+  # step's counts for h100-8 and b200-8 chose per program (docs/bench/gpu.md, 2026-12-04):
+  # with the layers unrolled, the SSD kernel's output and entering states and the layer
+  # kernels' outputs (the conv's activation, the norm's output), so the backward pass
+  # runs no forward kernel again; in a layer scan nothing, since the scan copies each
+  # saved value into its stack and out again (the SSD's float32 entering states alone
+  # 1.1e9 bytes a layer), more than rerunning the forward kernels moves.
+  gpu_saved = ()
+  if impl == "triton" and runtime.unroll_layers:
+    gpu_saved = tuple(save_names)
+    if layer == "triton" and norm_impl == "triton":
+      gpu_saved += _module("conv", "triton").SAVE_NAMES
+  # The GPU norm reads its gate in place from in_proj's joined output where the heads
+  # are on one device: no slice of it copied, in the forward pass and again in the backward's.
+  norm_joined = norm_impl == "triton" and (mesh.heads is None or mesh.heads.head_devices == 1)
   return Ops(ssd=ssd, ssd_chunk=chunk, ssd3=ssd3, ssd3_chunk=chunk3, ssd3_step=step3, ssd_chunk_major=impl == "mosaic" and seq is None,
              ssd_y_positions_minor=impl == "mosaic", ssd_save_names=tuple(save_names),
-             # The GPU kernels' output and entering states: without them the backward pass
-             # runs the forward kernel again (docs/bench/gpu.md); the TPU step's counts
-             # were taken without (docs/bench/tpu_ssd.md).
-             ssd_saved_with_matmuls=tuple(save_names) if impl == "triton" else (), conv=conv, norm=norm,
-             split_in_proj=split_in_proj, mixer=mixer,
+             # The TPU step's counts were taken without (docs/bench/tpu_ssd.md).
+             ssd_saved_with_matmuls=gpu_saved,
+             conv=conv, norm=norm, split_in_proj=split_in_proj, mixer=mixer,
+             norm_gate_joined=norm_joined and not split_in_proj and mixer is None,
              decode=decode, expert_mlp=expert_mlp, expert_mlp_checks_vma=experts == "xla",
              attend=attend, choices=tuple(choices))
 

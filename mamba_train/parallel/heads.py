@@ -153,7 +153,14 @@ class HeadSplit:
   def norm(self, kernel: Callable, y, z, weight, groups: int, eps: float):
     """`kernel(y, z, weight, groups, eps)` (the gated RMSNorm, a Pallas kernel) on
     each device's part of the batch and of the groups (whole groups: the caller
-    checks that they divide over the heads' devices). y, z: (b, l, i)."""
+    checks that they divide over the heads' devices). y, z: (b, l, i); z wider (in_proj's
+    joined output, its first i channels the gate) only with the heads on one device."""
     s = P(self.batch, None, self.heads)
+    zs = s
+    if z.shape[-1] != y.shape[-1]:
+      if self.head_devices > 1:  # the joined channels do not split as the gate's do
+        z = z[..., :y.shape[-1]]
+      else:
+        zs = P(self.batch, None, None)
     local = lambda y, z, w: kernel(y, z, w, groups // self.head_devices, eps)
-    return self._map(local, (s, s, P(self.heads)), s, y, z, weight)
+    return self._map(local, (s, zs, P(self.heads)), s, y, z, weight)

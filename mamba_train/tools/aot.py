@@ -7,8 +7,9 @@ slice's devices (`parallel/topology.py`), the runtime resolved for TPU, and the
 state and batch shardings it trains with; the state and batch are abstract (shapes
 and shardings only), so nothing is allocated. The report: per-device memory from
 XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
-layer counted (two more small compiles: one layer, and two layers unrolled; none
-when `runtime.unroll_layers` compiles every layer into the step itself), the
+layer counted (two more small compiles: one layer, and two layers unrolled; on GPUs
+the one compile's loop bodies times their trip counts; none when
+`runtime.unroll_layers` compiles every layer into the step itself), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
 
@@ -170,9 +171,16 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   """Compile the run's train step for `topology`; return the report (see the module
   doc). `reference`: the config of every key (configs/base.py) for the unknown-key
   check. `trip_counts`: count every layer from the one compile, each loop body scaled by
-  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles. Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses
-  or the per-device peak exceeds HBM."""
+  its trip count (`hlo.trip_scaled_cost`), instead of `every_layer`'s smaller compiles.
+  Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
+  per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
+  # On GPUs every layer is counted from the one compile, its loop bodies times their trip
+  # counts: what `save_matmuls` keeps of the GPU kernels differs between a layer scan and
+  # unrolled layers (`table.build`), so `every_layer`'s differencing of a scanned layer
+  # against two unrolled ones would mix the two programs' remat (and never sees the scan's
+  # stack copies, docs/bench/gpu.md 2026-12-04).
+  trip_counts = trip_counts or (gpu and every_layer)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              device_kind=devices[0].device_kind,
@@ -220,7 +228,8 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
   report["cost"] = cost
   # XLA counts a Pallas call as nothing on GPUs (on TPUs its estimate is in XLA's
   # count): the estimates of the calls XLA kept, added apart.
-  kernels = kernel_costs(compiled, built.train_step.trace(state, batch).jaxpr) if gpu else None
+  jaxpr = built.train_step.trace(state, batch).jaxpr if gpu else None
+  kernels = kernel_costs(compiled, jaxpr) if gpu else None
   tokens = config.batch_size * config.seq_len
   model_flops = (metrics.train_flops_per_token(model_cfg, plan.runtime, config.seq_len)
                  * tokens / len(devices))
@@ -247,6 +256,8 @@ def _compile_train_step(config, plan, gpu: bool, gen: str, topo: str, devices, e
     else:
       report["cost_trip_scaled"] = scaled
       full = {k: scaled[k] for k in ("flops", "bytes accessed")}
+      if gpu:  # the kernels in the loop bodies as often as XLA's ops there
+        kernels = kernel_costs(compiled, jaxpr, trip_counts=True)
   elif every_layer:
     full = hybrid_every_layer_cost(plan, mesh) if model_cfg.layer_pattern else every_layer_cost(plan, mesh, cost)
   report["cost_every_layer"] = full

@@ -64,6 +64,18 @@ def body_lines(hlo: str) -> Iterator[tuple[str, bool]]:
     yield line, fused
 
 
+def body_lines_named(hlo: str) -> Iterator[tuple[tuple[str | None, str], bool]]:
+  """`body_lines` with each line's computation name: ((computation, line), fused)."""
+  fused, comp = False, None
+  for line in hlo.splitlines():
+    if line and not line[0].isspace():
+      m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)", line)
+      comp = m.group(1) if m else None
+      fused = line.lstrip("%").startswith(_FUSED)
+      continue
+    yield (comp, line), fused
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
   name: str
@@ -173,9 +185,11 @@ def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   return 2.0 * m * k * n, float(sum(e * math.prod(d) for e, d in (res[0], *operands)))
 
 
-def kernel_costs(compiled, jaxpr) -> dict[str, float]:
-  """The cost estimates of the Pallas calls XLA kept in a compiled program, counted
-  as XLA counts its own ops (a loop body once: `aot.every_layer_cost` scales it):
+def kernel_costs(compiled, jaxpr, *, trip_counts: bool = False) -> dict[str, float]:
+  """The cost estimates of the Pallas calls XLA kept in a compiled program (or its
+  optimised HLO text), counted as XLA counts its own ops (a loop body once:
+  `aot.every_layer_cost` scales it), or with `trip_counts` each call as often as the
+  loops around it run (`loop_multiplicities`, as `trip_scaled_cost` counts XLA's ops):
   each custom call of the optimised module matched by kernel name (and result
   shapes) to its estimate in the traced program, and tokamax's ragged dots (the GPU
   experts), which carry no estimate, by `ragged_dot_cost`. From the compiled
@@ -184,13 +198,18 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
   holds."""
   total = dict.fromkeys(COUNTS, 0.0)
   found = kernel_estimates(jaxpr)
-  for line, fused in body_lines(compiled.as_text()):
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  times = loop_multiplicities(text) if trip_counts else {}
+  comp = None
+  for line, fused in body_lines_named(text):
+    comp, line = line
     if fused or "custom-call(" not in line:  # fusion bodies hold no calls of ours
       continue
+    n = times.get(comp, 1)
     ragged = ragged_dot_cost(line)
     if ragged is not None:
-      total["flops"] += ragged[0]
-      total["bytes accessed"] += ragged[1]
+      total["flops"] += n * ragged[0]
+      total["bytes accessed"] += n * ragged[1]
       continue
     names = [t for t in set(_TOKEN.findall(line)) if t in found]
     if not names:
@@ -198,10 +217,42 @@ def kernel_costs(compiled, jaxpr) -> dict[str, float]:
     cands = found[max(names, key=len)]
     result = tuple(d for _, d in shapes(line.split("custom-call(")[0]))
     est = next((e for sh, e in cands if sh == result), cands[0][1])
-    total["flops"] += est.flops
-    total["bytes accessed"] += est.bytes_accessed
-    total["transcendentals"] += est.transcendentals
+    total["flops"] += n * est.flops
+    total["bytes accessed"] += n * est.bytes_accessed
+    total["transcendentals"] += n * est.transcendentals
   return total
+
+
+_CALLED = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations|called_computations)="
+                     r"\{?([%\w.\-, ]+)\}?")
+
+
+def loop_multiplicities(text: str) -> dict[str, int]:
+  """How many times each non-fused computation of an optimised module runs in one run
+  of its entry: a while body its loop's trip count (`_trips`) times its caller's, a
+  called computation (call, conditional branch, async wrapper) its caller's. A
+  computation reached twice takes the larger count, the bound `trip_scaled_cost`'s rule
+  agrees with for the programs here (each layer body one loop)."""
+  comps, entry = _computation_lines(text)
+  times: dict[str, int] = {}
+
+  def visit(name: str, n: int):
+    if name not in comps or times.get(name, 0) >= n:
+      return
+    times[name] = n
+    for line in comps[name]:
+      w = _WHILE.search(line)
+      if w:
+        cond, body = w.groups()
+        visit(body, n * _trips(line, comps.get(cond, [])))
+        visit(cond, n)
+        continue
+      for group in _CALLED.findall(line):
+        for callee in group.split(","):
+          visit(callee.strip().lstrip("%"), n)
+
+  visit(entry, 1)
+  return times
 
 
 # ---------------------------------------------------------------------------
