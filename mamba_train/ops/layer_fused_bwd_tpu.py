@@ -96,15 +96,15 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
    dh_scr, nx_scr, nb_scr, nc_scr, ntr_scr, ntc_scr, ddt_scr, dar_scr, dcs_scr, dte_scr, out_scr, sems) = outs
   zi = pl.program_id(3)
   ci = pl.num_programs(3) - 1 - zi  # the chunk of this step: the walk is in reverse
+  q = dtr_ref.shape[-1]
+  # dz's and dx's blocks: this head block's columns of z and of x in the joined z|x.
   width = out_scr.shape[-1]
   zcol = (pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) * width
-  start, wait_previous, wait_own = _joined_writes(dzx_hbm, out_scr, sems, (zcol, zcol + xcol * width), zi, ci,
-                                                  dtr_ref.shape[-1])
+  start, wait_previous, wait_own = _joined_writes(dzx_hbm, out_scr, sems, (zcol, zcol + xcol * width), zi, ci, q)
 
   @pl.when(zi > 0)
   def _():  # the previous step's copies, before their slot is written again
     wait_previous()
-  q = dtr_ref.shape[-1]
   cdt = x_ref.dtype
   row_mask, col_mask = _masks(seq, tap_row, tap_col)
   next_row, next_col = _masks(seq, ntr_scr, ntc_scr)
