@@ -52,7 +52,7 @@ def compile_layer(args):
   cfg = config_for(args.config, n_layer=args.n_layer)
   _, _, devices = tpu_devices(args.topology)
   rt = Runtime(compute_dtype=args.dtype, ssd_impl=args.ssd_impl, layer_impl=args.layer_impl,
-               remat=args.remat).resolve("tpu", devices[0].device_kind)
+               remat=args.remat, unroll_layers=args.unroll).resolve("tpu", devices[0].device_kind)
   # One device: a TPU7x chip shows two (its TensorCores), and a Mosaic kernel under a
   # mesh of two would need a shard_map; the count is one device's program either way.
   rep = NamedSharding(make_mesh({"data": 1}, devices[:1]), P())
@@ -103,6 +103,8 @@ def main(argv=None):
   ap.add_argument("--layer_impl", default="auto", help="runtime.layer_impl (auto: the topology's chip's choice)")
   ap.add_argument("--remat", default="none", help="runtime.remat (auto: TPU's choice)")
   ap.add_argument("--topology", default="v6e:1x1")
+  ap.add_argument("--unroll", action="store_true",
+                  help="runtime.unroll_layers: each layer its own ops (no scan's stacked residuals)")
   ap.add_argument("--train", action="store_true", help="also compile value_and_grad of the training loss")
   ap.add_argument("--no_forward", action="store_true")
   ap.add_argument("--default_out_layout", action="store_true",

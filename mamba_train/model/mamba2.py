@@ -94,6 +94,26 @@ def _project_in(p, u, rt, split: bool = False, joined_z: bool = False):
   return z, x, bc, dt_raw
 
 
+def _project_in_fused(p, u, rt):
+  """in_proj for the fused layer (`ops.mixer`): z|x (b, l, 2i) as one GEMM writes them,
+  on in_proj_zx's (d, 2, i) weight read as (d, 2i), and B|C (b, l, 2, g n) as a second
+  (both in the compute dtype), dt (b, l, h) float32. The kernels read z's and x's
+  blocks out of z|x in place, and write their gradients back into one joined cotangent,
+  so in_proj's forward, weight-gradient and input-gradient GEMMs are one each for z|x
+  (docs/bench/fused_layer.md, "One z|x"). B|C is not joined to it: that would copy the
+  weights into one (d, 2i + 2gn) matrix every step, for a GEMM reading u once less."""
+  cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
+  zxw, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
+  d, i, gn = zxw.shape[0], zxw.shape[2], bcw.shape[2]
+  adapter = mm.adapter_of(p, "in_proj")
+  if adapter is not None:  # the adapter's B spans all five pieces: one float32 dot, sliced
+    z, x, bc, dt_raw = _project_in(p, u, rt)
+    return checkpoint_name(jnp.concatenate([z, x], -1), IN_PROJ_NAMES[0]), bc, dt_raw
+  proj = lambda w: checkpoint_name(mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
+  dt_raw = checkpoint_name(mm.linear(u, dtw.astype(cd), cd, prec), IN_PROJ_NAMES[1])
+  return proj(zxw.reshape(d, 2 * i)), proj(bcw), dt_raw
+
+
 def _project_in_step(p, u, rt):
   """`_project_in` for one position u (b, d): z|x (b, 2, i) and B|C (b, 2, g*n) in
   the compute dtype, dt (b, h) float32; three dots, as joining the weights would
@@ -155,12 +175,12 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ops = ops_for(cfg, rt) if ops is None else ops
   b, l, _ = u.shape
   cd = jnp.dtype(rt.compute_dtype)
-  z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj, ops.norm_gate_joined and ops.mixer is None)
   if state is None:
     state = zero_state(cfg, b)
   if ops.mixer is not None and mask is None:
     # The layer between the matmuls as one op (an unpadded sequence).
-    return _mixer_fused(p, z, xr, bc, dt_raw, cfg, rt, ops, state, seq_idx)
+    return _mixer_fused(p, *_project_in_fused(p, u, rt), cfg, rt, ops, state, seq_idx)
+  z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj, ops.norm_gate_joined and ops.mixer is None)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
     bc = jnp.where(mask[..., None, None], bc, 0.0)
@@ -204,19 +224,19 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
 _MIXER_WEIGHTS = ("conv_x", "conv_x_bias", "conv_bc", "conv_bc_bias", "dt_bias", "A_log", "D")
 
 
-def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, state, seq_idx):
+def _mixer_fused(p, zx, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, state, seq_idx):
   """`mixer` through `ops.mixer` (`layer_math.mixer_core`'s contract): the op writes the
   gated y and each row's sums of squares per group; the norm is folded into out_proj,
   out = rsqrt(ms) (y @ (diag(w) W)) with one group, so no normalised copy of y is
   written: the weight scaling is weight-sized, the row scaling fuses into the GEMM's
   output. Several groups scale y per group on the GEMM's operand; with an adapter on
   out_proj, which reads the normalised y, the whole norm is applied to y first."""
-  b, l, i = xr.shape
+  b, l, i = zx.shape[0], zx.shape[1], zx.shape[2] // 2
   g, k = cfg.ngroups, cfg.d_conv
-  # The kernels read x and z and write the gated y (and in the backward read its
-  # cotangent and write dx, dz) row-major, as the GEMMs write and read them: no layout
+  # The kernels read z|x and write the gated y (and in the backward read its
+  # cotangent and write dz|dx) row-major, as the GEMMs write and read them: no layout
   # constraint, no relayout copies (ops/layer_fused_tpu.py).
-  gated, ssq, ssm = ops.mixer(z, xr, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
+  gated, ssq, ssm = ops.mixer(zx, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
                               ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
                               front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
   rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
@@ -232,7 +252,7 @@ def _mixer_fused(p, z, xr, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops,
     out = mm.linear(y, p["out_proj"] * p["gate_norm"][:, None], cd, prec)
   # The conv states after the sequence: its last k - 1 inputs (the front's where it is shorter).
   tail = lambda v, front: jnp.concatenate([front.astype(v.dtype), v], 1)[:, -(k - 1):].astype(F32)
-  return out, {"conv_x": tail(xr, state["conv_x"]), "conv_bc": tail(bc, state["conv_bc"]), "ssm": ssm}
+  return out, {"conv_x": tail(zx[..., i:], state["conv_x"]), "conv_bc": tail(bc, state["conv_bc"]), "ssm": ssm}
 
 
 def fused_decode_weights(p, rt: Runtime, ops: Ops, lead: int = 0) -> dict[str, Array]:

@@ -56,18 +56,55 @@ def _conv_bwd(dpre, nxt, cur, taps, w_at, k, axis, mask, next_mask):
   return din, dw, red(dpre), dfront
 
 
-def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
+def _joined_writes(dzx_hbm, out_scr, sems, cols, zi, ci, q):
+  """dz's and dx's blocks into the joined (b, l, 2i) cotangent in HBM, as in_proj's
+  GEMMs read it: one BlockSpec writes one block a step, and these are two, i columns
+  apart, so the kernel copies them itself. Each step's two copies run while the next
+  step computes (two slots, waited a step later; the chunk walk's last step waits its
+  own). cols: the blocks' first columns (z's, x's). Returns (start, wait_previous,
+  wait_own)."""
+  bi, width = pl.program_id(0), out_scr.shape[-1]
+  slot = zi % 2
+
+  def copy(s, j, chunk):
+    return pltpu.make_async_copy(out_scr.at[s, j], dzx_hbm.at[bi, pl.ds(chunk * q, q), pl.ds(cols[j], width)],
+                                 sems.at[s, j])
+
+  def start():
+    for j in range(2):
+      copy(slot, j, ci).start()
+
+  def wait_previous():
+    for j in range(2):
+      copy(1 - slot, j, ci + 1).wait()
+
+  def wait_own():
+    for j in range(2):
+      copy(slot, j, ci).wait()
+
+  return start, wait_previous, wait_own
+
+
+def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
   n_in = 30 if seq else 24
   ins, outs = refs[:n_in], refs[n_in:]
   (x_ref, z_ref, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref, dtb_ref, a_ref, d_ref,
    st_ref, fx_ref, fb_ref, fc_ref, dg_ref, dssq_ref, dfin_ref, xp_ref, bp_ref, cp_ref) = ins[:24]
   row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[24:] if seq else (None,) * 6
-  (dx_ref, dz_ref, dbp_ref, dcp_ref, ddtr_ref, da_ref, dd_ref, dinit_ref, dwx_ref, dbx_ref, dwb_ref, dbb_ref,
+  (dzx_hbm, dbp_ref, dcp_ref, ddtr_ref, da_ref, dd_ref, dinit_ref, dwx_ref, dbx_ref, dwb_ref, dbb_ref,
    dwc_ref, dbcb_ref, dfx_ref, dfb_ref, dfc_ref,
-   dh_scr, nx_scr, nb_scr, nc_scr, ntr_scr, ntc_scr, ddt_scr, dar_scr, dcs_scr, dte_scr) = outs
+   dh_scr, nx_scr, nb_scr, nc_scr, ntr_scr, ntc_scr, ddt_scr, dar_scr, dcs_scr, dte_scr, out_scr, sems) = outs
   zi = pl.program_id(3)
   ci = pl.num_programs(3) - 1 - zi  # the chunk of this step: the walk is in reverse
   q = dtr_ref.shape[-1]
+  # dz's and dx's blocks: this head block's columns of z and of x in the joined z|x.
+  width = out_scr.shape[-1]
+  zcol = (pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) * width
+  start, wait_previous, wait_own = _joined_writes(dzx_hbm, out_scr, sems, (zcol, zcol + xcol * width), zi, ci, q)
+
+  @pl.when(zi > 0)
+  def _():  # the previous step's copies, before their slot is written again
+    wait_previous()
   cdt = x_ref.dtype
   row_mask, col_mask = _masks(seq, tap_row, tap_col)
   next_row, next_col = _masks(seq, ntr_scr, ntc_scr)
@@ -148,8 +185,10 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
     def _():
       dfx_ref[i] = dfront
 
-  dx_ref[...] = _heads_out(dxs, dx_ref.dtype)
-  dz_ref[...] = _heads_out(dzs, dz_ref.dtype)
+  slot = zi % 2
+  out_scr[slot, 0] = _heads_out(dzs, out_scr.dtype)
+  out_scr[slot, 1] = _heads_out(dxs, out_scr.dtype)
+  start()
   # dt's: d a_k += sum_{t >= k} dcs[t] + sum_{s < k} d to_end[s] (masked matmuls at
   # HIGHEST, as ssd_tpu's), a = dt A, dt = clip(softplus(v)).
   da = (dar_scr[...]
@@ -188,41 +227,43 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit):
   @pl.when(zi == pl.num_programs(3) - 1)
   def _():
     dinit_ref[...] = dh_scr[...]
+    wait_own()
 
 
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   """The backward kernel on the forward's grid, the chunks in reverse (see the module
-  doc). Returns, in the kernels' layouts: dx, dz (as x: (b, l, i) row-major), B's and
+  doc). Returns, in the kernels' layouts: dz|dx joined as z|x, (b, l, 2i) row-major, B's and
   C's raw gradients per head block (c, b, g, head blocks, q, n) float32, dt_raw's (c,
   b, g, r, q), the rows of d A (times A: A_log's) and d D to sum, the initial state's,
   the conv weights' and biases' per sequence (and head block for B, C), and the
   fronts' (at the end of a chunk-sized block)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
-  xc, dtc, bc0, init = args[0], args[2], args[3], args[14]
+  zx, dtc, bc0, init = args[0], args[2], args[3], args[14]
   seq = len(args) > 18
-  cdt = xc.dtype
+  cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
+  xsize = b * c * q * d.i  # an (l, i)-sized activation's elements, padded
   rev = lambda zi: c - 1 - zi
   earlier = lambda zi: jnp.maximum(c - 2 - zi, 0)  # the previous chunk (the conv's reach back)
   spec = pl.BlockSpec
   common = _specs(d, rev, seq)
   in_specs = (common[:14] + [spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, rev(zi), 0, 0))]
               + common[15:18]
-              + [common[0], spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)),
-                 common[14], _rows(d, earlier),
+              + [_rows(d, rev), spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)),
+                 common[14], _rows(d, earlier, d.xcol),
                  spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0)),
                  spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0))]
               + common[18:])
   ins = args[:14] + [states] + args[15:18] + [dg, dssq, dfinal, args[0], args[3], args[4]] + args[18:]
   f32 = lambda s: jax.ShapeDtypeStruct(s, _F32)
   part = (c, b, g, nblk, q, n)
-  out_shape = [jax.ShapeDtypeStruct(xc.shape, cdt), jax.ShapeDtypeStruct(xc.shape, cdt), f32(part), f32(part),
+  out_shape = [jax.ShapeDtypeStruct(zx.shape, cdt), f32(part), f32(part),
                f32(dtc.shape), f32(dtc.shape), f32(dtc.shape), f32(init.shape), f32((b, k, g, r, p, 1)),
                f32((b, g, r, p, 1)), f32((b, g, nblk, k, n)), f32((b, g, nblk, 1, n)), f32((b, g, nblk, k, n)),
                f32((b, g, nblk, 1, n)), f32((b, g, r, p, q)), f32((b, g, nblk, q, n)), f32((b, g, nblk, q, n))]
   blk = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
   partial = spec((None, None, None, None, q, n), lambda bi, gi, ri, zi: (rev(zi), bi, gi, ri, 0, 0))
-  out_specs = [common[0], common[0], partial, partial, common[2], common[2], common[2], common[14],
+  out_specs = [spec(memory_space=pl.ANY), partial, partial, common[2], common[2], common[2], common[14],
                spec((None, k, None, hb, p, 1), lambda bi, gi, ri, zi: (bi, 0, gi, ri, 0, 0)),
                spec((None, None, hb, p, 1), blk), spec((None, None, None, k, n), blk),
                spec((None, None, None, 1, n), blk), spec((None, None, None, k, n), blk),
@@ -231,6 +272,7 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   scratch = [pltpu.VMEM((hb, p, n), _F32), pltpu.VMEM((hb, p, q), _F32), pltpu.VMEM((q, n), _F32),
              pltpu.VMEM((q, n), _F32), pltpu.VMEM((k - 1, q), _F32), pltpu.VMEM((q, k - 1), _F32)]
   scratch += [pltpu.VMEM((hb, q), _F32)] * 4  # d dt, d a (segment sums'), d cs, d to_end rows
+  scratch += [pltpu.VMEM((2, 2, q, hb * p), cdt), pltpu.SemaphoreType.DMA((2, 2))]  # dz, dx blocks in flight
   rows = c * b * d.h * q * 4  # one (.., q) float32 row per head and chunk
   cost = pl.CostEstimate(
       # The SSD's backward (ssd_tpu._one_pass_bwd_call's count) and its forward's
@@ -242,11 +284,11 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
       # x, z, dg and the previous chunk's x read, dx and dz written; dt_raw read and
       # three rows written; B and C (and the previous chunk's) read per head block and
       # their float32 partials written; the entering states read.
-      bytes_accessed=int(6 * xc.size * isz + 4 * rows + 4 * bc0.size * isz * nblk + 2 * bc0.size * 4 * nblk
+      bytes_accessed=int(6 * xsize * isz + 4 * rows + 4 * bc0.size * isz * nblk + 2 * bc0.size * 4 * nblk
                          + c * init.size * 4 + 2 * init.size * 4 + c * b * g * q * 4 * nblk
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b * 2 + 2 * g * (k + 1) * n * 4 * b * nblk * 2
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)))
-  kernel = functools.partial(_bwd_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit))
+  kernel = functools.partial(_bwd_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit), xcol=d.xcol)
   return pl.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, c), in_specs=in_specs, out_specs=tuple(out_specs),
       scratch_shapes=scratch,

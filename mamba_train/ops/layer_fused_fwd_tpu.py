@@ -211,20 +211,24 @@ class _Dims(NamedTuple):
   pad: int
   hb: int
   nblk: int
+  zcol: int  # where z's and x's head blocks start in the joined z|x, in (hb p)-wide blocks
+  xcol: int
 
 
-def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx):
-  """The kernels' shapes and their operands in the kernels' layouts: x and z as in_proj's
-  GEMMs write them, (b, l, i) row-major (padded to whole chunks), read in (q, hb p)
-  blocks; B, C (c, b, g, q, n); dt (c, b, g, r, q)."""
-  b, l, i = xr.shape
-  h = dt_raw.shape[-1]
+def _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx):
+  """The kernels' shapes and their operands in the kernels' layouts: z|x as in_proj's
+  GEMM writes it, (b, l, 2i) row-major (padded to whole chunks), passed twice and read
+  in (q, hb p) blocks, z's from column 0 and x's from column i (`_rows`); B, C (c, b,
+  g, q, n); dt (c, b, g, r, q)."""
+  b, l, i2 = zx.shape
+  i, h = i2 // 2, dt_raw.shape[-1]
   g, k, q = ngroups, w["conv_x"].shape[0], chunk
   r, p, n = h // g, i // h, bc.shape[-1] // g
   pad = (-l) % q
   hb = ssd_tpu._head_block(r)
-  d = _Dims(b, l, i, h, g, r, p, n, k, q, (l + pad) // q, pad, hb, r // hb)
-  c, cdt = d.c, xr.dtype
+  # i is g r p = (g nblk) (hb p): x's first block sits g nblk blocks in.
+  d = _Dims(b, l, i, h, g, r, p, n, k, q, (l + pad) // q, pad, hb, r // hb, 0, g * (r // hb))
+  c, cdt = d.c, zx.dtype
   heads = lambda v: jnp.pad(v, [(0, 0), (0, pad), (0, 0)]) if pad else v
   bcc = _chunks(bc, q, pad, (b, c, q, 2, g, n), (3, 1, 0, 4, 2, 5))  # (2, c, b, g, q, n)
   wbc = w["conv_bc"].astype(_F32).reshape(k, 2, g, n).transpose(1, 2, 0, 3)  # (2, g, k, n)
@@ -236,7 +240,7 @@ def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state
   # as "the previous chunk" (read once per sequence and head block, 1/c of x).
   at_end = lambda f: jnp.pad(f.astype(cdt), [(0, 0), (q - (k - 1), 0)] + [(0, 0)] * (f.ndim - 2))
   fbc = at_end(front_bc).reshape(b, q, 2, g, n).transpose(2, 0, 3, 1, 4)  # (2, b, g, q, n)
-  args = [heads(xr), heads(z), _chunks(dt_raw.astype(_F32), q, pad, (b, c, q, g, r), (1, 0, 3, 4, 2)),
+  args = [heads(zx), heads(zx), _chunks(dt_raw.astype(_F32), q, pad, (b, c, q, g, r), (1, 0, 3, 4, 2)),
           bcc[0], bcc[1], w["conv_x"].astype(_F32).reshape(k, g, r, p, 1),
           w["conv_x_bias"].astype(_F32).reshape(g, r, p, 1), wbc[0], bbc[0], wbc[1], bbc[1],
           col(w["dt_bias"]), col(-jnp.exp(w["A_log"].astype(_F32))), col(D), init,
@@ -250,10 +254,11 @@ def _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state
   return d, args
 
 
-def _rows(d, chunk_of):
-  """The BlockSpec of an (l, i)-sized activation, (b, l, i) row-major: a chunk's
-  positions of a head block's channels, (q, hb p)."""
-  return pl.BlockSpec((None, d.q, d.hb * d.p), lambda bi, gi, ri, zi: (bi, chunk_of(zi), gi * d.nblk + ri))
+def _rows(d, chunk_of, col=0):
+  """The BlockSpec of an (l, i)-sized activation, row-major: a chunk's positions of a
+  head block's channels, (q, hb p), the blocks starting `col` blocks in (x's in the
+  joined z|x: i columns in, so Mosaic needs hb p a multiple of 128)."""
+  return pl.BlockSpec((None, d.q, d.hb * d.p), lambda bi, gi, ri, zi: (bi, chunk_of(zi), col + gi * d.nblk + ri))
 
 
 def _specs(d, chunk_of, seq):
@@ -267,7 +272,7 @@ def _specs(d, chunk_of, seq):
   per_group = lambda bi, gi, ri, zi: (gi, 0, 0)
   front_bc = lambda bi, gi, ri, zi: (bi, gi, 0, 0)
   spec = pl.BlockSpec
-  specs = [_rows(d, chunk_of), _rows(d, chunk_of),
+  specs = [_rows(d, chunk_of, d.xcol), _rows(d, chunk_of, d.zcol),
            spec((None, None, None, hb, q), head),
            spec((None, None, None, q, n), group), spec((None, None, None, q, n), group),
            spec((k, None, hb, p, 1), lambda bi, gi, ri, zi: (0, gi, ri, 0, 0)),
@@ -294,10 +299,11 @@ def _call(d, args, dt_limit, interpret, save=False):
   (c, b, g, r, q), the final state (b, g, r, p, n); with `save` the states entering
   each chunk (b, g, r, c, p, n) float32 as well (the backward kernel's residual)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
-  xc, dtc, bc0, init, fx = args[0], args[2], args[3], args[14], args[15]
+  zx, dtc, bc0, init, fx = args[0], args[2], args[3], args[14], args[15]
   seq = len(args) > 18
-  cdt = xc.dtype
+  cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
+  rows = jax.ShapeDtypeStruct((b, c * q, d.i), cdt)  # an (l, i)-sized activation, padded
   cost = pl.CostEstimate(
       # The one-pass SSD's count (ssd_tpu._one_pass_call) plus the prologue (the
       # conv's k taps, SiLU and softplus) and the epilogue (gate, squares).
@@ -306,13 +312,13 @@ def _call(d, args, dt_limit, interpret, save=False):
       transcendentals=int(c * b * d.h * (q * q + 2 * q + 3 * p * q) + c * b * g * nblk * 2 * q * n),
       # x, z read and the gated y written once; dt raw read, sums of squares written;
       # B and C once per head block; the states; the small weights per head block.
-      bytes_accessed=int(3 * xc.size * isz + dtc.size * 4 * 2 + 2 * bc0.size * isz * nblk + 2 * init.size * 4
+      bytes_accessed=int(3 * rows.size * isz + dtc.size * 4 * 2 + 2 * bc0.size * isz * nblk + 2 * init.size * 4
                          + fx.size * isz + 2 * b * g * q * n * isz * nblk
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b + 2 * g * (k + 1) * n * 4 * b * nblk
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)
                          + (c * init.size * 4 if save else 0)))
   spec = pl.BlockSpec
-  out_shape = [jax.ShapeDtypeStruct(xc.shape, cdt), jax.ShapeDtypeStruct(dtc.shape, _F32),
+  out_shape = [rows, jax.ShapeDtypeStruct(dtc.shape, _F32),
                jax.ShapeDtypeStruct(init.shape, _F32)]
   out_specs = [_rows(d, lambda zi: zi),
                spec((None, None, None, hb, q), lambda bi, gi, ri, zi: (zi, bi, gi, ri, 0)),

@@ -1,8 +1,9 @@
 """The Mamba-2 layer between in_proj and out_proj as one Pallas TPU kernel (Mosaic).
 
 Same arguments and results as the plain form `layer_math.mixer_core` (the
-reference, and what CPUs run): from in_proj's outputs z, x, B|C (before the conv)
-and dt (before its softplus) to the gated SSD output y * silu(z) and each row's
+reference, and what CPUs run): from in_proj's outputs z|x (joined, as one GEMM writes
+them), B|C (before the conv) and dt (before its softplus) to the gated SSD output
+y * silu(z) and each row's
 sums of squares per norm group, which the model folds into the norm and out_proj
 (`mamba2.mixer`: out = (g * rsqrt(ssq / width + eps) * w) @ W_out, XLA fusing the
 row scaling into out_proj's operand).
@@ -23,14 +24,17 @@ needs them again (docs/bench/tpu_ssd.md). Here, per chunk and head block, on chi
   summed per group in XLA.
 
 Between in_proj's output and out_proj's input only the gated y is written (and the
-final state). The (l, d_inner)-sized operands and results (x, z and the gated y; in
-the backward the gated y's cotangent, dx and dz) stay as the GEMMs write and read
-them, (b, l, i) row-major: each program reads and writes a chunk's (q, hb p) block,
-channels on lanes, and turns it to the per-head math's (hb, p, q) orientation
-(positions on lanes) and back with one transpose on chip, so XLA adds no relayout
-copies around the kernels (docs/bench/fused_layer.md). Mosaic then needs a head
-block's channels, hb p, to be a multiple of 128 or all of d_inner (p 64: 8 heads);
-where they are not, `mixer_core_tpu` runs the plain form over the SSD kernel.
+final state). The (l, d_inner)-sized operands and results (z|x and the gated y; in
+the backward the gated y's cotangent and dz|dx) stay as the GEMMs write and read
+them, row-major: z|x is in_proj's one (b, l, 2i) output, passed twice and read
+through two BlockSpecs, z's blocks from column 0 and x's from column i; each program
+reads and writes a chunk's (q, hb p) block, channels on lanes, and turns it to the
+per-head math's (hb, p, q) orientation (positions on lanes) and back with one
+transpose on chip, so XLA adds no slice, stack or relayout copies around the kernels
+(docs/bench/fused_layer.md). Mosaic then needs a head block's channels, hb p, to be a
+multiple of 128 (p 64: 8 heads; every released size: 512, `tiny` 256), x's offset i
+being a whole number of blocks only then; where they are not, `mixer_core_tpu` runs
+the plain form over the SSD kernel (`joins`).
 
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
@@ -44,13 +48,16 @@ SSD chunk's (`ssd_tpu._outputs_head_bwd`, `_states_head_bwd`, the state's cotang
 carried in VMEM from the final state's back to the initial state's), SiLU's and the
 conv's. Walking in reverse, an input's conv gradient needs the pre-activation
 cotangents of the k - 1 positions after it, which may sit in the next chunk: that
-chunk's are kept in VMEM (the halo). It writes the gradients of in_proj's outputs (x,
-z, dt; B and C as per-head-block float32 partials, B and C being shared by a group's
-heads across blocks, summed outside; everything after dB, dC is linear in them), and
+chunk's are kept in VMEM (the halo). It writes the gradients of in_proj's outputs (z|x
+joined, as in_proj's weight- and input-gradient GEMMs read them: a step's dz and dx
+blocks sit i columns apart, more than one BlockSpec writes, so the kernel copies them
+to HBM itself, overlapped with the next step; dt; B and C as per-head-block float32
+partials, B and C being shared by a group's heads across blocks, summed outside;
+everything after dB, dC is linear in them), and
 the small ones: the conv weights and biases per sequence (and head block), rows of
 A's and D's to sum, the initial state's and the fronts'. Nothing (l, d_inner)-sized
-crosses HBM but its inputs (x, z, the gated y's cotangent and the previous chunk's x)
-and its outputs (dx, dz); docs/bench/fused_layer.md has the counts, predicted and
+crosses HBM but its inputs (z|x, the gated y's cotangent and the previous chunk's x)
+and its output (dz|dx); docs/bench/fused_layer.md has the counts, predicted and
 measured.
 
 Supported: documents (seq_idx), initial states (the SSM state, and the conv's front
@@ -87,30 +94,29 @@ def _outputs(d, gated, ssq, final):
   return gated, ssq, final.reshape(b, d.h, d.p, d.n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 12))
-def _fused(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
-  d, args = _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 11))
+def _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+  d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
   return _outputs(d, *_call(d, args, dt_limit, interpret))
 
 
-def _fused_fwd(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx,
-               interpret):
-  d, args = _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
+def _fused_fwd(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+  d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
   gated, ssq, final, states = _call(d, args, dt_limit, interpret, save=True)
-  return _outputs(d, gated, ssq, final), (z, xr, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states)
+  return _outputs(d, gated, ssq, final), (zx, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states)
 
 
 def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
-  z, xr, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states = res
-  d, args = _prep(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
+  zx, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states = res
+  d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
   b, l, c, q, g, r, k, n = d.b, d.l, d.c, d.q, d.g, d.r, d.k, d.n
   dgated, dssq, dfinal = ct
-  dg = dgated.astype(xr.dtype)
+  dg = dgated.astype(zx.dtype)
   dg = jnp.pad(dg, [(0, 0), (0, d.pad), (0, 0)]) if d.pad else dg
   dssq = _chunks(dssq.astype(_F32)[..., None], q, d.pad, (b, c, q, g, 1), (1, 0, 3, 4, 2))
-  (dx, dz, dbp, dcp, ddtr, da, dd, dinit, dwx, dbx, dwb, dbb, dwc, dbcb, dfx, dfb, dfc) = _bwd_call(
+  (dzx, dbp, dcp, ddtr, da, dd, dinit, dwx, dbx, dwb, dbb, dwc, dbcb, dfx, dfb, dfc) = _bwd_call(
       d, args, states, dg, dssq, dfinal.astype(_F32).reshape(b, g, r, d.p, n), dt_limit, interpret)
-  back = lambda v: v[:, :l]  # dx, dz row-major, as in_proj's GEMMs read them
+  back = lambda v: v[:, :l]  # dz|dx row-major, as in_proj's GEMMs read it
   dbc = jnp.stack([dbp.sum(3), dcp.sum(3)], 3)  # (c, b, g, 2, q, n)
   dbc = dbc.transpose(1, 0, 4, 3, 2, 5).reshape(b, c * q, 2, g * n)[:, :l]
   ddtr = ddtr.transpose(1, 0, 4, 2, 3).reshape(b, c * q, d.h)[:, :l]
@@ -126,30 +132,35 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
   dfbc = jnp.stack([dfb.sum(2), dfc.sum(2)], 2)[:, :, :, q - (k - 1):]  # (b, g, 2, k-1, n)
   dfbc = dfbc.transpose(0, 3, 2, 1, 4).reshape(b, k - 1, 2, g * n)
   like = lambda v, ref: v.astype(ref.dtype)
-  return (like(back(dz), z), like(back(dx), xr), like(dbc, bc), like(ddtr, dt_raw), dw, like(dfx, front_x),
-          like(dfbc, front_bc), like(dinit.reshape(initial_state.shape), initial_state), None)
+  return (like(back(dzx), zx), like(dbc, bc), like(ddtr, dt_raw), dw, like(dfx, front_x), like(dfbc, front_bc),
+          like(dinit.reshape(initial_state.shape), initial_state), None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def mixer_core_tpu(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
+def joins(d_inner: int, nheads: int, ngroups: int) -> bool:
+  """Whether the kernels take this layer (per device's heads): a head block's channels
+  (hb p: 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
+  must, x's blocks sitting i columns into the joined z|x (a block-aligned offset only
+  then). Every released size has hb p = 512 (256 at `tiny`)."""
+  return ssd_tpu._head_block(nheads // ngroups) * (d_inner // nheads) % 128 == 0
+
+
+def mixer_core_tpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
                    front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False):
   """`layer_math.mixer_core` as one Pallas TPU kernel, forward and backward (see the module doc)."""
-  b, h, k = xr.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
-  i, r = xr.shape[-1], h // ngroups
-  width = ssd_tpu._head_block(r) * (i // h)
-  if not interpret and width % 128 and width != i:
-    # Mosaic's blocks span whole 128-lane vregs or the whole axis, and a head block's
-    # channels (hb p, hb 8 or all of a group's heads) do neither: the layer's plain
-    # form over the one-pass SSD kernel, the same function (what `table.build` runs
-    # where this kernel takes no split sequence).
+  b, h, k = zx.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
+  i = zx.shape[-1] // 2
+  if not interpret and not joins(i, h, ngroups):
+    # The layer's plain form over the one-pass SSD kernel, the same function (what
+    # `table.build` runs where this kernel takes no split sequence).
     ssd = functools.partial(ssd_tpu.ssd_fused, interpret=False)
-    return layer_math.mixer_core(z, xr, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
+    return layer_math.mixer_core(zx, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
                                  front_bc=front_bc, initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
   if initial_state is None:
-    initial_state = jnp.zeros((b, h, xr.shape[-1] // h, bc.shape[-1] // ngroups), _F32)
-  front_x = jnp.zeros((b, k - 1, xr.shape[-1]), _F32) if front_x is None else front_x
+    initial_state = jnp.zeros((b, h, i // h, bc.shape[-1] // ngroups), _F32)
+  front_x = jnp.zeros((b, k - 1, i), _F32) if front_x is None else front_x
   front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), _F32) if front_bc is None else front_bc
-  return _fused(z, xr, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx,
+  return _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx,
                 interpret)

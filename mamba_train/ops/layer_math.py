@@ -81,7 +81,7 @@ def causal_conv_silu(x, w, bias, front, seq_idx=None, front_idx=None):
   return jax.nn.silu(out), front
 
 
-def mixer_core(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
+def mixer_core(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
                front_x=None, front_bc=None, initial_state=None, seq_idx=None, ssd):
   """The Mamba-2 layer between in_proj and out_proj: conv + SiLU of x and B|C (after
   their fronts of earlier inputs, zeros by default), dt = clip(softplus(dt_raw +
@@ -89,14 +89,16 @@ def mixer_core(z, xr, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0,
   gate y * silu(z); the norm's row statistics as each row's sums of squares per
   group, which the caller folds into the norm (g * rsqrt(ssq / (i / g) + eps) * w).
 
-  z, xr: (b, l, i) in the compute dtype; bc: (b, l, 2, g n); dt_raw: (b, l, h)
-  float32; w: the layer's conv_x (k, i), conv_x_bias, conv_bc (k, 2, g n),
+  zx: z|x joined (b, l, 2i), as in_proj's one GEMM writes them, in the compute
+  dtype; bc: (b, l, 2, g n); dt_raw: (b, l, h) float32; w: the layer's conv_x (k,
+  i), conv_x_bias, conv_bc (k, 2, g n),
   conv_bc_bias, dt_bias, A_log and D (or None); front_x (b, k-1, i), front_bc
   (b, k-1, 2, g n): `causal_conv`'s fronts; ssd: the SSD, `ssd.ssd_chunked` or a
   kernel with its arguments. Returns the gated y (b, l, i) in the compute dtype, ssq
   (b, l, g) float32 and the final state (b, h, p, n).
   """
-  b, l, i = xr.shape
+  b, l, i = zx.shape[0], zx.shape[1], zx.shape[2] // 2
+  z, xr = zx[..., :i], zx[..., i:]
   h, g, k = dt_raw.shape[-1], ngroups, w["conv_x"].shape[0]
   n, cd = bc.shape[-1] // g, xr.dtype
   front_x = jnp.zeros((b, k - 1, i), cd) if front_x is None else front_x

@@ -181,7 +181,7 @@ class Ops:
   # layer_math.mixer_core's (the layer between in_proj and out_proj for an
   # unpadded sequence), or None: conv, SSD and norm run one by one
   mixer: Callable | None
-  split_in_proj: bool  # z, x and B|C as three GEMM outputs (the TPU layer kernels read operands whole)
+  split_in_proj: bool  # z, x and B|C as three GEMM outputs (the Mosaic conv kernel reads x whole)
   # The norm takes in_proj's joined z|x|B|C output as its gate, its first d_inner
   # channels (the GPU norm kernel reads them in place: no slice copied for it).
   norm_gate_joined: bool
@@ -338,8 +338,8 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
     attention = choose("attention", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)"})
   attend = _attend(attention, runtime, mesh)
 
-  # The TPU layer kernels take z, x and B|C as operands of their own, whatever runs
-  # the conv here (`mamba2._project_in`).
+  # The Mosaic conv kernel takes x as an operand of its own (`mamba2._project_in`);
+  # the fused layer reads z|x joined (`mamba2._project_in_fused`).
   split_in_proj = _impl("conv", runtime) == "mosaic"
   # What `save_matmuls` keeps of the GPU kernels beside the matmuls' results, as the 1.3b
   # step's counts for h100-8 and b200-8 chose per program (docs/bench/gpu.md, 2026-12-04):
@@ -360,7 +360,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
              ssd_y_positions_minor=impl == "mosaic", ssd_save_names=tuple(save_names),
              # The TPU step's counts were taken without (docs/bench/tpu_ssd.md).
              ssd_saved_with_matmuls=gpu_saved,
-             conv=conv, norm=norm, split_in_proj=split_in_proj or mixer is not None, mixer=mixer,
+             conv=conv, norm=norm, split_in_proj=split_in_proj, mixer=mixer,
              norm_gate_joined=norm_joined and not split_in_proj and mixer is None,
              decode=decode, expert_mlp=expert_mlp, expert_mlp_checks_vma=experts == "xla",
              attend=attend, choices=tuple(choices))

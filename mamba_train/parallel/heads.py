@@ -93,7 +93,7 @@ class HeadSplit:
     y = P(bt, None, *rank, hd, None)
     return self._map(local, tuple(specs), (y, (state, k, last_x)), *args)
 
-  def mixer(self, kernel: Callable, z, xr, bc, dt_raw, w, chunk_size: int, *, ngroups: int, dt_limit,
+  def mixer(self, kernel: Callable, zx, bc, dt_raw, w, chunk_size: int, *, ngroups: int, dt_limit,
             front_x, front_bc, initial_state, seq_idx=None):
     """`kernel(...)` (`layer_fused_tpu.mixer_core_tpu`: the layer between in_proj and
     out_proj) on each device's part of the batch and heads, whole groups on each
@@ -106,16 +106,24 @@ class HeadSplit:
               "conv_bc_bias": P(None, gs), "dt_bias": P(hd), "A_log": P(hd), "D": P(hd)}
     w = {k: w[k] for k in wspecs}
     bcs = P(bt, None, None, gs)
-    specs = (inner, inner, bcs, inner, wspecs, inner, bcs, P(bt, hd, None, None))
-    args = (z, xr, bc, dt_raw, w, front_x, front_bc, initial_state)
+    split = self.head_devices > 1
+    if split:
+      # A device's heads are a part of z's columns and a part of x's, not one block of
+      # z|x: split as (b, l, 2, i) and joined again per device (copies; no recipe
+      # splits heads over devices).
+      zx = zx.reshape(*zx.shape[:2], 2, -1)
+    specs = (P(bt, None, None, hd) if split else P(bt, None, None), bcs, inner, wspecs, inner, bcs,
+             P(bt, hd, None, None))
+    args = (zx, bc, dt_raw, w, front_x, front_bc, initial_state)
     if seq_idx is not None:
       specs, args = specs + (P(bt, None),), args + (seq_idx,)
     local_groups = ngroups // self.head_devices if ngroups > 1 else 1
 
-    def local(z, xr, bc, dt_raw, w, fx, fbc, h0, seq=None):
-      return kernel(z, xr, bc, dt_raw, w, chunk_size, ngroups=local_groups, dt_limit=dt_limit,
+    def local(zx, bc, dt_raw, w, fx, fbc, h0, seq=None):
+      zx = zx.reshape(*zx.shape[:2], -1)
+      return kernel(zx, bc, dt_raw, w, chunk_size, ngroups=local_groups, dt_limit=dt_limit,
                     front_x=fx, front_bc=fbc, initial_state=h0, seq_idx=seq)
-    return self._map(local, specs, (inner, P(bt, None, gs), specs[7]), *args)
+    return self._map(local, specs, (inner, P(bt, None, gs), specs[6]), *args)
 
   def _map(self, local, in_specs, out_specs, *args):
     # Inside another map (a split sequence's, manual over its axis) the kernel's map
