@@ -30,7 +30,8 @@ def _inputs(b, l, h, p, g, n, k=4):
   fronts = jax.random.split(ks[11], 3)
   # z|x joined, as in_proj's GEMM writes them: the kernels read z's and x's blocks out
   # of it and write dz|dx back into one cotangent.
-  return (jax.random.normal(ks[0], (b, l, 2 * i)), jax.random.normal(ks[2], (b, l, 2, g * n)), jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
+  return (jax.random.normal(ks[0], (b, l, 2 * i)), jax.random.normal(ks[2], (b, l, 2, g * n)),
+          jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
           jax.random.normal(fronts[0], (b, k - 1, i)), jax.random.normal(fronts[1], (b, k - 1, 2, g * n)),
           0.1 * jax.random.normal(ks[10], (b, h, p, n)), fronts[2])
 

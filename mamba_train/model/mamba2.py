@@ -104,7 +104,7 @@ def _project_in_fused(p, u, rt):
   weights into one (d, 2i + 2gn) matrix every step, for a GEMM reading u once less."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zxw, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
-  d, i, gn = zxw.shape[0], zxw.shape[2], bcw.shape[2]
+  d, i = zxw.shape[0], zxw.shape[2]
   adapter = mm.adapter_of(p, "in_proj")
   if adapter is not None:  # the adapter's B spans all five pieces: one float32 dot, sliced
     z, x, bc, dt_raw = _project_in(p, u, rt)

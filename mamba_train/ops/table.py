@@ -12,8 +12,9 @@ math never branches on an implementation name.
 The runtime field that picks each operation's row (`Runtime` spells each name
 once; old spellings are aliases there): ssd_impl -> ssd; layer_impl -> conv and
 norm, or with 'fused' the mixer (the layer between in_proj and out_proj as one op,
-the conv and norm plain where it does not run); decode_impl -> decode; moe_impl -> experts; attention -> attention. A Pallas
-kernel runs on any backend in Pallas' interpreter (`Runtime.interpret`: for tests).
+the conv and norm plain where it does not run); decode_impl -> decode; moe_impl ->
+experts; attention -> attention. A Pallas kernel runs on any backend in Pallas'
+interpreter (`Runtime.interpret`: for tests).
 
 Kernel modules are imported when a row is chosen, not before: importing the model
 loads none it does not run. Like the kernels, this module imports nothing else of
@@ -356,7 +357,8 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   # The GPU norm reads its gate in place from in_proj's joined output where the heads
   # are on one device: no slice of it copied, in the forward pass and again in the backward's.
   norm_joined = norm_impl == "triton" and (mesh.heads is None or mesh.heads.head_devices == 1)
-  return Ops(ssd=ssd, ssd_chunk=chunk, ssd3=ssd3, ssd3_chunk=chunk3, ssd3_step=step3, ssd_chunk_major=impl == "mosaic" and seq is None,
+  return Ops(ssd=ssd, ssd_chunk=chunk, ssd3=ssd3, ssd3_chunk=chunk3, ssd3_step=step3,
+             ssd_chunk_major=impl == "mosaic" and seq is None,
              ssd_y_positions_minor=impl == "mosaic", ssd_save_names=tuple(save_names),
              # The TPU step's counts were taken without (docs/bench/tpu_ssd.md).
              ssd_saved_with_matmuls=gpu_saved,
