@@ -24,7 +24,8 @@ resolved for TPU, and the state and batch shardings it trains with; the state an
 batch are abstract (shapes and shardings only), so nothing is allocated. Reported:
 per-device memory from XLA's memory analysis against the chip's HBM, XLA's FLOP and
 byte counts with every layer counted (two more small compiles: one layer, and two
-layers unrolled; on GPUs the one compile's loop bodies times their trip counts), the
+layers unrolled; on GPUs a Mamba-2 model's one compile's loop bodies times their trip
+counts, a hybrid's by kind), the
 step time and MFU they imply at the datasheet peaks, and the compile time. Exits with
 status 2 and says what to change when the step does not fit.
 """
@@ -122,8 +123,8 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice (v5e:2x2, v6e:
                                 "or NVIDIA GPUs (h100-8, h200-8, h100-64, ...)")
 _JSON = flags.DEFINE_string("json", "", "Also write the report as JSON here.")
 _EVERY_LAYER = flags.DEFINE_bool("every_layer", True, "Count every layer's FLOPs and bytes (two more "
-                                 "small compiles; on GPUs --trip_counts' count instead); false: the scanned "
-                                 "layer body once, a lower bound. With "
+                                 "small compiles; on GPUs --trip_counts' count instead, but for a "
+                                 "hybrid); false: the scanned layer body once, a lower bound. With "
                                  "--config.runtime.unroll_layers=True the step holds every layer and is "
                                  "counted whole either way.")
 

@@ -8,7 +8,7 @@ state and batch shardings it trains with; the state and batch are abstract (shap
 and shardings only), so nothing is allocated. The report: per-device memory from
 XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
 layer counted (two more small compiles: one layer, and two layers unrolled; on GPUs
-the one compile's loop bodies times their trip counts; none when
+a Mamba-2 model's one compile's loop bodies times their trip counts; none when
 `runtime.unroll_layers` compiles every layer into the step itself), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
@@ -167,6 +167,19 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   return out
 
 
+def counts_by_trips(asked: bool, gpu: bool, every_layer: bool, model) -> bool:
+  """Whether the report counts every layer from the one compile, its loop bodies times
+  their trip counts: where asked, and on GPUs for a Mamba-2 model with `every_layer`. What
+  `save_matmuls` keeps of the GPU kernels differs between a layer scan and unrolled layers
+  (`table.build`), so `every_layer`'s differencing of a scanned layer against two unrolled
+  ones would mix the two programs' remat (and never sees the scan's stack copies,
+  docs/bench/gpu.md 2026-12-04). Not for a hybrid: its scan runs the kinds under
+  `lax.cond`, which the trip count takes at its costliest branch every trip (Nano's
+  attention 23 times for its 6 layers: 14% against 25% on h100-8, docs/bench/moe.md),
+  where `hybrid_every_layer_cost` counts each kind as often as the pattern holds it."""
+  return asked or (gpu and every_layer and not model.layer_pattern)
+
+
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None,
                        trip_counts: bool = False, hlo_dump: str = "") -> dict:
   """Compile the run's train step for `topology`; return the report (see the module
@@ -178,16 +191,11 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   Raises run_config.ConfigError on a bad config, DoesNotFit when XLA refuses or the
   per-device peak exceeds HBM."""
   gpu = is_gpu_topology(topology)
-  # On GPUs every layer is counted from the one compile, its loop bodies times their trip
-  # counts: what `save_matmuls` keeps of the GPU kernels differs between a layer scan and
-  # unrolled layers (`table.build`), so `every_layer`'s differencing of a scanned layer
-  # against two unrolled ones would mix the two programs' remat (and never sees the scan's
-  # stack copies, docs/bench/gpu.md 2026-12-04).
-  trip_counts = trip_counts or (gpu and every_layer)
   gen, topo, devices = gpu_devices(topology) if gpu else tpu_devices(topology)
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              device_kind=devices[0].device_kind,
                              reference=reference)
+  trip_counts = counts_by_trips(trip_counts, gpu, every_layer, plan.model)
   with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
     return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts, hlo_dump)
 
