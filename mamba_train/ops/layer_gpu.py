@@ -64,7 +64,7 @@ NUM_WARPS = 8
 # Names a remat policy can save ('save_matmuls' with the layers unrolled: `table.build`):
 # the conv's activation (the SSD's input, which its backward kernel reads) and the
 # norm's output (out_proj's input, which its weight's gradient reads), so the backward
-# pass runs neither forward kernel again (docs/bench/gpu.md, 2026-12-04).
+# pass runs neither forward kernel again (docs/bench/gpu.md).
 SAVE_NAMES = ("layer_gpu_conv", "layer_gpu_norm")
 
 
@@ -399,7 +399,7 @@ def gated_rms_norm_gpu(y, z, weight, groups, eps, *, interpret: bool = False):
   its first i channels: in_proj's joined z|x|B|C output (`Ops.norm_gate_joined`),
   which the kernels then read in place where no padding is needed (a group a power
   of two, whole blocks of rows) instead of a slice XLA would copy out for them, in
-  the forward pass and again in the backward's (docs/bench/gpu.md, 2026-12-04); its
+  the forward pass and again in the backward's (docs/bench/gpu.md); its
   gradient is zero past the gate."""
   i = y.shape[-1]
   if i % groups:

@@ -343,7 +343,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   # the fused layer reads z|x joined (`mamba2._project_in_fused`).
   split_in_proj = _impl("conv", runtime) == "mosaic"
   # What `save_matmuls` keeps of the GPU kernels beside the matmuls' results, as the 1.3b
-  # step's counts for h100-8 and b200-8 chose per program (docs/bench/gpu.md, 2026-12-04):
+  # step's counts for h100-8 and b200-8 chose per program (docs/bench/gpu.md):
   # with the layers unrolled, the SSD kernel's output and entering states and the layer
   # kernels' outputs (the conv's activation, the norm's output), so the backward pass
   # runs no forward kernel again; in a layer scan nothing, since the scan copies each

@@ -173,9 +173,9 @@ def counts_by_trips(asked: bool, gpu: bool, every_layer: bool, model) -> bool:
   `save_matmuls` keeps of the GPU kernels differs between a layer scan and unrolled layers
   (`table.build`), so `every_layer`'s differencing of a scanned layer against two unrolled
   ones would mix the two programs' remat (and never sees the scan's stack copies,
-  docs/bench/gpu.md 2026-12-04). Not for a hybrid: its scan runs the kinds under
-  `lax.cond`, which the trip count takes at its costliest branch every trip (Nano's
-  attention 23 times for its 6 layers: 14% against 25% on h100-8, docs/bench/moe.md),
+  docs/bench/gpu.md). Not for a hybrid: its scan runs the kinds under
+  `lax.cond`, which the trip count takes at its costliest branch every trip (an
+  attention layer counted in every step of the scan, not only in its own: docs/bench/moe.md),
   where `hybrid_every_layer_cost` counts each kind as often as the pattern holds it."""
   return asked or (gpu and every_layer and not model.layer_pattern)
 
