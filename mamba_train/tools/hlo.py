@@ -60,11 +60,7 @@ def shape_bytes(text: str) -> int:
 def body_lines(hlo: str) -> Iterator[tuple[str, bool]]:
   """(line, inside a fusion's body) for each line of the module's computations but
   their headers. What a fusion body holds stays on chip; its ops are not launched."""
-  fused = False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace():  # a computation's header
-      fused = line.lstrip("%").startswith(_FUSED)
-      continue
+  for (_, line), fused in body_lines_named(hlo):
     yield line, fused
 
 
@@ -72,7 +68,7 @@ def body_lines_named(hlo: str) -> Iterator[tuple[tuple[str | None, str], bool]]:
   """`body_lines` with each line's computation name: ((computation, line), fused)."""
   fused, comp = False, None
   for line in hlo.splitlines():
-    if line and not line[0].isspace():
+    if line and not line[0].isspace():  # a computation's header
       m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)", line)
       comp = m.group(1) if m else None
       fused = line.lstrip("%").startswith(_FUSED)
