@@ -316,6 +316,45 @@ def test_trip_scaled_cost_counts_each_loop_body_as_often_as_it_runs():
   assert hlo._trips("%w = (u32[]) while(%t), condition=%cond, body=%body", cond) == 16
 
 
+def test_trip_scaled_cost_counts_a_skipped_layer_only_where_taken(monkeypatch):
+  """A hybrid's scan of steps ('MEMEM*EMEM*M' runs as 6 steps of order '*EM': '*' in 2
+  of them, 'E' in 4) skips a kind by `lax.cond`, which XLA's analysis counts at its
+  costliest branch every trip. With each branch in the share of trips its scope says
+  take it, the forward and backward FLOPs match the same layers unrolled (no loop, no
+  cond), and each branch runs that share of its loop's trips."""
+  import jax
+  import jax.numpy as jnp
+
+  from mamba_train.model import pattern
+  from mamba_train.tools import hlo
+
+  pat = "MEMEM*EMEM*M"
+  pl = pattern.plan(pat, "steps")
+  assert (pl.steps.n_steps, sum(pl.steps.taken["*"]), sum(pl.steps.taken["E"])) == (6, 2, 4)
+  width = {"M": 16, "E": 24, "*": 96}  # '*' the costliest, as attention in Nano
+  layer = lambda p, h, s: (jnp.tanh(h @ p) @ p.T, None)
+  params = {k: jnp.ones((pat.count(k), 32, w)) / 32 for k, w in width.items()}
+
+  def loss(params, unroll):
+    return jnp.sum(pattern.run(pl, dict.fromkeys(width, layer), params, {}, jnp.ones((128, 32)), unroll=unroll)[0])
+
+  compiled = {u: jax.jit(jax.grad(loss), static_argnums=1).lower(params, u).compile() for u in (False, True)}
+  got = hlo.trip_scaled_cost(compiled[False])
+  want = compiled[True].cost_analysis()["flops"]
+  # The 4 conditionals (2 kinds, forward and backward): each branch runs in its share of 6 trips.
+  text = compiled[False].as_text()
+  times = hlo.loop_multiplicities(text)
+  conds = [hlo.branch_shares(l) for l in text.splitlines() if " conditional(" in l]
+  assert len(conds) == 4 and all(c is not None for c in conds)
+  assert sorted(sorted(c.values()) for c in conds) == [[1 / 3, 2 / 3]] * 4
+  assert all(times[b] == 6 * share for c in conds for b, share in c.items())
+  # Within 3%: the scan's own backward (its slots' cotangents) adds 1.5-3% to any
+  # pattern's, conds or none. The costliest branch every trip counts 30% more.
+  assert abs(got["flops"] - want) <= 0.03 * want, (got["flops"], want)
+  monkeypatch.setattr(hlo, "branch_shares", lambda line: None)
+  assert hlo.trip_scaled_cost(compiled[False])["flops"] > 1.3 * want
+
+
 _TPU_TRIPS = """
 import json, tempfile
 import jax, jax.numpy as jnp

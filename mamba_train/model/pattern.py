@@ -45,6 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# The name scope of a step's `lax.cond` (see `_run_steps`).
+TAKEN_SCOPE = "taken_{taken}_of_{of}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   kind: str  # the layer kind's character
@@ -216,7 +220,11 @@ def _run_steps(st: Steps, fns: dict[str, Callable], xs: dict[str, Any], h):
         h, outs[k] = fns[k](p, h, s)
         continue
       skip = lambda p, h, s, k=k: (h, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape[k]))
-      h, outs[k] = jax.lax.cond(t, fns[k], skip, p, h, s)
+      # The scope's name tells a count of the compiled program how many trips take
+      # the layer (`tools/hlo.py`'s TAKEN reads it): XLA's cost analysis counts a
+      # conditional at its costliest branch, as if every step ran the layer.
+      with jax.named_scope(TAKEN_SCOPE.format(taken=sum(st.taken[k]), of=st.n_steps)):
+        h, outs[k] = jax.lax.cond(t, fns[k], skip, p, h, s)
     return h, outs
 
   h, ys = jax.lax.scan(body, h, {k: (slots[k], taken[k]) for k in st.order})

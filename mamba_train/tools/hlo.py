@@ -235,14 +235,35 @@ _CALLED = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations|ca
                      r"\{?([%\w.\-, ]+)\}?")
 
 
-def loop_multiplicities(text: str) -> dict[str, int]:
+# A `lax.cond` under the name scope `model.pattern.TAKEN_SCOPE` (a hybrid's scan of
+# steps skipping a layer kind) says how many of its loop's trips take the layer.
+_TAKEN = re.compile(r'op_name="[^"]*/taken_(\d+)_of_(\d+)/cond"')
+_BRANCHES = re.compile(r"\bbranch_computations=\{([%\w.\-, ]+)\}")
+
+
+def branch_shares(line: str) -> dict[str, float] | None:
+  """The share of its trips each branch of a conditional runs, for a `lax.cond` whose
+  scope says how many trips take it (branch 1: JAX lowers `cond(pred, taken, skip)`
+  to branches (skip, taken)); None for any other instruction."""
+  taken, b = _TAKEN.search(line), _BRANCHES.search(line)
+  if not (taken and b and " conditional(" in line):
+    return None
+  names = [n.strip().lstrip("%") for n in b.group(1).split(",")]
+  n, of = int(taken.group(1)), int(taken.group(2))
+  if len(names) != 2 or not 0 <= n <= of:
+    return None
+  return {names[0]: (of - n) / of, names[1]: n / of}
+
+
+def loop_multiplicities(text: str) -> dict[str, float]:
   """How many times each non-fused computation of an optimised module runs in one run
   of its entry: a while body its loop's trip count (`_trips`) times its caller's, a
-  called computation (call, conditional branch, async wrapper) its caller's. A
-  computation reached twice takes the larger count, the bound `trip_scaled_cost`'s rule
-  agrees with for the programs here (each layer body one loop)."""
+  called computation (call, conditional branch, async wrapper) its caller's, a branch
+  of a conditional whose scope says how often it is taken (`branch_shares`) that share
+  of its caller's. A computation reached twice takes the larger count, the bound
+  `trip_scaled_cost`'s rule agrees with for the programs here (each layer body one loop)."""
   comps, entry = _computation_lines(text)
-  times: dict[str, int] = {}
+  times: dict[str, float] = {}
 
   def visit(name: str, n: int):
     if name not in comps or times.get(name, 0) >= n:
@@ -254,6 +275,11 @@ def loop_multiplicities(text: str) -> dict[str, int]:
         cond, body = w.groups()
         visit(body, n * _trips(line, comps.get(cond, [])))
         visit(cond, n)
+        continue
+      shares = branch_shares(line)
+      if shares:
+        for branch, share in shares.items():
+          visit(branch, n * share)
         continue
       for group in _CALLED.findall(line):
         for callee in group.split(","):
@@ -451,9 +477,10 @@ def trip_scaled_cost(compiled, proto: bytes | None = None) -> dict:
   cost analysis through the CPU client on the optimised module (private jaxlib entry
   points, as `gpu_hlo_cost`); on TPUs its bytes follow the CPU's rules, not XLA:TPU's own.
   Loops of the entry computation and of loop bodies are scaled (a scanned model's layers,
-  forward and backward); one inside a `call` or `conditional` branch is counted once, and
-  a `conditional` counts its costliest branch each trip (an upper bound where a loop skips
-  a layer by `lax.cond`). The analysis counts a custom call (a Pallas kernel) as nothing,
+  forward and backward); one inside a `call` or `conditional` branch is counted once. A
+  `conditional` counts its costliest branch each trip (XLA's rule), but one whose scope
+  says how many trips take it (`branch_shares`: a hybrid's layer scan skipping a kind)
+  counts each branch in its share of the trips. The analysis counts a custom call (a Pallas kernel) as nothing,
   on TPUs too: `kernel_costs(..., trip_counts=True)` counts those. `proto`: the module's
   HloModuleProto where the executable's cannot be read back (`dumped_module_proto`)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
@@ -484,6 +511,12 @@ def trip_scaled_cost(compiled, proto: bytes | None = None) -> dict:
           loops.append((body, n))
           # The analysis counted the body once (its own loops' bodies once too): the rest.
           t = {k: t[k] + n * total(body)[k] - once(body)[k] for k in t}
+          continue
+        shares = branch_shares(line)
+        if shares:  # XLA counted the costliest branch (each count apart): each its share
+          costs = [once(b) for b in shares]
+          t = {k: t[k] + sum(s * c[k] for s, c in zip(shares.values(), costs)) - max(c[k] for c in costs)
+               for k in t}
       total_cache[name] = t
     return total_cache[name]
 
