@@ -24,8 +24,7 @@ resolved for TPU, and the state and batch shardings it trains with; the state an
 batch are abstract (shapes and shardings only), so nothing is allocated. Reported:
 per-device memory from XLA's memory analysis against the chip's HBM, XLA's FLOP and
 byte counts with every layer counted (two more small compiles: one layer, and two
-layers unrolled; on GPUs a Mamba-2 model's one compile's loop bodies times their trip
-counts, a hybrid's by kind), the
+layers unrolled; on GPUs the one compile's loop bodies times their trip counts), the
 step time and MFU they imply at the datasheet peaks, and the compile time. Exits with
 status 2 and says what to change when the step does not fit.
 """

@@ -156,16 +156,12 @@ def test_too_large_for_hbm_is_refused():
   assert "fsdp" in r.stderr and "batch_size" in r.stderr and "remat" in r.stderr
 
 
-def test_gpu_reports_count_by_trips_but_for_a_hybrid():
-  """GPU reports count a Mamba-2 model by trip counts, a hybrid by kind (its scan's
-  `lax.cond` would count the costliest kind every trip); TPU ones only when asked."""
-  import types
-
+def test_gpu_reports_count_by_trips():
+  """GPU reports count by trip counts (a hybrid's too: its skipped layers by their share
+  of the trips); TPU ones only when asked."""
   from mamba_train.tools.aot import counts_by_trips
-  mamba, hybrid = types.SimpleNamespace(layer_pattern=""), types.SimpleNamespace(layer_pattern="M*")
-  assert counts_by_trips(False, True, True, mamba) and not counts_by_trips(False, True, True, hybrid)
-  assert not counts_by_trips(False, True, False, mamba) and not counts_by_trips(False, False, True, mamba)
-  assert counts_by_trips(True, True, True, hybrid) and counts_by_trips(True, False, False, hybrid)
+  assert counts_by_trips(False, True, True) and not counts_by_trips(False, True, False)
+  assert not counts_by_trips(False, False, True) and counts_by_trips(True, False, False)
 
 
 def test_every_layer_cost_counts_each_layer():

@@ -167,17 +167,16 @@ def every_layer_cost(plan: run_config.Plan, mesh: Mesh, cost: dict) -> dict:
   return out
 
 
-def counts_by_trips(asked: bool, gpu: bool, every_layer: bool, model) -> bool:
+def counts_by_trips(asked: bool, gpu: bool, every_layer: bool) -> bool:
   """Whether the report counts every layer from the one compile, its loop bodies times
-  their trip counts: where asked, and on GPUs for a Mamba-2 model with `every_layer`. What
-  `save_matmuls` keeps of the GPU kernels differs between a layer scan and unrolled layers
-  (`table.build`), so `every_layer`'s differencing of a scanned layer against two unrolled
-  ones would mix the two programs' remat (and never sees the scan's stack copies,
-  docs/bench/gpu.md). Not for a hybrid: its scan runs the kinds under
-  `lax.cond`, which the trip count takes at its costliest branch every trip (an
-  attention layer counted in every step of the scan, not only in its own: docs/bench/moe.md),
-  where `hybrid_every_layer_cost` counts each kind as often as the pattern holds it."""
-  return asked or (gpu and every_layer and not model.layer_pattern)
+  their trip counts: where asked, and on GPUs with `every_layer`. What `save_matmuls`
+  keeps of the GPU kernels differs between a layer scan and unrolled layers
+  (`table.build`), so `every_layer`'s differencing of a scanned layer against two
+  unrolled ones would mix the two programs' remat, and it never sees the scan's stack
+  copies (docs/bench/gpu.md); for a hybrid it counts programs of one or two layers a
+  kind, not the scan of steps that runs (docs/bench/moe.md). The trip count takes a
+  layer the scan skips by `lax.cond` in the trips that run it (`hlo.branch_shares`)."""
+  return asked or (gpu and every_layer)
 
 
 def compile_train_step(config, topology: str, every_layer: bool = True, *, reference=None,
@@ -195,7 +194,7 @@ def compile_train_step(config, topology: str, every_layer: bool = True, *, refer
   plan = run_config.validate(config, num_devices=len(devices), platform=devices[0].platform,
                              device_kind=devices[0].device_kind,
                              reference=reference)
-  trip_counts = counts_by_trips(trip_counts, gpu, every_layer, plan.model)
+  trip_counts = counts_by_trips(trip_counts, gpu, every_layer)
   with table.cross_compile(plan.runtime) if gpu else contextlib.nullcontext():
     return _compile_train_step(config, plan, gpu, gen, topo, devices, every_layer, trip_counts, hlo_dump)
 
