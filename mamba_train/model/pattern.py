@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 # The name scope of a step's `lax.cond` (see `_run_steps`).
 TAKEN_SCOPE = "taken_{taken}_of_{of}"
 
