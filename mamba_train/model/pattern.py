@@ -202,7 +202,13 @@ def run(pl: ScanPlan, fns: dict[str, Callable], params: dict[str, Any], states: 
 def _run_steps(st: Steps, fns: dict[str, Callable], xs: dict[str, Any], h):
   """One scan over `st`'s steps; each kind's parameters and states gathered to one
   slot a step, its new states gathered back to one per layer."""
-  gather = lambda tree, idx: jax.tree.map(lambda a: jnp.take(a, np.asarray(idx, np.int32), axis=0), tree)
+  def gather(tree, idx):
+    idx = np.asarray(idx, np.int32)
+    # A kind every step runs, in order, is its own stack: XLA keeps such a gather (and
+    # its transpose, a scatter-add of the layers' gradients) as a copy of the stack.
+    same = lambda a: a.shape[0] == len(idx) and np.array_equal(idx, np.arange(len(idx)))
+    return jax.tree.map(lambda a: a if same(a) else jnp.take(a, idx, axis=0), tree)
+
   slots = {k: gather(xs[k], st.slot[k]) for k in st.order}
   taken = {k: jnp.asarray(np.asarray(st.taken[k])) for k in st.order}
   # What a skipped kind returns as its state: zeros shaped like a run's (its
