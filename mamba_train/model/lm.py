@@ -91,7 +91,9 @@ def remat_policy(name: str, ops: Ops):
       # rows returned (`moe.SAVED_ROWS`; under expert parallelism the return all-to-all's
       # result, kept by its primitive: the one all-to-all whose result the backward
       # pass reads), so the backward pass runs no dispatch, all-to-all or experts'
-      # forward product again. The other kinds are recomputed as under 'full'.
+      # forward product again. The other kinds are recomputed as under 'full'. For
+      # unrolled layers: in a layer scan the kept rows' stacks cost more than they save
+      # (docs/bench/moe.md, "The MoE layer's rows kept").
       "save_moe": cp.save_from_both_policies(save(*moe_lib.SAVED_ROWS), _all_to_all_saveable),
   }
   return policies[name]
