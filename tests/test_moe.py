@@ -3,7 +3,9 @@ identical random weights (logits, greedy tokens, export and from_pretrained), th
 grouped-matmul dispatch against a dense every-expert reference (forward and
 gradients), packed documents against each document alone, and the refusals."""
 
+import contextlib
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +168,43 @@ def test_grouped_matmuls_equal_dense_reference(kw):
   assert float(jnp.sum(stats["moe_load"])) == 3 * 37 * cfg.num_experts_per_tok
 
 
+def test_save_moe_keeps_the_expert_rows():
+  """remat 'save_moe' (`lm.remat_policy`; its gradients against the dense reference:
+  `test_capacity_drops_as_the_dense_reference`): the MoE layer's backward pass keeps the
+  routed rows, hidden units, activation and returned rows, so it runs no grouped product
+  again (as many as without remat, fewer than 'full'); and `moe.dot_in` (the shared
+  expert's and latent projections' matmuls): plain autodiff's gradients in float32, and
+  backward products in the operands' dtype (bfloat16) with a float32 cotangent. Tracing
+  and two tiny eager gradients: about 1 CPU-s."""
+  from jax.ad_checkpoint import print_saved_residuals
+
+  from mamba_train.model.lm import remat_policy
+  from mamba_train.model.select import ops_for
+  cfg = MOE_CFG.replace(moe_latent_size=0, n_group=1, topk_group=1)
+  p = jax.eval_shape(lambda: moe_lib.init_params(cfg, jax.random.key(1)))  # shapes: traced only
+  u = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+  rt = Runtime().resolve()
+  layer = lambda p, u: jnp.sum(jnp.sin(moe_lib.moe(p, u, cfg, rt)[0]))
+  under = lambda name: jax.checkpoint(layer, policy=remat_policy(name, ops_for(cfg, rt)))
+  grad = lambda f: jax.grad(f, argnums=(0, 1))
+  products = lambda f: str(jax.make_jaxpr(grad(f))(p, u)).count("ragged_dot_general[")
+  assert products(under("save_moe")) == products(layer) < products(under("full"))
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(under("save_moe"), p, u)
+  kept = out.getvalue()
+  assert all(f"'{name}'" in kept for name in moe_lib.SAVED_ROWS), kept
+  # dot_in: plain autodiff's gradients (float32); bfloat16 operands, bfloat16 backward products.
+  a, w, g = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(8, 32), (32, 16), (8, 16)]))
+  plain = lambda a, w: jnp.einsum("td,df->tf", a, w, preferred_element_type=jnp.float32)
+  got, want = (jax.grad(lambda a, w: jnp.sum(fn(a, w) * g), argnums=(0, 1))(a, w) for fn in (moe_lib.dot_in, plain))
+  assert all(rel(x, y) <= 1e-6 for x, y in zip(got, want))
+  bf = [x.astype(jnp.bfloat16) for x in (a, w)]
+  text = str(jax.make_jaxpr(jax.grad(lambda a, w: jnp.sum(moe_lib.dot_in(a, w) * g), argnums=(0, 1)))(*bf))
+  dots = [ln for ln in text.splitlines() if "dot_general[" in ln]
+  assert len(dots) == 3 and not any(":f32[" in ln.split("dot_general")[1] and "bf16" not in ln for ln in dots)
+
+
 def test_capacity_drops_as_the_dense_reference():
   """A capacity factor (Runtime.moe_capacity_factor): large enough, the dropless
   output bit for bit; small, the grouped matmuls with assignments past capacity
@@ -188,7 +227,12 @@ def test_capacity_drops_as_the_dense_reference():
   assert rel(y, yd) < 1e-6 and rel(y, y0) > 1e-2
   rt = Runtime(moe_capacity_factor=0.5).resolve()
   loss = lambda dense: lambda p, u: jnp.sum(jnp.sin(moe_lib.moe(p, u, cfg, rt, dense=dense)[0]))
-  got, want = (jax.jit(jax.grad(loss(d), argnums=(0, 1)))(p, u) for d in (False, True))
+  # The grouped matmuls' gradients under remat 'save_moe' (the backward pass reads the rows
+  # the forward kept: `test_save_moe_keeps_the_expert_rows`), the reference's without remat.
+  from mamba_train.model.lm import remat_policy
+  from mamba_train.model.select import ops_for
+  save_moe = jax.checkpoint(loss(False), policy=remat_policy("save_moe", ops_for(cfg, rt)))
+  got, want = (jax.jit(jax.grad(f, argnums=(0, 1)))(p, u) for f in (save_moe, loss(True)))
   for name in set(p) - {"norm", moe_lib.BIAS}:
     assert rel(got[0][name], want[0][name]) < 1e-5, name
   assert rel(got[1], want[1]) < 1e-5

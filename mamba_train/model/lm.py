@@ -87,8 +87,24 @@ def remat_policy(name: str, ops: Ops):
       # The matmuls' results, and what `Ops.ssd_saved_with_matmuls` says of the SSD kernel's.
       "save_matmuls": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
                                                  save(*ops.ssd_saved_with_matmuls)),
+      # As 'full', and the MoE layers' routed rows, hidden units and activation and the
+      # rows returned (`moe.SAVED_ROWS`; under expert parallelism the return all-to-all's
+      # result, kept by its primitive: the one all-to-all whose result the backward
+      # pass reads), so the backward pass runs no dispatch, all-to-all or experts'
+      # forward product again. The other kinds are recomputed as under 'full'. For
+      # unrolled layers: in a layer scan the kept rows' stacks cost more than they save
+      # (docs/bench/moe.md, "The MoE layer's rows kept").
+      "save_moe": cp.save_from_both_policies(save(*moe_lib.SAVED_ROWS), _all_to_all_saveable),
   }
   return policies[name]
+
+
+def _all_to_all_saveable(prim, *_, **__) -> bool:
+  """A `jax.checkpoint` policy: keep every all-to-all's result. Only those the backward
+  pass reads become residuals; under 'save_moe' that is the MoE's return all-to-all
+  (the rows its router weights' gradient reads), as the rows sent are read only
+  through the expert rows, which the policy keeps by name."""
+  return prim.name == "all_to_all"
 
 
 class Mamba2LM(nnx.Module):

@@ -43,8 +43,8 @@ e_score_correction_bias against the load (aux-loss-free balancing, train/step.py
 
 Precision: the router (its matmul, sigmoid, choice and weights) is float32 as
 transformers keeps it (`_keep_in_fp32_modules_strict`); expert, latent and
-shared matmuls in the compute dtype with float32 accumulation; the weighted sum
-float32.
+shared matmuls in the compute dtype with float32 accumulation, forward and
+backward (`dot_in`); the weighted sum float32.
 
 Shapes: t tokens (b l flattened), d d_model, w expert width (d or latent), f
 expert hidden units, s shared-expert hidden units, e experts, k experts per token.
@@ -63,6 +63,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.select import ops_for
+from mamba_train.ops import experts as experts_ops
 from mamba_train.ops.dispatch import assignment_slots, take_rows
 from mamba_train.ops.experts import act
 from mamba_train.ops.table import Ops
@@ -101,6 +102,18 @@ STATS = ("moe_load", "moe_aux", "moe_dropped")
 # sort or scatter of the t k assignments is tens of thousands of instructions of
 # program, compiled per occurrence (docs/bench/compile_depth.md).
 DISPATCH = "moe_dispatch"
+# The expert rows back in their tokens' order before the weighted sum (one device:
+# the grouped matmuls' output), which the router weights' gradient reads. Under
+# expert parallelism they are the return all-to-all's result, which 'save_moe' keeps
+# by that primitive (`lm.remat_policy`).
+RETURNED = "moe_returned_rows"
+# What 'save_moe' keeps beyond every policy's DISPATCH: the routed experts' rows, hidden
+# units and activation (`ops/experts.py`) and the rows returned, about 0.28 GB a layer
+# for the Nano recipe on h100-8, so the backward pass runs neither the dispatch, its
+# all-to-alls nor the experts' forward products again. That pays with unrolled layers; in
+# a layer scan the kept rows' per-layer stacks (zero-filled, written, copied out) cost
+# more than the recompute they save (docs/bench/moe.md, "The MoE layer's rows kept").
+SAVED_ROWS = (experts_ops.ROWS, experts_ops.HIDDEN, experts_ops.ACT, RETURNED)
 
 
 def _saved(x):
@@ -268,7 +281,7 @@ def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep
   flat = experts.reshape(-1) if keep is None else jnp.where(keep, experts, e).reshape(-1)
   slot, src, _ = (_saved(a) for a in assignment_slots(flat, 1, e, t * k))
   sizes = _saved(counts(flat, e))
-  rows = expert_mlp(take_rows(x.astype(cd), src, slot, k), up, down, sizes, cd)
+  rows = checkpoint_name(expert_mlp(take_rows(x.astype(cd), src, slot, k), up, down, sizes, cd), RETURNED)
   got = take_rows(rows, slot, src) * weights.reshape(-1, 1)
   return jnp.sum(got.reshape(t, k, -1), axis=1)
 
@@ -283,6 +296,31 @@ def experts_dense(x, experts, weights, up, down, cd):
   out = jnp.einsum("tef,efw->tew", hid.astype(cd), down, preferred_element_type=F32)
   dense = jnp.zeros(out.shape[:2], F32).at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
   return jnp.einsum("tew,te->tw", out, dense)
+
+
+@jax.custom_vjp
+def dot_in(a, w):
+  """a (t, d) times w (d, f) -> (t, f) float32: both operands in one dtype (the compute
+  dtype), float32 accumulation. Its backward products run in that dtype too, the
+  incoming float32 cotangent rounded to it first: plain autodiff would multiply the
+  float32 cotangent by the weights widened to float32 (a float32 GEMM, its operands'
+  float32 copies written and read: docs/bench/moe.md). The gradients are rounded to the
+  operands' dtype as plain autodiff's are; in float32 it is plain autodiff's arithmetic."""
+  return jnp.einsum("td,df->tf", a, w, preferred_element_type=F32)
+
+
+def _dot_in_fwd(a, w):
+  return dot_in(a, w), (a, w)
+
+
+def _dot_in_bwd(res, g):
+  a, w = res
+  g = g.astype(a.dtype)
+  return (jnp.einsum("tf,df->td", g, w, preferred_element_type=F32).astype(a.dtype),
+          jnp.einsum("td,tf->df", a, g, preferred_element_type=F32).astype(w.dtype))
+
+
+dot_in.defvjp(_dot_in_fwd, _dot_in_bwd)
 
 
 def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: bool = False):
@@ -303,7 +341,7 @@ def moe(p, u, cfg: Mamba2Config, rt: Runtime, ops: Ops | None = None, *, dense: 
     rows3 = experts.reshape(*lead, -1)
     keep = _saved((within_capacity_reference(rows3, cap, cfg.n_routed_experts) if dense
                    else within_capacity(rows3, cap, n_experts=cfg.n_routed_experts)).reshape(experts.shape))
-  mm = lambda a, w: jnp.einsum("td,dw->tw", a.astype(cd), w.astype(cd), preferred_element_type=F32)
+  mm = lambda a, w: dot_in(a.astype(cd), w.astype(cd))
   xe = mm(x, p["latent_down"]) if cfg.moe_latent_size else x
   up, down = p["experts_up"].astype(cd), p["experts_down"].astype(cd)
   if "experts_gate" in p:

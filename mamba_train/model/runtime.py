@@ -25,9 +25,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # and what stays float32): 'default' the compute dtype, 'fp8', 'int8'.
 MATMUL_PRECISIONS = ("default", "fp8", "int8")
 # What a layer's backward pass recomputes (`lm.remat_policy` says what each
-# saves): 'none', 'full', 'save_matmuls', 'save_in_proj', 'save_in_proj_ssd', or
-# 'auto' (`default_remat`, for the large configs, where activations must shrink).
-REMAT = ("auto", "none", "full", "save_matmuls", "save_in_proj", "save_in_proj_ssd")
+# saves): 'none', 'full', 'save_moe' (full but the MoE layers' expert rows),
+# 'save_matmuls', 'save_in_proj', 'save_in_proj_ssd', or 'auto' (`default_remat`,
+# for the large configs, where activations must shrink).
+REMAT = ("auto", "none", "full", "save_moe", "save_matmuls", "save_in_proj", "save_in_proj_ssd")
 SSD_FORMS = ("auto", "scan", "parallel")
 
 # Who runs each operation: an implementation of the selection table (`ops/table.py`,

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 F32 = jnp.float32
+# Names of what the grouped matmuls compute that a remat policy may keep (the model's
+# 'save_moe'), so the backward pass does not run the dispatch and the forward products
+# again: the rows entering the up projection (grouped by expert, masked, the compute
+# dtype), the up projection's outputs (the gate's too) and the activation.
+ROWS = "moe_expert_rows"
+HIDDEN = "moe_expert_hidden"
+ACT = "moe_expert_act"  # the activation in the compute dtype: the down projection's input
 
 
 def _relu2(x):
@@ -42,14 +50,11 @@ def grouped(rows, up, gate, down, sizes, cd, gmm, pad: int):
   m = rows.shape[0]
   valid = (jnp.arange(m + pad) < jnp.sum(sizes))[:, None]
 
-  def masked(a, w):
-    out = gmm(jnp.where(valid, a, jnp.zeros((), a.dtype)), w)
-    return jnp.where(valid, out, jnp.zeros((), out.dtype))
-
-  rows = jnp.pad(rows, ((0, pad), (0, 0)))
-  hidden = lambda w: masked(rows, w).astype(F32)
-  hid = act(hidden(up), None if gate is None else hidden(gate))
-  return masked(hid.astype(cd), down)[:m]
+  zero_past = lambda a: jnp.where(valid, a, jnp.zeros((), a.dtype))
+  rows = checkpoint_name(zero_past(jnp.pad(rows, ((0, pad), (0, 0)))), ROWS)
+  hidden = lambda w: checkpoint_name(zero_past(gmm(rows, w)), HIDDEN).astype(F32)
+  hid = checkpoint_name(zero_past(act(hidden(up), None if gate is None else hidden(gate)).astype(cd)), ACT)
+  return zero_past(gmm(hid, down))[:m]
 
 
 def expert_mlp_xla(rows, up, down, sizes, cd):
@@ -64,6 +69,7 @@ def expert_mlp_xla(rows, up, down, sizes, cd):
   the rows' gradient comes back in that dtype too."""
   gate, up = split_gate(up)
   sizes = sizes.astype(jnp.int32)
-  ragged = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32)
+  rows = checkpoint_name(rows, ROWS)
+  ragged = lambda a, w: checkpoint_name(jax.lax.ragged_dot(a, w, sizes, preferred_element_type=F32), HIDDEN)
   hid = act(ragged(rows, up), None if gate is None else ragged(rows, gate))
-  return ragged(hid.astype(cd), down)
+  return ragged(checkpoint_name(hid.astype(cd), ACT), down)
