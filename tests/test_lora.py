@@ -126,6 +126,12 @@ def test_a_base_held_in_the_compute_dtype_gives_the_per_step_casts_loss_and_grad
   (want, want_g), (got, got_g) = jax.jit(lambda a, f, g: (loss(a, f), loss(a, g)))(adapters, as_stored, held)
   assert float(got) == float(want)
   jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got_g, want_g)
+  # A run's plan holds the base so when its matmuls run in bfloat16; a float32 run's base as stored.
+  assert _plan(rank=4).lora.frozen_dtype == ""
+  c = tiny.get_config()
+  c.data.source, c.runtime.compute_dtype = "synthetic", "bfloat16"
+  c.lora.rank = 4
+  assert run_config.validate(c, num_devices=1).lora.frozen_dtype == "bfloat16"
 
 
 def test_adapter_dropout_against_numpy():
