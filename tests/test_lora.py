@@ -21,7 +21,7 @@ from mamba_train.model import lora, matmul, moe as moe_lib
 from mamba_train.model.params import weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import run_config, session, step as steps
+from mamba_train.train import run_config, session, state as state_lib, step as steps
 from mamba_train.workdir import checkpoint
 
 from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, script_env, train_command
@@ -103,25 +103,30 @@ def test_a_base_held_in_the_compute_dtype_gives_the_per_step_casts_loss_and_grad
   instead of casting the float32 base in every layer of every step: the same loss and adapter
   gradients, bit for bit, as the float32 base cast per step; the rest stays float32."""
   cfg = Mamba2Config(**MOE_HYBRID)
-  rt = Runtime(compute_dtype="bfloat16", remat="none")
-  base = random_model(cfg, np.random.RandomState(5)).params()
   spec = lora.make_spec(4, 8.0, 0.0, "q_proj,o_proj", "", weight_names(cfg))
-  as_stored, held = lora.frozen_base(base, spec), lora.frozen_base(base, spec.replace(frozen_dtype="bfloat16"))
+  abstract = lambda spec: jax.eval_shape(lambda p: lora.frozen_base(p, spec), state_lib.param_shapes(cfg))
+  held = abstract(spec.replace(frozen_dtype="bfloat16"))
   bf16 = lambda t: {n for n, w in t.items() if w.dtype == jnp.bfloat16}
   assert bf16(held["moe"]) == set(moe_lib.MATMUL_WEIGHTS) & set(held["moe"]) and "router" in held["moe"]
   assert bf16(held["attn"]) == {"k_proj", "v_proj"}  # q_proj and o_proj have adapters merged into them
   assert held["lm_head"].dtype == jnp.bfloat16 and held["embedding"].dtype == held["norm_f"].dtype == jnp.float32
-  assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(as_stored))
   # Beside the base (the separate path, with dropout) the adapted weights are read by the base's
   # matmul alone: held in bfloat16 too.
-  separate = lora.frozen_base(base, spec.replace(dropout=0.1, frozen_dtype="bfloat16"))
+  separate = abstract(spec.replace(dropout=0.1, frozen_dtype="bfloat16"))
   assert bf16(separate["attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+  # The numbers, on the MoE layer alone (the attention layer's compile would double the cost).
+  cfg = cfg.replace(n_layer=1, layer_pattern="E")
+  spec = lora.make_spec(4, 8.0, 0.0, "lm_head", "", weight_names(cfg))
+  base = random_model(cfg, np.random.RandomState(5)).params()
+  as_stored, held = lora.frozen_base(base, spec), lora.frozen_base(base, spec.replace(frozen_dtype="bfloat16"))
+  assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(as_stored)) and bf16(held["moe"])
   rng = np.random.RandomState(6)
   adapters = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape), jnp.float32),
                           lora.adapter_shapes(base, spec))
   ids = rng.randint(0, cfg.vocab_size, (2, 21))
   batch = {"input_ids": jnp.asarray(ids), "targets": jnp.asarray(np.roll(ids, -1, 1)),
            "seq_idx": jnp.zeros(ids.shape, jnp.int32), "loss_mask": jnp.ones(ids.shape, jnp.float32)}
+  rt = Runtime(compute_dtype="bfloat16", remat="none")
   loss = jax.value_and_grad(lambda a, frozen: steps.loss_sums(a, batch, cfg, rt, frozen=frozen, lora=spec)[0])
   (want, want_g), (got, got_g) = jax.jit(lambda a, f, g: (loss(a, f), loss(a, g)))(adapters, as_stored, held)
   assert float(got) == float(want)
