@@ -17,9 +17,11 @@ from transformers import Mamba2ForCausalLM
 from configs import tiny
 from mamba_train import Mamba2Config, Mamba2LM, generate, load_model
 from mamba_train.interop import export, peft as peft_export
-from mamba_train.model import lora, matmul
+from mamba_train.model import lora, matmul, moe as moe_lib
+from mamba_train.model.params import weight_names
+from mamba_train.model.runtime import Runtime
 from mamba_train.parallel.mesh import make_mesh
-from mamba_train.train import run_config, session, step as steps
+from mamba_train.train import run_config, session, state as state_lib, step as steps
 from mamba_train.workdir import checkpoint
 
 from helpers import ROOT, SMALL_MODEL, patched, random_model, rel, script_env, train_command
@@ -87,6 +89,54 @@ def test_merged_weights_give_the_adapted_logits(hybrid):
   assert rel(got, np.asarray(model(ids))) > 1e-2  # the adapters do change the model
   assert rel(got, want) < 1e-6
   assert rel(np.asarray(adapted.merged()(ids)), want) < 1e-6
+
+
+# An MoE + attention hybrid with an untied head: weights a bfloat16 run holds in bfloat16 (the
+# experts, k_proj and v_proj, the head) and weights it does not (the adapted ones, the router).
+MOE_HYBRID = dict(SMALL_MODEL, d_model=32, n_layer=2, layer_pattern="E*", attn_num_heads=2, n_routed_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                  vocab_size=61, tie_embeddings=False)
+
+
+def test_a_base_held_in_the_compute_dtype_gives_the_per_step_casts_loss_and_gradients():
+  """A bfloat16 run holds the frozen matmul weights its matmuls read in bfloat16 (`frozen_base`)
+  instead of casting the float32 base in every layer of every step: the same loss and adapter
+  gradients, bit for bit, as the float32 base cast per step; the rest stays float32."""
+  cfg = Mamba2Config(**MOE_HYBRID)
+  spec = lora.make_spec(4, 8.0, 0.0, "q_proj,o_proj", "", weight_names(cfg))
+  abstract = lambda spec: jax.eval_shape(lambda p: lora.frozen_base(p, spec), state_lib.param_shapes(cfg))
+  held = abstract(spec.replace(frozen_dtype="bfloat16"))
+  bf16 = lambda t: {n for n, w in t.items() if w.dtype == jnp.bfloat16}
+  assert bf16(held["moe"]) == set(moe_lib.MATMUL_WEIGHTS) & set(held["moe"]) and "router" in held["moe"]
+  assert bf16(held["attn"]) == {"k_proj", "v_proj"}  # q_proj and o_proj have adapters merged into them
+  assert held["lm_head"].dtype == jnp.bfloat16 and held["embedding"].dtype == held["norm_f"].dtype == jnp.float32
+  # Beside the base (the separate path, with dropout) the adapted weights are read by the base's
+  # matmul alone: held in bfloat16 too.
+  separate = abstract(spec.replace(dropout=0.1, frozen_dtype="bfloat16"))
+  assert bf16(separate["attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+  # The numbers, on the MoE layer alone (the attention layer's compile would double the cost).
+  cfg = cfg.replace(n_layer=1, layer_pattern="E")
+  spec = lora.make_spec(4, 8.0, 0.0, "lm_head", "", weight_names(cfg))
+  base = random_model(cfg, np.random.RandomState(5)).params()
+  as_stored, held = lora.frozen_base(base, spec), lora.frozen_base(base, spec.replace(frozen_dtype="bfloat16"))
+  assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(as_stored)) and bf16(held["moe"])
+  rng = np.random.RandomState(6)
+  adapters = jax.tree.map(lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape), jnp.float32),
+                          lora.adapter_shapes(base, spec))
+  ids = rng.randint(0, cfg.vocab_size, (2, 21))
+  batch = {"input_ids": jnp.asarray(ids), "targets": jnp.asarray(np.roll(ids, -1, 1)),
+           "seq_idx": jnp.zeros(ids.shape, jnp.int32), "loss_mask": jnp.ones(ids.shape, jnp.float32)}
+  rt = Runtime(compute_dtype="bfloat16", remat="none")
+  loss = jax.value_and_grad(lambda a, frozen: steps.loss_sums(a, batch, cfg, rt, frozen=frozen, lora=spec)[0])
+  (want, want_g), (got, got_g) = jax.jit(lambda a, f, g: (loss(a, f), loss(a, g)))(adapters, as_stored, held)
+  assert float(got) == float(want)
+  jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got_g, want_g)
+  # A run's plan holds the base so when its matmuls run in bfloat16; a float32 run's base as stored.
+  assert _plan(rank=4).lora.frozen_dtype == ""
+  c = tiny.get_config()
+  c.data.source, c.runtime.compute_dtype = "synthetic", "bfloat16"
+  c.lora.rank = 4
+  assert run_config.validate(c, num_devices=1).lora.frozen_dtype == "bfloat16"
 
 
 def test_adapter_dropout_against_numpy():

@@ -432,7 +432,8 @@ class Mamba2LM(nnx.Module):
       bad += shape_problems(param_shapes(lora_lib.adapter_shapes(model.params(), lora)), param_shapes(adapters))
     if bad:
       raise ValueError(f"Parameters do not match the model config: {'; '.join(bad)}")
-    weight = lambda a: a if lora_lib.is_quantized(a) else jnp.asarray(a, F32)
+    # With adapters the base stays as the run holds it (`lora.frozen_base`).
+    weight = (lambda a: jnp.asarray(a, F32)) if lora is None else lora_lib.as_held
     model.embedding.set_value(weight(params["embedding"]))
     model.norm_f.set_value(weight(params["norm_f"]))
     for kind in model._kinds():

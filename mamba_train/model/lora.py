@@ -35,7 +35,11 @@ always runs the merged model (`merge`). qwix's LoRA provider intercepts the dot
 calls of Flax modules by the module's parameter; here the weights reach their dots
 sliced out of layer stacks inside a scan, where it cannot see them. The base's
 quantization is qwix's (`qwix.quantize`, `qwix.dequantize`), dequantized per layer
-where it is used, so no whole dequantized copy exists.
+where it is used, so no whole dequantized copy exists. The frozen matmul weights
+that only compute-dtype matmuls read (`frozen_base`: those no adapter is merged
+into, Nemotron's routed and shared experts) are held in the run's compute dtype,
+as peft users load a bfloat16 base, rather than cast in every layer's forward and
+again in its recompute, every step.
 
 Shapes: adapters are stacked over a kind's layers like the weights, so
 `{"layers": {"in_proj": {"a": (L, d, r), "b": (L, r, 2i+2gn+h)}, ...},
@@ -54,6 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
+
+from mamba_train.model.params import MATMUL_WEIGHTS
 
 F32 = jnp.float32
 
@@ -109,6 +115,10 @@ class LoraSpec:
   # but JAX's CPU client makes them one to a byte (JAX 0.10), so a CPU run stores them
   # in int8 (the same numbers, int8's memory): the caller says which for its backend.
   packed_int4: bool = True
+  # The dtype `frozen_base` holds the frozen matmul weights in that only compute-dtype
+  # matmuls read ('' = as stored): the run's compute dtype, which the caller says
+  # (run_config.validate), as it says packed_int4.
+  frozen_dtype: str = ""
 
   def replace(self, **kw) -> "LoraSpec":
     return dataclasses.replace(self, **kw)
@@ -257,12 +267,56 @@ def quantize_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
   return out
 
 
+def merged_into(spec: LoraSpec) -> set[tuple[str, str]]:
+  """(stack, weight) of every weight an adapter is merged into (none on the separate path)."""
+  if spec.separate:
+    return set()
+  return {(stack, n) for t in spec.targets if t != HEAD for stack, names, _ in entries(t) for n in names}
+
+
+def frozen_base(params: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
+  """The frozen base a run with adapters holds: `quantize_base`'s, and with
+  `spec.frozen_dtype` every matmul weight of the layer stacks (`params.MATMUL_WEIGHTS`)
+  that no adapter is merged into and no quantization holds, and an untied LM head
+  without an adapter, in that dtype.
+
+  Those weights reach only matmuls that cast them to the compute dtype first (each
+  layer's `_matmuls_in_compute_dtype`, the loss's head), so holding them cast gives
+  the same products and gradients, while a float32 base is cast again in each layer's
+  forward and in its recompute, every step: on the Nano recipe that is the 128 routed
+  experts' weights. A weight an adapter is merged into stays float32: the merge adds
+  the adapter to the float32 weight before the cast. Norms, the router, conv, dt, A, D
+  and the embedding are not matmul weights and stay float32."""
+  out = quantize_base(params, spec)
+  if not spec.frozen_dtype:
+    return out
+  dt, merged = jnp.dtype(spec.frozen_dtype), merged_into(spec)
+  cast = lambda w: w if is_quantized(w) else w.astype(dt)
+  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}
+  for stack, weights in out.items():
+    if isinstance(weights, dict):
+      out[stack] = {n: cast(w) if n in MATMUL_WEIGHTS and (stack, n) not in merged else w
+                    for n, w in weights.items()}
+  if "lm_head" in out and HEAD not in spec.targets:
+    out["lm_head"] = cast(out["lm_head"])
+  return out
+
+
+def as_held(x):
+  """A frozen base's weight as a model holds it: quantized or in a 16-bit float as
+  `frozen_base` made it, else float32."""
+  if is_quantized(x) or jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return x
+  return jnp.asarray(x, F32)
+
+
 def is_quantized(x) -> bool:
   return isinstance(x, qwix.QArray)
 
 
 def dense(x) -> jax.Array:
-  """A weight as float32 (dequantized when quantized)."""
+  """A weight dequantized to float32 when quantized, else as held (float32, or the
+  compute dtype of `frozen_base`'s, which only compute-dtype matmuls read)."""
   return qwix.dequantize(x).astype(F32) if is_quantized(x) else x
 
 
@@ -275,8 +329,9 @@ def _delta(a, b, scale):
 
 
 def merge_layer(p: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> dict[str, Any]:
-  """One layer's weights (p, unstacked; matmul weights float32 or quantized) with its
-  adapters ({target: {'a', 'b'}}, unstacked) added: float32 weights out."""
+  """One layer's weights (p, unstacked; matmul weights float32, quantized or held in
+  the compute dtype) with its adapters ({target: {'a', 'b'}}, unstacked) added: the
+  adapted weights float32, the rest as `dense` gives them."""
   out = {n: dense(w) for n, w in p.items()}
   for t, ab in adapters.items():
     names, n_in = _entry_for(t, p)
@@ -291,7 +346,8 @@ def merge_layer(p: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> 
 
 
 def merge_head(w, adapter: dict[str, Any] | None, spec: LoraSpec):
-  """The LM head (v, d) with its adapter added (float32)."""
+  """The LM head (v, d) with its adapter added (float32); without one, as `dense`
+  gives it."""
   w = dense(w)
   if adapter is None:
     return w
@@ -309,9 +365,9 @@ def merge(params: dict[str, Any], adapters: dict[str, Any], spec: LoraSpec) -> d
       continue
     merged = jax.vmap(lambda p, a: merge_layer(p, a, spec))(params[stack], per_target)
     out[stack] = {n: merged.get(n, dense(w)) for n, w in params[stack].items()}
+  f32 = lambda w: dense(w).astype(F32)
   for stack, v in out.items():
-    if isinstance(v, dict):
-      out[stack] = {n: dense(w) for n, w in v.items()}
+    out[stack] = {n: f32(w) for n, w in v.items()} if isinstance(v, dict) else f32(v)
   return out
 
 

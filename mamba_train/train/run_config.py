@@ -261,10 +261,12 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
     import jax  # only here: planning for this host is the one case that asks it
     platform = jax.default_backend()
     device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
-  if lora is not None:
-    lora = lora.replace(packed_int4=platform != "cpu")  # see LoraSpec.packed_int4
+  rt = rt.resolve(platform, device_kind)
+  if lora is not None:  # see LoraSpec.packed_int4 and .frozen_dtype
+    lora = lora.replace(packed_int4=platform != "cpu",
+                        frozen_dtype="" if rt.compute_dtype == "float32" else rt.compute_dtype)
   return Plan(config=ml_collections.FrozenConfigDict(config), model=model,
-              runtime=rt.resolve(platform, device_kind), platform=platform, mesh_shape=mesh, layout=layout,
+              runtime=rt, platform=platform, mesh_shape=mesh, layout=layout,
               sources=sources, schedule=schedule, default_corpus=default_corpus, lora=lora,
               dpo=dpo, grpo=grpo, moe=moe, lr=learning_rate(cfg, explicit), model_from_init=taken)
 

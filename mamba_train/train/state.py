@@ -1,7 +1,8 @@
 """The train state: one pytree, `TrainState(step, params, opt_state, rng, frozen)`,
 with `params` what trains: the plain nested dict of `Mamba2LM.params()`, or with
 LoRA (`lora` a `model.lora.LoraSpec`) the adapters alone, and `frozen` the base they
-adapt (quantized for QLoRA), or without LoRA a frozen copy of the initial weights
+adapt (`lora.frozen_base`: quantized for QLoRA, the weights only compute-dtype matmuls
+read in the compute dtype), or without LoRA a frozen copy of the initial weights
 (`frozen_copy`: DPO's reference), else None. Checkpoints hold the state without
 `frozen` (`trainable`): the run config names it (init_from), and a resume rebuilds it.
 
@@ -88,7 +89,7 @@ def param_shardings(cfg: Mamba2Config, mesh: Mesh, rules=sharding.DEFAULT_RULES)
 def _frozen_shardings(cfg: Mamba2Config, lora: LoraSpec, mesh: Mesh, rules):
   """The frozen base's shardings: each weight's, and a quantized weight's values and
   scales split by the same logical axes (a scale's size-1 axes left whole)."""
-  abstract = jax.eval_shape(lambda p: lora_lib.quantize_base(p, lora), param_shapes(cfg))
+  abstract = jax.eval_shape(lambda p: lora_lib.frozen_base(p, lora), param_shapes(cfg))
   fit = lambda axes, s: NamedSharding(mesh, sharding.fit_spec(sharding.logical_to_spec(axes, rules),
                                                                s.shape, mesh))
   return jax.tree.map(lambda axes, sub: jax.tree.map(lambda s: fit(axes, s), sub),
@@ -138,8 +139,8 @@ def _make_state(cfg, optimizer, key, params=None, lora: LoraSpec | None = None,
   if params is None:
     params = Mamba2LM(cfg, rngs=nnx.Rngs(params=init_key)).params()
   frozen = jax.tree.map(jnp.copy, params) if frozen_copy and lora is None else None
-  if lora is not None:  # the adapters train; the base is kept as given, or quantized
-    frozen = lora_lib.quantize_base(params, lora)
+  if lora is not None:  # the adapters train; the base is held as `lora.frozen_base` says
+    frozen = lora_lib.frozen_base(params, lora)
     params = lora_lib.init_adapters(params, lora, jax.random.fold_in(init_key, 1))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params), rng=rng, frozen=frozen)
