@@ -29,8 +29,6 @@ except ImportError:  # pragma: no cover - an experimental path that may move
 
 from mamba_train.ops.experts import grouped, split_gate
 
-F32 = jnp.float32
-
 # What one gmm grid step's blocks may take of scoped VMEM (`gmm_vmem`). Mosaic's default
 # scoped limit, which megablox keeps, is 16 MiB on v5p (32 on v6e): compiled for v5p,
 # blocks of 15.4 MiB by `gmm_vmem` fit and of 15.8 did not (Mosaic keeps some for
@@ -138,12 +136,16 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def expert_mlp_megablox(rows, up, down, sizes, cd, *, interpret: bool = False):
   """`experts.expert_mlp_xla` by megablox's grouped matmul, whose rows must be a
-  multiple of its row tile."""
+  multiple of its row tile. Results in the compute dtype `cd` (float32 accumulation
+  inside), as tokamax's (`experts_gpu`): the cotangents flowing back into the
+  backward kernels are then in it too, so with bfloat16 they read half the bytes and
+  multiply at bfloat16's rate (megablox multiplies in float32 where either operand
+  is), and their blocks leave room for 512-row tiles (docs/bench/moe.md)."""
   if megablox is None:
     raise ImportError("moe_impl='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this "
                       "jax lacks; use moe_impl='xla'")
   gate, up = split_gate(up)
   sizes = sizes.astype(jnp.int32)
   m = rows.shape[0]
-  mm = lambda a, w: gmm(a, w, sizes, F32, interpret)
+  mm = lambda a, w: gmm(a, w, sizes, cd, interpret)
   return grouped(rows, up, gate, down, sizes, cd, mm, -(-m // _gmm_tm(m)) * _gmm_tm(m) - m)
