@@ -29,10 +29,10 @@ except ImportError:  # pragma: no cover - an experimental path that may move
 
 from mamba_train.ops.experts import grouped, split_gate
 
-# What one gmm grid step's blocks may take of scoped VMEM (`gmm_vmem`). Mosaic's default
-# scoped limit, which megablox keeps, is 16 MiB on v5p (32 on v6e): compiled for v5p,
-# blocks of 15.4 MiB by `gmm_vmem` fit and of 15.8 did not (Mosaic keeps some for
-# itself; docs/bench/moe.md, "megablox's row tile").
+# What one gmm grid step's blocks may take of scoped VMEM (`gmm_vmem`). megablox keeps
+# Mosaic's default scoped limit, 16 MiB on v5p (more on v6e, where every tiling below
+# compiles): compiled for v5p, blocks of 15.4 MiB by `gmm_vmem` fit and of 15.8 did
+# not (Mosaic keeps some for itself; docs/bench/moe.md, "megablox's row tile").
 VMEM_BUDGET = 15 * 1024 * 1024
 ROW_TILES = (512, 256, 128)
 # Output tiles tried for a contraction of several k tiles, whose weights are re-read
