@@ -166,6 +166,26 @@ def test_experts_split_by_the_rules(runs):
   assert results["e2f2t2"]["shard"] == [2, 4, 8, 16]
 
 
+def test_megablox_row_tiles_for_nano():
+  """The row tiles `experts_tpu.row_tiling` gives Nano's grouped matmuls (30,720 rows
+  a v5p-128 chip receives), each compiled for v5p and v6e through libtpu
+  (docs/bench/moe.md, "megablox's row tile"): 512 where VMEM allows (narrowing the
+  output tile of a contraction of several k tiles), 256 where a float32 cotangent
+  or result leaves no room. No compile here: the rule and its VMEM bound."""
+  from mamba_train.ops import experts_tpu as et
+  m, w, f = 30720, 2688, 1856
+  # bfloat16 results (the recipe): forward and the rows' gradient, both projections
+  assert et.row_tiling(m, w, f, 2, 2, 2) == (512, 896, 1024)
+  assert et.row_tiling(m, f, w, 2, 2, 2) == (512, 1856, 896)
+  # float32 results and cotangents (a float32 run's shapes at Nano's widths)
+  assert et.row_tiling(m, f, w, 2, 2, 4) == (256, 1856, 896)
+  assert et.row_tiling(m, f, w, 4, 2, 2) == (256, 1856, 896)
+  # 15.8 MiB did not compile for v5p; 15.3 did, and the bound keeps below it
+  assert et.gmm_vmem(512, 896, 1856, 2, 2, 2) > et.VMEM_BUDGET
+  assert et.VMEM_BUDGET < et.gmm_vmem(512, 1856, 896, 2, 2, 4) < 16 * 2**20
+  assert et.row_tiling(384, w, f) == (128, 896, 1856)  # rows padded to 128s: no larger tile divides
+
+
 if __name__ == "__main__":
   # This checkout's library, not whichever one is installed.
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
