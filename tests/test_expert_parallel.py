@@ -38,6 +38,18 @@ MOE = dict(d_model=32, n_layer=4, d_state=16, headdim=16, chunk_size=16, vocab_s
            moe_shared_expert_intermediate_size=16, moe_latent_size=16, n_group=2, topk_group=1)
 
 
+def _operands(jaxpr, primitive):
+  """The operands of every `primitive` equation in a jaxpr and the jaxprs inside it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == primitive:
+      yield from eqn.invars
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+        if hasattr(sub, "eqns"):
+          yield from _operands(sub, primitive)
+
+
 def _worker(out_dir):
   import jax
 
@@ -71,8 +83,12 @@ def _worker(out_dir):
                                    moe=balance.MoeSpec(1e-2, 1e-3))
     loader = SyntheticLoader(vocab_size=64, seq_len=32, global_batch_size=8, seed=0)
     losses, loads, dropped, share = [], [], [], []
-    for _ in range(STEPS):
-      state, m = step(state, trainer.to_global(next(loader), mesh))
+    sent = []  # the shapes of the all-to-alls' operands, from the traced step
+    for i in range(STEPS):
+      batch = trainer.to_global(next(loader), mesh)
+      if i == 0 and name.startswith("e2s2"):
+        sent = sorted({tuple(v.aval.shape) for v in _operands(step.trace(state, batch).jaxpr, "all_to_all")})
+      state, m = step(state, batch)
       losses.append(float(m["loss"]))
       loads.append(np.asarray(m["moe_tokens_per_expert"]).tolist())
       dropped.append(float(m["moe_dropped_tokens"]))
@@ -80,7 +96,7 @@ def _worker(out_dir):
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.device_get(state.params)))
     shard = list(state.params["moe"]["experts_up"].addressable_shards[0].data.shape)
     results[name] = {"losses": losses, "loads": loads, "dropped": dropped, "share": share, "specs": spec,
-                     "mu_specs": specs(mu), "shard": shard, "seconds": time.perf_counter() - t0}
+                     "mu_specs": specs(mu), "shard": shard, "sent": sent, "seconds": time.perf_counter() - t0}
   np.savez(os.path.join(out_dir, "init.npz"), **flat(init))
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f)
@@ -118,6 +134,20 @@ def test_expert_parallel_steps_equal_single_device(runs, name):
       assert np.abs((got[key] - init[key]) - moved).max() / np.abs(moved).max() < 5e-4, key
 
 
+def test_sequence_split_pools_the_capacity_buffers(runs):
+  """Expert 2 x sequence 2 x data 2: each device holds 2 rows' halves (16 of 32 tokens,
+  2 assignments each) for 4 local experts. Dropless it sends its own 64 assignments'
+  rows to each of the 2 devices. With a capacity of 4 an expert of a 32-token row, a
+  row's 4 experts on one device can take 4 x 4 = 16 of its assignments, all from one
+  half: sized for its own half, each device would send 2 rows x 16 = 32 rows a
+  destination; the two halves pool the row and each sends half of that, 16 (and the
+  same assignments are kept: test_expert_parallel_steps_equal_single_device)."""
+  results, _ = runs
+  w = MOE["moe_latent_size"]
+  assert [s for s in results["e2s2d2"]["sent"] if len(s) == 3] == [[2, 64, w]]
+  assert [s for s in results["e2s2d2_cap"]["sent"] if len(s) == 3] == [[2, 16, w]]
+
+
 def test_experts_split_by_the_rules(runs):
   results, _ = runs
   # Experts over the expert axis; an expert's width over fsdp, its hidden units over
@@ -134,6 +164,26 @@ def test_experts_split_by_the_rules(runs):
   # (2 layers, 8 experts, width 16, 32 hidden units): really split.
   assert results["expert8"]["shard"] == [2, 1, 16, 32]
   assert results["e2f2t2"]["shard"] == [2, 4, 8, 16]
+
+
+def test_megablox_row_tiles_for_nano():
+  """The row tiles `experts_tpu.row_tiling` gives Nano's grouped matmuls (30,720 rows
+  a v5p-128 chip receives), each compiled for v5p and v6e through libtpu
+  (docs/bench/moe.md, "megablox's row tile"): 512 where VMEM allows (narrowing the
+  output tile of a contraction of several k tiles), 256 where a float32 cotangent
+  or result leaves no room. No compile here: the rule and its VMEM bound."""
+  from mamba_train.ops import experts_tpu as et
+  m, w, f = 30720, 2688, 1856
+  # bfloat16 results (the recipe): forward and the rows' gradient, both projections
+  assert et.row_tiling(m, w, f, 2, 2, 2) == (512, 896, 1024)
+  assert et.row_tiling(m, f, w, 2, 2, 2) == (512, 1856, 896)
+  # float32 results and cotangents (a float32 run's shapes at Nano's widths)
+  assert et.row_tiling(m, f, w, 2, 2, 4) == (256, 1856, 896)
+  assert et.row_tiling(m, f, w, 4, 2, 2) == (256, 1856, 896)
+  # 15.8 MiB did not compile for v5p; 15.3 did, and the bound keeps below it
+  assert et.gmm_vmem(512, 896, 1856, 2, 2, 2) > et.VMEM_BUDGET
+  assert et.VMEM_BUDGET < et.gmm_vmem(512, 1856, 896, 2, 2, 4) < 16 * 2**20
+  assert et.row_tiling(384, w, f) == (128, 896, 1856)  # rows padded to 128s: no larger tile divides
 
 
 if __name__ == "__main__":

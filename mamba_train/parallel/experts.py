@@ -25,15 +25,23 @@ assignments. With a capacity (`cap`, per sequence and expert, and the rule that
 says which assignments it keeps, `moe.within_capacity`) a device keeps at most
 cap of each of its rows' assignments to an expert, so C = e_local * rows * min(cap,
 tokens a row): about the capacity factor times the assignments in all, not n
-times. Under a sequence split each device counts after what the devices before
-it in the sequence took (a (rows, E) all-gather over the length axes), so the
-assignments kept are those of one device. (`jax.lax.ragged_all_to_all`, which
-sends only the rows there are, is in jax 0.10.2 but has no CPU lowering to test
-it against the one-device result, so it is not used.) With the tensor axis the
-experts' hidden units are split too (each device's up-projection columns and
-down-projection rows) and the rows summed over it after the down projection,
-as Megatron's expert tensor parallelism; with fsdp the experts' weights are
-gathered for the layer, as every FSDP weight is.
+times. That bound is reached (a row's cap for each expert of a device can all come
+from one part of the row), so under a sequence split over s devices a device
+that sent only its own part of each row would need the whole row's C: s times the
+capacity factor times its assignments (2.5x at cf 1.25 and s 2). Instead the s
+devices of a row pool it (`_pooled`): each gathers the row's tokens and routing
+along the sequence axes, all count the row's capacity alike, and each sends its
+1/s share of every destination's C-row block (the same rows in the same order on
+each: C / s rows a destination); the rows come back to the device that sent them,
+and a reduce-scatter along the sequence gives each device its own tokens' sums.
+The assignments kept, and so the function, are those of one device. Dropless,
+each device sends its own part (C = its t k; pooling would not shrink it).
+(`jax.lax.ragged_all_to_all`, which sends only the rows there are, is in jax
+0.10.2 but has no CPU lowering to test it against the one-device result, so it is
+not used.) With the tensor axis the experts' hidden units are split too (each
+device's up-projection columns and down-projection rows) and the rows summed over
+it after the down projection, as Megatron's expert tensor parallelism; with fsdp
+the experts' weights are gathered for the layer, as every FSDP weight is.
 
 As the other modules of `parallel/`, this takes the math as a function and the
 mesh axes; the rows' layout and moves are `ops/dispatch.py`'s (gathers both ways).
@@ -77,7 +85,7 @@ class ExpertSplit:
     down (e, f, w). mlp(rows, up, down,
     sizes, cd) -> rows float32 or `cd`: the experts on rows grouped by expert. cap: the
     assignments an expert takes from one sequence (None: dropless), and
-    within(experts (b, l, k), cap, before (b, E)) -> keep (b, l, k) the rule.
+    within(experts (b, l, k), cap, None) -> keep (b, l, k) the rule, on whole rows.
     check_vma: False where mlp runs a Pallas kernel (megablox), whose outputs carry
     no varying-axes type; shard_map then psums the replicated weights' gradients
     over the axes they are not split on, as check_vma's types would.
@@ -99,16 +107,21 @@ class ExpertSplit:
     # up: one (e, w, f) array, or a tuple of them (swiglu's gate and up), split alike.
     specs = (tok, tok, tok, jax.tree.map(lambda _: P(ex, None, hidden), up), P(ex, hidden, None))
     capped = cap is not None and x.ndim == 3
+    seq = _names(self.length) if capped else ()
+    parts = math.prod(self.mesh.shape[a] for a in seq) if seq else 1
 
     def local(x, experts, weights, up, down):
-      shape = x.shape
-      keep = mark(self._keep(experts, cap, within, e)) if capped else None
-      x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
-      y = self._local(mlp, x, experts, weights, up, down, cd, n,
-                      None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count)
+      if parts > 1:
+        y, keep = self._pooled(mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count)
+      else:
+        shape = x.shape
+        keep = mark(within(experts, cap, None)) if capped else None
+        x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
+        y = self._local(mlp, x, experts, weights, up, down, cd, n,
+                        None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count)
+        y = y.reshape(shape[:-1] + y.shape[-1:])
       if _names(hidden):
         y = jax.lax.psum(y, hidden)
-      y = y.reshape(shape[:-1] + y.shape[-1:])
       return (y, keep) if capped else y
 
     out_specs = (tok, tok) if capped else tok
@@ -116,22 +129,27 @@ class ExpertSplit:
                         check_vma=check_vma)(x, experts, weights, up, down)
     return out if capped else (out, None)
 
-  def _keep(self, experts, cap, within, e):
-    """This device's rows' assignments within capacity (b, l, k), counted after the
-    assignments the devices before it along the sequence took from the same rows."""
-    before = None
-    seq = _names(self.length)
-    if seq and math.prod(self.mesh.shape[a] for a in seq) > 1:
-      b = experts.shape[0]
-      # each row's assignments to each expert, by a compare and a sum (no scatter-add)
-      mine = jnp.sum(experts.reshape(b, -1, 1) == jnp.arange(e), axis=1, dtype=jnp.int32)
-      every = jax.lax.all_gather(mine, seq)  # (devices along the sequence, b, E)
-      me = jax.lax.axis_index(seq)
-      before = jnp.sum(jnp.where((jnp.arange(every.shape[0]) < me)[:, None, None], every, 0), axis=0)
-    return within(experts, cap, before)
+  def _pooled(self, mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count):
+    """A capacity under a sequence split over `parts` devices: the devices of a row
+    pool it (the module's docstring). x (b, l, w), experts and weights (b, l, k): this
+    device's part of its rows. Returns y (b, l, w) float32 and keep (b, l, k)."""
+    b, l, _ = x.shape
+    whole = lambda a: jax.lax.all_gather(a, seq, axis=1, tiled=True)  # (b, parts l, ...), in row order
+    x, experts, weights = whole(x), whole(experts), whole(weights)
+    keep = mark(within(experts, cap, None))  # the rows' capacity, counted alike on each device
+    me = jax.lax.axis_index(seq)
+    k = experts.shape[-1]
+    y = self._local(mlp, x.reshape(-1, x.shape[-1]), experts.reshape(-1, k), weights.reshape(-1, k), up, down,
+                    cd, n, keep.reshape(-1, k), (b, parts * l), cap, mark, count, part=(me, parts))
+    # each assignment was sent by one device of the row: their sums add up to the row's
+    y = jax.lax.psum_scatter(y.reshape(b, parts * l, -1), seq, scatter_dimension=1, tiled=True)
+    return y, jax.lax.dynamic_slice_in_dim(keep, me * l, l, axis=1)
 
   def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None,
-             mark: Callable = lambda a: a, count: Callable | None = None):
+             mark: Callable = lambda a: a, count: Callable | None = None, part=(0, 1)):
+    """The dispatch of t tokens' assignments, their experts and back. part (i, parts):
+    this device sends the i-th of `parts` equal shares of each destination's block
+    (`_pooled`); the rows of the other shares come back zero."""
     t, k = experts.shape
     e_local = down.shape[0]
     m = t * k
@@ -144,7 +162,16 @@ class ExpertSplit:
     # Each assignment's row in the (n, cap) send buffer (by device, then expert, then
     # token order: what a stable sort by expert gives) and each row's assignment, and
     # the row's expert on its device; no sort (docs/bench/compile_depth.md).
-    slot, src, ids = (mark(a) for a in assignment_slots(flat, n, e_local, cap))
+    i, parts = part
+    share = -(-cap // parts)
+    slot, src, ids = assignment_slots(flat, n, e_local, share * parts)
+    if parts > 1:  # this device's share of each block: rows i share .. (i + 1) share
+      row, lo = slot % (share * parts), i * share
+      mine = (slot < n * share * parts) & (row >= lo) & (row < lo + share)
+      slot = jnp.where(mine, (slot // (share * parts)) * share + row - lo, n * share)
+      src, ids = (jax.lax.dynamic_slice_in_dim(a.reshape(n, -1), lo, share, axis=1).reshape(-1) for a in (src, ids))
+    cap = share
+    slot, src, ids = (mark(a) for a in (slot, src, ids))
     rows = take_rows(x.astype(cd), src, slot, k)  # empty rows zero
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
