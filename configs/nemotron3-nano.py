@@ -16,20 +16,19 @@ value): each expert takes at most 1.25 x an even share of a sequence's
 assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatch
 (capacity_factor=0) sizes the expert all-to-all's buffers for the worst case and
 did not fit either slice; at 1.25 both fit. On H100s (add --config.runtime.attention=xla to
-compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 (70.1 GiB a
-GPU; 16 x 2048: 74.9) in the layout config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert',
-the non-expert weights, their gradients and moments split over the 8 GPUs of the
-expert group as well, ZeRO-3; with 'fsdp' they are whole on every GPU and the state
-alone is 65.7 GiB), and LoRA (--config.lora.rank=16, 55 GiB a GPU); two hosts
-(h100-16: fsdp 2, so 'auto' keeps 'fsdp') 70 GiB a GPU at 16 x 2048. The TPU slices
-keep 'fsdp' (fsdp 4 to 16), and a full finetune fits each at the recipe's tokens a step
-(megablox experts; XLA's memory a chip, 2026-12-04): v5p-64 (32 chips, fsdp 4) 34.3 GiB
-of 95 at 64 x 4096; v5p-128 17.3 of 95; v6e-64 (fsdp 8) 17.4 of 32 at 128 x 2048;
-v6e-256 9.7 of 32. Roofline MFU on active parameters (--trip_counts) 33%, 34%, 10%
-and 4%: memory-bound, the v6e slices most (docs/bench/moe.md).
+compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 in the layout
+config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert', the non-expert
+weights, their gradients and moments split over the 8 GPUs of the expert group as well,
+ZeRO-3; with 'fsdp' they are whole on every GPU and the state alone is 65.7 GiB), and
+LoRA (--config.lora.rank=16: the frozen experts held in bf16). On GPUs unroll the layers
+(--config.runtime.unroll_layers=True): the scanned hybrid moves more bytes and memory
+there. The TPU slices keep 'fsdp' (fsdp 4 to 16) and the scan, and a full finetune fits
+each at the recipe's tokens a step (megablox experts). What each target counts and holds
+a chip: the README's performance table and docs/bench/moe.md.
 
   python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology h100-8 \
-      --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla
+      --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla \
+      --config.runtime.unroll_layers=True
 
 The router keeps NemotronH's
 balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4
