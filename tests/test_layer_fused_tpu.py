@@ -139,11 +139,12 @@ import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
-# The released models' head and state sizes (p 64, n 128), two head blocks, chunk
+# The released models' head and state sizes (p 64, n 128), two groups of two head
+# blocks (B's and C's (q, n) blocks read in place from B|C at the group's lanes), chunk
 # 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations. On
 # v6e the gradient (the forward kernel saving its states, the backward kernel), on
 # TPU7x the forward.
-b, l, h, p, g, n, k, q = 1, 256, 16, 64, 1, 128, 4, 128
+b, l, h, p, g, n, k, q = 1, 256, 32, 64, 2, 128, 4, 128
 i = h * p
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
