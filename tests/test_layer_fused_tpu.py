@@ -9,6 +9,8 @@ head blocks; the model with `layer_impl='fused'` against the XLA model (1e-6); a
 kernels compiled through libtpu (no TPU needed): forward and backward for v6e, the
 forward for TPU7x."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 
@@ -109,6 +111,10 @@ def test_model_with_fused_layer_matches_xla_model():
   assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(ids))
   grad = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(Mamba2LM.from_params(cfg, p, rt)(ids))))(model.params())
   assert "mixer_fused_bwd" in str(grad)  # the backward kernel, under remat after the forward's rerun
+  # Under remat the forward pass runs the kernel that saves no states (they would be
+  # dropped): only the backward's rerun writes them (optimize_remat).
+  names = re.findall(r"name=(mixer_fused\w*)", str(grad))
+  assert sorted(names) == ["mixer_fused", "mixer_fused_bwd", "mixer_fused_save"], names
   assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"), tol=1e-6)
 
 

@@ -39,7 +39,9 @@ the plain form over the SSD kernel (`joins`).
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
 differentiation the forward kernel also writes each chunk's entering state
-(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does).
+(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does);
+under remat, where the forward pass would drop them, it runs the kernel that writes
+none (`optimize_remat`), and only the backward pass's rerun writes them.
 Per chunk and head block the backward kernel recomputes, from in_proj's raw outputs,
 the conv + SiLU of x, B and C (reading the previous chunk's raw block, or the front,
 for the conv's reach back), dt, the chunk's SSD output and the gate; then takes the
@@ -135,7 +137,7 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
           like(dinit.reshape(initial_state.shape), initial_state), None)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, optimize_remat=True)
 
 
 def joins(d_inner: int, nheads: int, ngroups: int, d_state: int) -> bool:
