@@ -74,10 +74,10 @@ def test_fused_mixer_matches_plain_form_with_documents_and_groups():
 
 
 def test_fused_mixer_matches_plain_form_over_head_blocks():
-  """One group of 16 heads (two blocks of 8: the backward kernel's per-block partials
+  """One group of 32 heads (two blocks of 16: the backward kernel's per-block partials
   of B's and C's gradients, summed outside), 40 positions in chunks of 16 (ragged), no
   documents, no clamp: outputs and every gradient."""
-  b, l, h, p, g, n = 1, 40, 16, 2, 1, 8
+  b, l, h, p, g, n = 1, 40, 32, 2, 1, 8
   args = _inputs(b, l, h, p, g, n)
   got, dgot = _run(lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True), args, None, 16, g,
                    (0.0, float("inf")), True)
@@ -146,11 +146,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
 from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
 # The released models' head and state sizes (p 64, n 128), two groups of two head
-# blocks (B's and C's (q, n) blocks read in place from B|C at the group's lanes), chunk
+# blocks of 16 (B's and C's (q, n) blocks read in place from B|C at the group's lanes), chunk
 # 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations. On
 # v6e the gradient (the forward kernel saving its states, the backward kernel), on
 # TPU7x the forward.
-b, l, h, p, g, n, k, q = 1, 256, 32, 64, 2, 128, 4, 128
+b, l, h, p, g, n, k, q = 1, 256, 64, 64, 2, 128, 4, 128
 i = h * p
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())

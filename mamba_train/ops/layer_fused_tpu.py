@@ -84,7 +84,7 @@ import jax.numpy as jnp
 
 from mamba_train.ops import layer_math, ssd_tpu
 from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call
-from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep
+from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep, head_block
 
 
 def _outputs(d, gated, ssq, final):
@@ -142,12 +142,12 @@ _fused.defvjp(_fused_fwd, _fused_bwd, optimize_remat=True)
 
 def joins(d_inner: int, nheads: int, ngroups: int, d_state: int) -> bool:
   """Whether the kernels take this layer (per device's heads): a head block's channels
-  (hb p: 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
+  (hb p: 16 or 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
   must, x's blocks sitting i columns into the joined z|x (a block-aligned offset only
   then); and a group's B (C) channels are whole vregs of lanes too, or all of B's (one
-  group), read in place from B|C. Every released size has hb p = 512 (256 at `tiny`)
+  group), read in place from B|C. Every released size has hb p = 1024 (512 at `tiny`)
   and n = 128 or one group."""
-  lanes = ssd_tpu._head_block(nheads // ngroups) * (d_inner // nheads) % 128 == 0
+  lanes = head_block(nheads // ngroups) * (d_inner // nheads) % 128 == 0
   return lanes and (ngroups == 1 or d_state % 128 == 0)
 
 
