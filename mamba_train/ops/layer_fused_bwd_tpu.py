@@ -17,6 +17,7 @@ from mamba_train.ops import ssd_tpu
 from mamba_train.ops.layer_fused_fwd_tpu import (
   _F32,
   _NT,
+  _bc_rows,
   _conv,
   _dt,
   _flops,
@@ -28,7 +29,6 @@ from mamba_train.ops.layer_fused_fwd_tpu import (
   _specs,
   _ssd_head,
   _Value,
-  _bc_rows,
 )
 from mamba_train.ops.layer_math import dsilu
 
