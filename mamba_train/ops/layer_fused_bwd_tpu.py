@@ -17,6 +17,7 @@ from mamba_train.ops import ssd_tpu
 from mamba_train.ops.layer_fused_fwd_tpu import (
   _F32,
   _NT,
+  _bc_rows,
   _conv,
   _dt,
   _flops,
@@ -233,12 +234,13 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   """The backward kernel on the forward's grid, the chunks in reverse (see the module
   doc). Returns, in the kernels' layouts: dz|dx joined as z|x, (b, l, 2i) row-major, B's and
-  C's raw gradients per head block (c, b, g, head blocks, q, n) float32, dt_raw's (c,
+  C's raw gradients per head block (b, head blocks, l, g n) float32, dt_raw's (c,
   b, g, r, q), the rows of d A (times A: A_log's) and d D to sum, the initial state's,
   the conv weights' and biases' per sequence (and head block for B, C), and the
   fronts' (at the end of a chunk-sized block)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
-  zx, dtc, bc0, init = args[0], args[2], args[3], args[14]
+  zx, dtc, init = args[0], args[2], args[14]
+  bsize = b * c * q * g * n  # B's (or C's) elements, padded
   seq = len(args) > 18
   cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
@@ -251,18 +253,17 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
               + common[15:18]
               + [_rows(d, rev), spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)),
                  common[14], _rows(d, earlier, d.xcol),
-                 spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0)),
-                 spec((None, None, None, q, n), lambda bi, gi, ri, zi: (earlier(zi), bi, gi, 0, 0))]
+                 _bc_rows(d, earlier, 0), _bc_rows(d, earlier, 1)]
               + common[18:])
   ins = args[:14] + [states] + args[15:18] + [dg, dssq, dfinal, args[0], args[3], args[4]] + args[18:]
   f32 = lambda s: jax.ShapeDtypeStruct(s, _F32)
-  part = (c, b, g, nblk, q, n)
+  part = (b, nblk, c * q, g * n)  # B's (C's) gradient per head block, laid out as B|C's planes
   out_shape = [jax.ShapeDtypeStruct(zx.shape, cdt), f32(part), f32(part),
                f32(dtc.shape), f32(dtc.shape), f32(dtc.shape), f32(init.shape), f32((b, k, g, r, p, 1)),
                f32((b, g, r, p, 1)), f32((b, g, nblk, k, n)), f32((b, g, nblk, 1, n)), f32((b, g, nblk, k, n)),
                f32((b, g, nblk, 1, n)), f32((b, g, r, p, q)), f32((b, g, nblk, q, n)), f32((b, g, nblk, q, n))]
   blk = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
-  partial = spec((None, None, None, None, q, n), lambda bi, gi, ri, zi: (rev(zi), bi, gi, ri, 0, 0))
+  partial = spec((None, None, q, n), lambda bi, gi, ri, zi: (bi, ri, rev(zi), gi))
   out_specs = [spec(memory_space=pl.ANY), partial, partial, common[2], common[2], common[2], common[14],
                spec((None, k, None, hb, p, 1), lambda bi, gi, ri, zi: (bi, 0, gi, ri, 0, 0)),
                spec((None, None, hb, p, 1), blk), spec((None, None, None, k, n), blk),
@@ -284,7 +285,7 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
       # x, z, dg and the previous chunk's x read, dx and dz written; dt_raw read and
       # three rows written; B and C (and the previous chunk's) read per head block and
       # their float32 partials written; the entering states read.
-      bytes_accessed=int(6 * xsize * isz + 4 * rows + 4 * bc0.size * isz * nblk + 2 * bc0.size * 4 * nblk
+      bytes_accessed=int(6 * xsize * isz + 4 * rows + 4 * bsize * isz * nblk + 2 * bsize * 4 * nblk
                          + c * init.size * 4 + 2 * init.size * 4 + c * b * g * q * 4 * nblk
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b * 2 + 2 * g * (k + 1) * n * 4 * b * nblk * 2
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)))

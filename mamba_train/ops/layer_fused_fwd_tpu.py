@@ -215,22 +215,32 @@ class _Dims(NamedTuple):
   xcol: int
 
 
+def head_block(r: int) -> int:
+  """Heads a program takes: 16 where a group's heads allow (B and C are read, and their
+  gradients' float32 partials written, once per head block: half as often as with
+  `ssd_tpu`'s 8), else `ssd_tpu._head_block`'s."""
+  return 16 if r % 16 == 0 else ssd_tpu._head_block(r)
+
+
 def _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx):
   """The kernels' shapes and their operands in the kernels' layouts: z|x as in_proj's
   GEMM writes it, (b, l, 2i) row-major (padded to whole chunks), passed twice and read
-  in (q, hb p) blocks, z's from column 0 and x's from column i (`_rows`); B, C (c, b,
-  g, q, n); dt (c, b, g, r, q)."""
+  in (q, hb p) blocks, z's from column 0 and x's from column i (`_rows`); B|C as its
+  GEMM writes it, (b, 2, l, g n) (XLA lays in_proj_bc's (b, l, 2, g n) output out with
+  the pair major to positions), passed twice and read in (q, n) blocks, B's from plane
+  0 and C's from plane 1 (`_bc_rows`); dt (c, b, g, r, q)."""
   b, l, i2 = zx.shape
   i, h = i2 // 2, dt_raw.shape[-1]
   g, k, q = ngroups, w["conv_x"].shape[0], chunk
   r, p, n = h // g, i // h, bc.shape[-1] // g
   pad = (-l) % q
-  hb = ssd_tpu._head_block(r)
+  hb = head_block(r)
   # i is g r p = (g nblk) (hb p): x's first block sits g nblk blocks in.
   d = _Dims(b, l, i, h, g, r, p, n, k, q, (l + pad) // q, pad, hb, r // hb, 0, g * (r // hb))
   c, cdt = d.c, zx.dtype
   heads = lambda v: jnp.pad(v, [(0, 0), (0, pad), (0, 0)]) if pad else v
-  bcc = _chunks(bc, q, pad, (b, c, q, 2, g, n), (3, 1, 0, 4, 2, 5))  # (2, c, b, g, q, n)
+  bcr = bc.transpose(0, 2, 1, 3)  # (b, 2, l, g n): a bitcast of the GEMM's output
+  bcr = jnp.pad(bcr, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else bcr
   wbc = w["conv_bc"].astype(_F32).reshape(k, 2, g, n).transpose(1, 2, 0, 3)  # (2, g, k, n)
   bbc = w["conv_bc_bias"].astype(_F32).reshape(2, g, 1, n)
   col = lambda v: v.astype(_F32).reshape(g, r, 1)
@@ -241,7 +251,7 @@ def _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, s
   at_end = lambda f: jnp.pad(f.astype(cdt), [(0, 0), (q - (k - 1), 0)] + [(0, 0)] * (f.ndim - 2))
   fbc = at_end(front_bc).reshape(b, q, 2, g, n).transpose(2, 0, 3, 1, 4)  # (2, b, g, q, n)
   args = [heads(zx), heads(zx), _chunks(dt_raw.astype(_F32), q, pad, (b, c, q, g, r), (1, 0, 3, 4, 2)),
-          bcc[0], bcc[1], w["conv_x"].astype(_F32).reshape(k, g, r, p, 1),
+          bcr, bcr, w["conv_x"].astype(_F32).reshape(k, g, r, p, 1),
           w["conv_x_bias"].astype(_F32).reshape(g, r, p, 1), wbc[0], bbc[0], wbc[1], bbc[1],
           col(w["dt_bias"]), col(-jnp.exp(w["A_log"].astype(_F32))), col(D), init,
           at_end(front_x).reshape(b, q, g, r, p).transpose(0, 2, 3, 4, 1), fbc[0], fbc[1]]
@@ -261,12 +271,18 @@ def _rows(d, chunk_of, col=0):
   return pl.BlockSpec((None, d.q, d.hb * d.p), lambda bi, gi, ri, zi: (bi, chunk_of(zi), col + gi * d.nblk + ri))
 
 
+def _bc_rows(d, chunk_of, plane):
+  """The BlockSpec of B (plane 0) or C (plane 1) read in place from B|C (b, 2, l, g n):
+  a chunk's positions of the group's n state channels, (q, n). Mosaic needs n a
+  multiple of 128 or the whole row (one group): `layer_fused_tpu.joins`."""
+  return pl.BlockSpec((None, None, d.q, d.n), lambda bi, gi, ri, zi: (bi, plane, chunk_of(zi), gi))
+
+
 def _specs(d, chunk_of, seq):
   """The BlockSpecs of `_prep`'s operands on the grid (b, g, head blocks, steps);
   chunk_of(step) is the chunk a step takes (in order forward, reversed backward)."""
   hb, p, q, n, k = d.hb, d.p, d.q, d.n, d.k
   head = lambda bi, gi, ri, zi: (chunk_of(zi), bi, gi, ri, 0)
-  group = lambda bi, gi, ri, zi: (chunk_of(zi), bi, gi, 0, 0)
   state = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
   per_head = lambda bi, gi, ri, zi: (gi, ri, 0)
   per_group = lambda bi, gi, ri, zi: (gi, 0, 0)
@@ -274,7 +290,7 @@ def _specs(d, chunk_of, seq):
   spec = pl.BlockSpec
   specs = [_rows(d, chunk_of, d.xcol), _rows(d, chunk_of, d.zcol),
            spec((None, None, None, hb, q), head),
-           spec((None, None, None, q, n), group), spec((None, None, None, q, n), group),
+           _bc_rows(d, chunk_of, 0), _bc_rows(d, chunk_of, 1),
            spec((k, None, hb, p, 1), lambda bi, gi, ri, zi: (0, gi, ri, 0, 0)),
            spec((None, hb, p, 1), lambda bi, gi, ri, zi: (gi, ri, 0, 0)),
            spec((None, k, n), per_group), spec((None, 1, n), per_group),
@@ -299,7 +315,8 @@ def _call(d, args, dt_limit, interpret, save=False):
   (c, b, g, r, q), the final state (b, g, r, p, n); with `save` the states entering
   each chunk (b, g, r, c, p, n) float32 as well (the backward kernel's residual)."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
-  zx, dtc, bc0, init, fx = args[0], args[2], args[3], args[14], args[15]
+  zx, dtc, init, fx = args[0], args[2], args[14], args[15]
+  bsize = b * c * q * g * n  # B's (or C's) elements, padded
   seq = len(args) > 18
   cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
@@ -312,7 +329,7 @@ def _call(d, args, dt_limit, interpret, save=False):
       transcendentals=int(c * b * d.h * (q * q + 2 * q + 3 * p * q) + c * b * g * nblk * 2 * q * n),
       # x, z read and the gated y written once; dt raw read, sums of squares written;
       # B and C once per head block; the states; the small weights per head block.
-      bytes_accessed=int(3 * rows.size * isz + dtc.size * 4 * 2 + 2 * bc0.size * isz * nblk + 2 * init.size * 4
+      bytes_accessed=int(3 * rows.size * isz + dtc.size * 4 * 2 + 2 * bsize * isz * nblk + 2 * init.size * 4
                          + fx.size * isz + 2 * b * g * q * n * isz * nblk
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b + 2 * g * (k + 1) * n * 4 * b * nblk
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)

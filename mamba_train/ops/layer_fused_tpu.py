@@ -39,7 +39,9 @@ the plain form over the SSD kernel (`joins`).
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
 forward's grid with the chunks innermost, sequential and in reverse. Under
 differentiation the forward kernel also writes each chunk's entering state
-(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does).
+(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does);
+under remat, where the forward pass would drop them, it runs the kernel that writes
+none (`optimize_remat`), and only the backward pass's rerun writes them.
 Per chunk and head block the backward kernel recomputes, from in_proj's raw outputs,
 the conv + SiLU of x, B and C (reading the previous chunk's raw block, or the front,
 for the conv's reach back), dt, the chunk's SSD output and the gate; then takes the
@@ -82,7 +84,7 @@ import jax.numpy as jnp
 
 from mamba_train.ops import layer_math, ssd_tpu
 from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call
-from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep
+from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep, head_block
 
 
 def _outputs(d, gated, ssq, final):
@@ -117,8 +119,7 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
   (dzx, dbp, dcp, ddtr, da, dd, dinit, dwx, dbx, dwb, dbb, dwc, dbcb, dfx, dfb, dfc) = _bwd_call(
       d, args, states, dg, dssq, dfinal.astype(_F32).reshape(b, g, r, d.p, n), dt_limit, interpret)
   back = lambda v: v[:, :l]  # dz|dx row-major, as in_proj's GEMMs read it
-  dbc = jnp.stack([dbp.sum(3), dcp.sum(3)], 3)  # (c, b, g, 2, q, n)
-  dbc = dbc.transpose(1, 0, 4, 3, 2, 5).reshape(b, c * q, 2, g * n)[:, :l]
+  dbc = jnp.stack([dbp.sum(1), dcp.sum(1)], 2)[:, :l]  # (b, l, 2, g n)
   ddtr = ddtr.transpose(1, 0, 4, 2, 3).reshape(b, c * q, d.h)[:, :l]
   A = -jnp.exp(w["A_log"].astype(_F32))
   dw = dict(conv_x=dwx.sum(0).reshape(k, d.i), conv_x_bias=dbx.sum(0).reshape(d.i),
@@ -136,15 +137,18 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
           like(dinit.reshape(initial_state.shape), initial_state), None)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, optimize_remat=True)
 
 
-def joins(d_inner: int, nheads: int, ngroups: int) -> bool:
+def joins(d_inner: int, nheads: int, ngroups: int, d_state: int) -> bool:
   """Whether the kernels take this layer (per device's heads): a head block's channels
-  (hb p: 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
+  (hb p: 16 or 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
   must, x's blocks sitting i columns into the joined z|x (a block-aligned offset only
-  then). Every released size has hb p = 512 (256 at `tiny`)."""
-  return ssd_tpu._head_block(nheads // ngroups) * (d_inner // nheads) % 128 == 0
+  then); and a group's B (C) channels are whole vregs of lanes too, or all of B's (one
+  group), read in place from B|C. Every released size has hb p = 1024 (512 at `tiny`)
+  and n = 128 or one group."""
+  lanes = head_block(nheads // ngroups) * (d_inner // nheads) % 128 == 0
+  return lanes and (ngroups == 1 or d_state % 128 == 0)
 
 
 def mixer_core_tpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
@@ -152,7 +156,7 @@ def mixer_core_tpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0
   """`layer_math.mixer_core` as one Pallas TPU kernel, forward and backward (see the module doc)."""
   b, h, k = zx.shape[0], dt_raw.shape[-1], w["conv_x"].shape[0]
   i = zx.shape[-1] // 2
-  if not interpret and not joins(i, h, ngroups):
+  if not interpret and not joins(i, h, ngroups, bc.shape[-1] // ngroups):
     # The layer's plain form over the one-pass SSD kernel, the same function (what
     # `table.build` runs where this kernel takes no split sequence).
     ssd = functools.partial(ssd_tpu.ssd_fused, interpret=False)
