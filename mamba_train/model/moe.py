@@ -108,9 +108,8 @@ DISPATCH = "moe_dispatch"
 # by that primitive (`lm.remat_policy`).
 RETURNED = "moe_returned_rows"
 # What 'save_moe' keeps beyond every policy's DISPATCH: the routed experts' rows, hidden
-# units and activation (`ops/experts.py`) and the rows returned, about 0.28 GB a layer
-# for the Nano recipe on h100-8, so the backward pass runs neither the dispatch, its
-# all-to-alls nor the experts' forward products again. That pays with unrolled layers; in
+# units and activation (`ops/experts.py`) and the rows returned, so the backward pass
+# runs neither the dispatch, its all-to-alls nor the experts' forward products again. That pays with unrolled layers; in
 # a layer scan the kept rows' per-layer stacks (zero-filled, written, copied out) cost
 # more than the recompute they save (docs/bench/moe.md, "The MoE layer's rows kept").
 SAVED_ROWS = (experts_ops.ROWS, experts_ops.HIDDEN, experts_ops.ACT, RETURNED)
