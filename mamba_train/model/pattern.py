@@ -206,8 +206,8 @@ def _run_steps(st: Steps, fns: dict[str, Callable], xs: dict[str, Any], h):
     idx = np.asarray(idx, np.int32)
     # A kind every step runs, in order, is its own stack: XLA keeps such a gather (and
     # its transpose, a scatter-add of the layers' gradients) as a copy of the stack.
-    same = lambda a: a.shape[0] == len(idx) and np.array_equal(idx, np.arange(len(idx)))
-    return jax.tree.map(lambda a: a if same(a) else jnp.take(a, idx, axis=0), tree)
+    in_order = np.array_equal(idx, np.arange(len(idx)))
+    return jax.tree.map(lambda a: a if in_order and a.shape[0] == len(idx) else jnp.take(a, idx, axis=0), tree)
 
   slots = {k: gather(xs[k], st.slot[k]) for k in st.order}
   taken = {k: jnp.asarray(np.asarray(st.taken[k])) for k in st.order}
@@ -226,7 +226,7 @@ def _run_steps(st: Steps, fns: dict[str, Callable], xs: dict[str, Any], h):
         continue
       skip = lambda p, h, s, k=k: (h, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape[k]))
       # The scope's name tells a count of the compiled program how many trips take
-      # the layer (`tools/hlo.py`'s TAKEN reads it): XLA's cost analysis counts a
+      # the layer (`tools/hlo.py`'s `branch_shares` reads it): XLA's cost analysis counts a
       # conditional at its costliest branch, as if every step ran the layer.
       with jax.named_scope(TAKEN_SCOPE.format(taken=sum(st.taken[k]), of=st.n_steps)):
         h, outs[k] = jax.lax.cond(t, fns[k], skip, p, h, s)

@@ -8,7 +8,7 @@ state and batch shardings it trains with; the state and batch are abstract (shap
 and shardings only), so nothing is allocated. The report: per-device memory from
 XLA's memory analysis against the chip's HBM, XLA's FLOP and byte counts with every
 layer counted (two more small compiles: one layer, and two layers unrolled; on GPUs
-a Mamba-2 model's one compile's loop bodies times their trip counts; none when
+the one compile's loop bodies times their trip counts; none when
 `runtime.unroll_layers` compiles every layer into the step itself), the
 step time and MFU they imply at the datasheet peaks, and the compile time. A step
 that does not fit raises `DoesNotFit`, saying what to change.
