@@ -563,6 +563,9 @@ def test_train_step_balances_routers():
   want = bias0 + 1e-3 * np.sign(load.mean(-1, keepdims=True) - load)
   np.testing.assert_allclose(on.params["moe"][moe_lib.BIAS], want, rtol=0, atol=1e-9)
   np.testing.assert_array_equal(off.params["moe"][moe_lib.BIAS], bias0)  # off: untouched
+  for params, metrics in ((on.params, m), (off.params, m0)):  # the norm of the weights returned
+    want_norm = np.sqrt(sum(np.sum(np.square(np.float64(x))) for x in jax.tree.leaves(params)))
+    assert float(metrics["param_norm"]) == pytest.approx(want_norm, rel=1e-6)
 
 
 def test_heads_not_a_multiple_of_d_model(tmp_path):

@@ -179,8 +179,9 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       denom = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denom, grads)
       loss = loss_sum / denom
-      updates, opt_state = optimizer.update(grads, state.opt_state, params)
-      new_params = optax.apply_updates(params, updates)
+      updates, opt_state, squares = optimizer.update_with_squares(grads, state.opt_state, params)
+      guarded = optax.apply_updates(params, updates)
+      new_params = guarded
       router = {k: sums.pop(k) for k in balance.sum_shapes(cfg) if k in sums}
       if router and moe is not None and lora is None:
         new_params = balance.update_bias(new_params, router["moe_load"], moe.bias_update_rate)
@@ -189,10 +190,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       metrics = {
           "loss": loss,
           "grad_norm": optax.tree.norm(grads),
-          # Behind a barrier, a pass of its own that reads the new parameters: fused
-          # into the pass that writes them, it kept XLA:GPU from writing them in place,
-          # and each was copied after (docs/bench/moe.md, "One MoE layer's bytes").
-          "param_norm": optax.tree.norm(jax.lax.optimization_barrier(new_params)),
+          "param_norm": _param_norm(new_params, guarded, squares),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           **guard_metrics(opt_state),
@@ -203,6 +201,17 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
   return jax.jit(step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, replicated),
                  donate_argnums=(0,))
+
+
+def _param_norm(new_params, guarded, squares) -> jax.Array:
+  """The global norm of `new_params`: each leaf's sum of squares from the guard's pass
+  (`squares`, for the leaves of `guarded`, the parameters the guard returned), computed
+  here only for a leaf that changed after it (the router's correction biases, moved by
+  the load). A pass of its own reading every new weight was 4 bytes a parameter
+  (1.5e10 a step for Nano's experts on h100-8; docs/bench/moe.md, 2026-12-05, gpufull)."""
+  sq = [s if new is old else jnp.sum(jnp.square(new.astype(F32)))
+        for new, old, s in zip(jax.tree.leaves(new_params), jax.tree.leaves(guarded), jax.tree.leaves(squares))]
+  return jnp.sqrt(sum(sq[1:], sq[0]))
 
 
 def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=sharding.DEFAULT_RULES,
