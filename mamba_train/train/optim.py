@@ -240,6 +240,18 @@ def _squares(updates, params) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
   return out
 
 
+def param_norm(new_params, guarded, squares) -> jax.Array:
+  """The global norm of `new_params`: each leaf's sum of squares from the guard's pass
+  (`squares` of `update_with_squares`, for the leaves of `guarded`, the parameters its
+  step returned), computed here only for a leaf changed after it (the router's
+  correction biases, moved by the load: train/step.py). A pass of its own reading every
+  new weight was 4 bytes a parameter (1.5e10 a step for Nano's experts on h100-8;
+  docs/bench/moe.md, 2026-12-05, gpufull)."""
+  sq = [s if new is old else jnp.sum(jnp.square(new.astype(jnp.float32)))
+        for new, old, s in zip(jax.tree.leaves(new_params), jax.tree.leaves(guarded), jax.tree.leaves(squares))]
+  return jnp.sqrt(sum(sq[1:], sq[0]))
+
+
 def nonfinite_streak(opt_state: GuardState) -> jax.Array:
   """Steps in a row skipped for a non-finite loss or gradient or a weight jump (0 after a good step)."""
   return opt_state.notfinite_count

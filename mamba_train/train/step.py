@@ -24,7 +24,7 @@ from mamba_train.parallel import sharding
 from mamba_train.train import balance, dpo as dpo_lib, run_config
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.loss import linear_cross_entropy
-from mamba_train.train.optim import guard, guard_metrics, make_optimizer
+from mamba_train.train.optim import guard, guard_metrics, make_optimizer, param_norm
 from mamba_train.train.state import (
   TrainState,
   abstract_train_state,
@@ -190,7 +190,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       metrics = {
           "loss": loss,
           "grad_norm": optax.tree.norm(grads),
-          "param_norm": _param_norm(new_params, guarded, squares),
+          "param_norm": param_norm(new_params, guarded, squares),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           **guard_metrics(opt_state),
@@ -201,17 +201,6 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
 
   return jax.jit(step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, replicated),
                  donate_argnums=(0,))
-
-
-def _param_norm(new_params, guarded, squares) -> jax.Array:
-  """The global norm of `new_params`: each leaf's sum of squares from the guard's pass
-  (`squares`, for the leaves of `guarded`, the parameters the guard returned), computed
-  here only for a leaf that changed after it (the router's correction biases, moved by
-  the load). A pass of its own reading every new weight was 4 bytes a parameter
-  (1.5e10 a step for Nano's experts on h100-8; docs/bench/moe.md, 2026-12-05, gpufull)."""
-  sq = [s if new is old else jnp.sum(jnp.square(new.astype(F32)))
-        for new, old, s in zip(jax.tree.leaves(new_params), jax.tree.leaves(guarded), jax.tree.leaves(squares))]
-  return jnp.sqrt(sum(sq[1:], sq[0]))
 
 
 def make_eval_step(cfg: Mamba2Config, runtime: Runtime, mesh: Mesh, rules=sharding.DEFAULT_RULES,
