@@ -363,15 +363,18 @@ def test_tokamax_path_equals_ragged_dot(monkeypatch):
   here as tokamax's XLA op carrying tokamax's own backward (rows by a ragged dot
   on the transposed weights, weights by a ragged contraction): what is checked is
   our padding, masking, dtype and empty-expert handling around tokamax's op and
-  its VJP; the kernels' sm_90a compile is `test_tokamax_experts_compile_for_h100`."""
+  its weights' gradient, and the rows' gradient by our kernel (`_rows_grad`, in Pallas'
+  interpreter; widths multiples of its 16-wide tiles); the kernels' sm_90a compile is
+  `test_tokamax_experts_compile_for_h100`."""
   import functools
 
   _tokamax_or_skip()
   from tokamax._src.ops.ragged_dot import base
   monkeypatch.setattr(experts_gpu, "TOKAMAX_IMPLEMENTATION", base.RaggedDot(vjp=functools.partial(base.vjp)))
+  monkeypatch.setattr(experts_gpu, "INTERPRET", True)
   f32 = jnp.dtype("float32")
   ks = jax.random.split(jax.random.key(6), 4)
-  e, w, f = 6, 16, 12
+  e, w, f = 6, 16, 32
   rows = jax.random.normal(ks[0], (50, w))
   up, gate = (0.3 * jax.random.normal(k, (e, w, f)) for k in ks[1:3])
   down = 0.3 * jax.random.normal(ks[3], (e, f, w))
@@ -413,23 +416,26 @@ with tokamax.config.cross_compile(True):
   jaxpr = fn.trace(*args).jaxpr
 hlo = compiled.as_text()
 calls = [l for l in hlo.splitlines() if "custom-call(" in l and "TritonRaggedDot" in l]
-# Forward gate, up, down; backward each one's rows and weights gradient.
-assert len(calls) == 9, len(calls)
+ours = [l for l in hlo.splitlines() if "custom-call(" in l and "experts_rows_grad" in l]
+# Forward gate, up, down and each one's weights gradient by tokamax; the rows' gradients ours.
+assert (len(calls), len(ours)) == (6, 3), (len(calls), len(ours))
+# ours read the weights as stored: no transposed copy of a weight is written
+assert not [l for l in hlo.splitlines() if " transpose(" in l and ("[8,128,64]" in l or "[8,64,128]" in l)]
 # No other matmul: no cuBLAS GEMM, no dot, so nothing dense over the experts.
 assert "cublas" not in hlo and " dot(" not in hlo, [l for l in hlo.splitlines() if "cublas" in l or " dot(" in l][:3]
 mp = m + experts_gpu.TOKAMAX_ROW_PAD
 k = kernel_costs(compiled, jaxpr)
 assert k["flops"] == 9 * 2 * mp * w * f, k
-print("compiled", len(calls))
+print("compiled", len(calls) + len(ours))
 """
 
 
 def test_tokamax_experts_compile_for_h100():
   """The experts through tokamax (gate, up, down; forward and both gradients) for
-  sm_90a with the gpu extra's wheels (no GPU needed): nine tokamax Triton custom
-  calls and no other matmul in the optimised module (XLA:GPU's rewrite of
-  ragged_dot into a dense all-experts dot is gone), and `hlo.kernel_costs` counting
-  each at 2 m k n."""
+  sm_90a with the gpu extra's wheels (no GPU needed): six tokamax Triton custom
+  calls, three of ours (the rows' gradients) and no other matmul in the optimised
+  module (XLA:GPU's rewrite of ragged_dot into a dense all-experts dot is gone), no
+  transposed weight copy, and `hlo.kernel_costs` counting each at 2 m k n."""
   import os
   import subprocess
   import sys
@@ -563,6 +569,9 @@ def test_train_step_balances_routers():
   want = bias0 + 1e-3 * np.sign(load.mean(-1, keepdims=True) - load)
   np.testing.assert_allclose(on.params["moe"][moe_lib.BIAS], want, rtol=0, atol=1e-9)
   np.testing.assert_array_equal(off.params["moe"][moe_lib.BIAS], bias0)  # off: untouched
+  for params, metrics in ((on.params, m), (off.params, m0)):  # the norm of the weights returned
+    want_norm = np.sqrt(sum(np.sum(np.square(np.float64(x))) for x in jax.tree.leaves(params)))
+    assert float(metrics["param_norm"]) == pytest.approx(want_norm, rel=1e-6)
 
 
 def test_heads_not_a_multiple_of_d_model(tmp_path):

@@ -122,19 +122,22 @@ def test_bfloat16_optimizer_state():
 def test_guard_skips_nonfinite_steps_and_weight_jumps():
   """optim.guard against its inner transformation run alone: accepted steps are the inner
   one's bit for bit; a norm jump (after the window fills) and a NaN leave the parameters
-  and the inner state as they were and count in the same streak."""
+  and the inner state as they were and count in the same streak. `update_with_squares`'
+  sums of squares are those of the parameters the step leaves (train/step.py's param_norm)."""
   import optax
   inner = optax.sgd(0.1, momentum=0.9)
   tx = optim.guard(inner, factor=10.0, window=3)
   assert optim.guard(tx) is tx  # a second wrap is a no-op
   params = {"w": jnp.linspace(1.0, 2.0, 8)}
   state, ref_state = tx.init(params), inner.init(params)
-  update = jax.jit(tx.update)
+  update = jax.jit(tx.update_with_squares)
   normal = {"w": jnp.full(8, 0.1)}
   grads = [normal, normal, normal, {"w": jnp.full(8, 1e4)}, {"w": jnp.full(8, jnp.nan)}, normal]
   seen = []
   for g in grads:
-    u, new_state = update(g, state, params)
+    u, new_state, squares = update(g, state, params)
+    after = optax.apply_updates(params, u)["w"]
+    np.testing.assert_allclose(squares["w"], np.sum(np.square(np.float64(after))), rtol=1e-6)
     m = {k: float(v) for k, v in optim.guard_metrics(new_state).items()}
     seen.append((m["nonfinite_streak"], m["weight_jump"]))
     if m["nonfinite_streak"] == 0:  # accepted: exactly the inner transformation's step
@@ -192,3 +195,6 @@ def test_train_step_takes_any_optax_transformation():
       for k in path:
         want = want[k.key]
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    # param_norm, from the guard's sums, is the norm of the weights the step returned
+    want_norm = np.sqrt(sum(np.sum(np.square(np.float64(x))) for x in jax.tree.leaves(jax.device_get(state.params))))
+    np.testing.assert_allclose(float(m["param_norm"]), want_norm, rtol=1e-6)

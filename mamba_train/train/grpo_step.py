@@ -34,7 +34,7 @@ from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 from mamba_train.train import grpo as grpo_lib, run_config
 from mamba_train.train.grpo import GrpoSpec
-from mamba_train.train.optim import guard, guard_metrics, make_optimizer
+from mamba_train.train.optim import guard, guard_metrics, make_optimizer, param_norm
 from mamba_train.train.state import TrainState, init_train_state, state_shardings, weight_shardings
 from mamba_train.train.step import model_of
 
@@ -120,12 +120,12 @@ def make_grpo_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradien
         return loss, metrics
 
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      updates, opt_state, squares = optimizer.update_with_squares(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
       new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng,
                              frozen=state.frozen)
       return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                         "param_norm": optax.tree.norm(new_params),
+                         "param_norm": param_norm(new_params, new_params, squares),
                          "lr": jnp.asarray(schedule(state.step), F32), "tokens": jnp.sum(mask),
                          **guard_metrics(opt_state), **metrics}
 

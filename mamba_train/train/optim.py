@@ -135,7 +135,13 @@ class GuardState(NamedTuple):
 
 
 class GuardedTransformation(optax.GradientTransformation):
-  """An optax transformation wrapped by `guard` (a distinct type, so a second wrap is a no-op)."""
+  """An optax transformation wrapped by `guard` (a distinct type, so a second wrap is a no-op).
+
+  Beside optax's `update`, `update_with_squares(grads, state, params)` returns
+  (updates, state, squares): `squares` a tree like `params` of float32 scalars, each leaf's
+  sum of squares as the step leaves it (after the update if taken, as it was if skipped),
+  from the same pass as the guard's checks, so a caller reports the parameter norm
+  without reading the new parameters again (train/step.py)."""
 
 
 def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_FACTOR,
@@ -172,7 +178,7 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
                       update_norm=jnp.zeros((), f32), param_norms=jnp.zeros((window,), f32),
                       update_norms=jnp.zeros((window,), f32), accepted=jnp.zeros((), jnp.int32))
 
-  def update(grads, state: GuardState, params=None, **extra):
+  def update_with_squares(grads, state: GuardState, params=None, **extra):
     # The inner step runs twice on the same inputs: once for the checks below, once for
     # the step applied, its state behind an optimization barrier so XLA keeps the two
     # apart. Run once, its updates were written out in full and read back by the checks
@@ -181,7 +187,8 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
     # writes the parameters and state: 42 bytes a float32 parameter with a bfloat16
     # gradient on h100-8, against 58 (docs/bench/moe.md, "One MoE layer's bytes").
     checked, _ = inner.update(grads, state.inner_state, params, **extra)
-    u_sq, p_sq = _squares(checked, params)
+    sums = _squares(checked, params)
+    u_sq, p_sq = sum(u for u, _, _ in sums), sum(a for _, a, _ in sums)
     u_norm, p_norm = jnp.sqrt(u_sq), jnp.sqrt(p_sq)
     # A non-finite update shows in its squares' sum (as does one whose norm passes
     # float32's range, 1.8e19), so only the gradient is checked element by element.
@@ -202,26 +209,47 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
         param_norms=keep(state.param_norms.at[slot].set(p_norm), state.param_norms),
         update_norms=keep(state.update_norms.at[slot].set(u_norm), state.update_norms),
         accepted=state.accepted + ok.astype(jnp.int32))
-    return jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates), new_state
+    kept = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    treedef = jax.tree.structure(updates)
+    squares = treedef.unflatten([jnp.where(ok, after, before) for _, after, before in sums])
+    return kept, new_state, squares
 
-  return GuardedTransformation(init, update)
+  def update(grads, state: GuardState, params=None, **extra):
+    return update_with_squares(grads, state, params, **extra)[:2]
+
+  tx = GuardedTransformation(init, update)
+  tx.update_with_squares = update_with_squares
+  return tx
 
 
-def _squares(updates, params) -> tuple[jax.Array, jax.Array]:
-  """(sum of the updates' squares, sum of the squares of the parameters after them),
-  float32, each leaf's two sums as the real and imaginary parts of one complex sum:
-  one reduction, which XLA:GPU fuses with the update's computation, where two sums
-  of the same update (a sum of each, or a variadic reduce) have it written out and
-  read back (docs/bench/moe.md, "One MoE layer's bytes"). An inf or NaN anywhere
-  makes the sums non-finite. params None: the second sum is the first."""
-  u_sq = p_sq = jnp.zeros((), jnp.float32)
+def _squares(updates, params) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+  """Each leaf's (sum of the update's squares, sum of the squares of the parameter after
+  it, the parameter's as it was), float32, from one reduction that XLA:GPU fuses with the
+  update's computation: the three squares stacked on a last axis of 3 and summed over
+  the rest. Separate sums of the same update (three, or a variadic reduce) have it
+  written out and read back (docs/bench/moe.md, "One MoE layer's bytes"). An inf or NaN
+  anywhere makes the sums non-finite. params None: all three are the update's."""
+  out = []
   for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params) if params is not None else
                   [None] * len(jax.tree.leaves(updates))):
     u = u.astype(jnp.float32)
+    before = u if p is None else p.astype(jnp.float32)
     after = u if p is None else (p + u).astype(p.dtype).astype(jnp.float32)
     z = jnp.sum(jax.lax.complex(u * u, after * after))
-    u_sq, p_sq = u_sq + jnp.real(z), p_sq + jnp.imag(z)
-  return u_sq, p_sq
+    out.append((jnp.real(z), jnp.imag(z), jnp.sum(before * before)))
+  return out
+
+
+def param_norm(new_params, guarded, squares) -> jax.Array:
+  """The global norm of `new_params`: each leaf's sum of squares from the guard's pass
+  (`squares` of `update_with_squares`, for the leaves of `guarded`, the parameters its
+  step returned), computed here only for a leaf changed after it (the router's
+  correction biases, moved by the load: train/step.py). A pass of its own reading every
+  new weight was 4 bytes a parameter (1.5e10 a step for Nano's experts on h100-8;
+  docs/bench/moe.md, 2026-12-05, gpufull)."""
+  sq = [s if new is old else jnp.sum(jnp.square(new.astype(jnp.float32)))
+        for new, old, s in zip(jax.tree.leaves(new_params), jax.tree.leaves(guarded), jax.tree.leaves(squares))]
+  return jnp.sqrt(sum(sq[1:], sq[0]))
 
 
 def nonfinite_streak(opt_state: GuardState) -> jax.Array:

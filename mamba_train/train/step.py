@@ -24,7 +24,7 @@ from mamba_train.parallel import sharding
 from mamba_train.train import balance, dpo as dpo_lib, run_config
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.loss import linear_cross_entropy
-from mamba_train.train.optim import guard, guard_metrics, make_optimizer
+from mamba_train.train.optim import guard, guard_metrics, make_optimizer, param_norm
 from mamba_train.train.state import (
   TrainState,
   abstract_train_state,
@@ -179,8 +179,9 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       denom = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denom, grads)
       loss = loss_sum / denom
-      updates, opt_state = optimizer.update(grads, state.opt_state, params)
-      new_params = optax.apply_updates(params, updates)
+      updates, opt_state, squares = optimizer.update_with_squares(grads, state.opt_state, params)
+      guarded = optax.apply_updates(params, updates)
+      new_params = guarded
       router = {k: sums.pop(k) for k in balance.sum_shapes(cfg) if k in sums}
       if router and moe is not None and lora is None:
         new_params = balance.update_bias(new_params, router["moe_load"], moe.bias_update_rate)
@@ -189,10 +190,7 @@ def make_train_step(cfg: Mamba2Config, runtime: Runtime, optimizer: optax.Gradie
       metrics = {
           "loss": loss,
           "grad_norm": optax.tree.norm(grads),
-          # Behind a barrier, a pass of its own that reads the new parameters: fused
-          # into the pass that writes them, it kept XLA:GPU from writing them in place,
-          # and each was copied after (docs/bench/moe.md, "One MoE layer's bytes").
-          "param_norm": optax.tree.norm(jax.lax.optimization_barrier(new_params)),
+          "param_norm": param_norm(new_params, guarded, squares),
           "lr": jnp.asarray(schedule(state.step), F32),
           "tokens": count,
           **guard_metrics(opt_state),
