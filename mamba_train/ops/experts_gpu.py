@@ -152,8 +152,8 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 def expert_mlp_tokamax(rows, up, down, sizes, cd):
   """`experts.expert_mlp_xla` by tokamax's ragged dot, its Triton kernels (any NVIDIA GPU from
   sm_80; forward a grouped matmul, backward a ragged contraction per group for the
-  weights and our `_rows_grad` for the rows; `_tokamax_implementation`). Triton before tokamax's Mosaic GPU kernel, its own
-  first choice: that one's configuration is chosen from the live device's compute
+  weights and our `_rows_grad` for the rows; `_tokamax_implementation`). Triton before
+  tokamax's Mosaic GPU kernel, its own first choice: that one's configuration is chosen from the live device's compute
   capability, so an ahead-of-time compile on a host without the GPU is refused
   (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
   forward and backward: an ahead-of-time compile lowers under
