@@ -153,9 +153,9 @@ def expert_mlp_tokamax(rows, up, down, sizes, cd):
   """`experts.expert_mlp_xla` by tokamax's ragged dot, its Triton kernels (any NVIDIA GPU from
   sm_80; forward a grouped matmul, backward a ragged contraction per group for the
   weights and our `_rows_grad` for the rows; `_tokamax_implementation`). Triton before
-  tokamax's Mosaic GPU kernel, its own first choice: that one's configuration is chosen from the live device's compute
-  capability, so an ahead-of-time compile on a host without the GPU is refused
-  (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
+  tokamax's Mosaic GPU kernel, its own first choice: that one's configuration is
+  chosen from the live device's compute capability, so an ahead-of-time compile on a
+  host without the GPU is refused (tokamax 0.0.12). tokamax refuses to lower for a default device that is no GPU,
   forward and backward: an ahead-of-time compile lowers under
   `tokamax.config.cross_compile(True)` (tools/aot.py)."""
   import_tokamax()  # its ImportError, before anything is traced
