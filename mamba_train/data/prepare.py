@@ -23,7 +23,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
 from mamba_train.data import tokenizer as tokenizer_lib
@@ -327,6 +326,7 @@ def _write_split(ds, split, out_dir, tok, text_field, num_proc, desc) -> dict:
   ds = ds.map(encode, input_columns=text_field, batched=True, batch_size=256,
               remove_columns=ds.column_names, features=features,
               num_proc=num_proc if num_proc > 1 else None, desc=f"Tokenizing {split}")
+  import pyarrow.compute as pc  # with datasets, which brings it: not on every train.py start
   lengths = pc.list_value_length(ds.data.column("ids"))
   n_tokens = pc.sum(lengths).as_py()
   n_bad = pc.sum(ds.data.column("bad")).as_py()
