@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mamba_train.ops.dispatch import assignment_slots, group_by_expert, take_rows
+from mamba_train.ops.dispatch import assignment_slots, combine, group_by_expert, take_rows
 
 F32 = jnp.float32
 Axes = str | tuple[str, ...] | None
@@ -184,5 +184,5 @@ class ExpertSplit:
     out = take_rows(out, pos, by_expert)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = take_rows(out, slot, src) * weights.reshape(-1, 1)  # each assignment's row, weighted; dropped zero
-    return jnp.sum(got.reshape(t, k, -1), axis=1)
+    # each assignment's row (dropped ones zero), weighted and summed onto its token
+    return combine(take_rows(out, slot, src).reshape(t, k, -1), weights.astype(F32))
