@@ -260,16 +260,21 @@ def test_dispatch_without_sorts_is_the_stable_sort():
     ours = lambda x: dispatch.take_rows(x, src, slot, k)
     grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * cot))(x)
     # the weighted sum's own VJP against autodiff of the float32 product, bf16 rows
-    got, w = jnp.repeat(x, k, axis=0).astype(jnp.bfloat16).reshape(t, k, -1), x[:, :k] ** 2
+    got, w = jnp.repeat(x, k, axis=0).astype(jnp.bfloat16).reshape(t, k, -1).swapaxes(0, 1), x[:, :k].T ** 2
     mix = lambda f: jax.value_and_grad(lambda g, w: jnp.sum(f(g, w) * x), (0, 1))(got, w)
-    sums = (mix(dispatch.combine), mix(lambda g, w: jnp.sum(g.astype(jnp.float32) * w[..., None], axis=1)))
+    sums = (mix(dispatch.combine), mix(lambda g, w: jnp.sum(g.astype(jnp.float32) * w[..., None], axis=0)))
+    # the choice-major gather (by_choice) against the token-major one, forward and gradient
+    flat_rows = lambda r: dispatch.take_rows(r, slot, src).reshape(t, k, -1)
+    chosen = lambda r: dispatch.take_rows(r, *dispatch.by_choice(slot, src, k)).reshape(k, t, -1).swapaxes(0, 1)
+    back = lambda f: jax.grad(lambda r: jnp.sum(f(r) * jnp.repeat(x, k, axis=0).reshape(t, k, -1)))(cot)
+    sums += ((chosen(cot), flat_rows(cot)), (back(chosen), back(flat_rows)))
     return ((slot, src, ids), dispatch.group_by_expert(ids, n, e_local), (ours(x), plain(x)),
             (grad(ours), grad(plain)), sums)
   (slot, src, ids), (pos, by_expert, sizes), rows, grads, sums = jax.tree.map(
       np.asarray, run(jnp.asarray(flat, jnp.int32), x))
-  for a, b in zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])):  # the same arithmetic: exact
+  for a, b in [*zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])), *sums[2:]]:  # the same arithmetic
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert sums[0][1][0].dtype == jnp.bfloat16 and np.any(sums[0][1][1])
+  assert sums[0][1][0].dtype == jnp.bfloat16 and np.any(sums[0][1][1]) and np.any(sums[3][0])
   order = np.argsort(flat, kind="stable")
   want_slot = np.full(m, n * cap)
   for d in range(n):
