@@ -171,7 +171,10 @@ class ExpertSplit:
     # token order: what a stable sort by expert gives) and each row's assignment, and
     # the row's expert on its device; no sort (docs/bench/compile_depth.md).
     i, parts = part
-    share = -(-cap // parts)
+    # A whole number of bfloat16's 16-row tiles a destination: XLA:TPU lays the exchanged
+    # buffers out as (n, share, w), a copy each way where share is not (share 60 at
+    # expert 128 on v6e-256: 1.7e10 bytes a step, docs/bench/moe.md); the extra rows are empty.
+    share = -(-cap // (parts * 16)) * 16
     slot, src, ids = assignment_slots(flat, n, e_local, share * parts)
     if parts > 1:  # this device's share of each block: rows i share .. (i + 1) share
       row, lo = slot % (share * parts), i * share
@@ -181,9 +184,6 @@ class ExpertSplit:
     cap = share
     slot, src, ids = (mark(a) for a in (slot, src, ids))
     rows = take_rows(x.astype(cd), src, slot, k)  # empty rows zero
-    # The buffers go as they are, (n cap, ...) split into n blocks by the tiled all-to-all:
-    # reshaped to (n, cap, w) they were relaid out (copied) each way where cap is not a
-    # multiple of bfloat16's 16-row tile (cap 60 at expert 128: docs/bench/moe.md).
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows, self.expert, 0, 0, tiled=True)
       ids = jax.lax.all_to_all(ids, self.expert, 0, 0, tiled=True)
