@@ -144,8 +144,9 @@ def test_sequence_split_pools_the_capacity_buffers(runs):
   same assignments are kept: test_expert_parallel_steps_equal_single_device)."""
   results, _ = runs
   w = MOE["moe_latent_size"]
-  assert [s for s in results["e2s2d2"]["sent"] if len(s) == 3] == [[2, 64, w]]
-  assert [s for s in results["e2s2d2_cap"]["sent"] if len(s) == 3] == [[2, 16, w]]
+  # the rows' buffer goes as (2 destinations x rows a destination, w), split in 2 by the all-to-all
+  assert [s for s in results["e2s2d2"]["sent"] if len(s) == 2] == [[2 * 64, w]]
+  assert [s for s in results["e2s2d2_cap"]["sent"] if len(s) == 2] == [[2 * 16, w]]
 
 
 def test_experts_split_by_the_rules(runs):

@@ -242,7 +242,8 @@ def test_dispatch_without_sorts_is_the_stable_sort():
   """ops/dispatch.py against numpy's stable sort by expert: the buffer slots, their
   inverse and experts (2 devices of 4 experts, some assignments dropped), the grouping
   of received blocks; and `take_rows` (a gather whose gradient is the gather by the
-  inverse) against jnp.take, forward and gradient (autodiff's scatter-add)."""
+  inverse) against jnp.take, forward and gradient (autodiff's scatter-add); `combine`
+  (the weighted sum's own VJP) against autodiff of the float32 product."""
   rng = np.random.default_rng(0)
   n, e_local, t, k = 2, 4, 15, 3
   m = t * k
@@ -258,10 +259,22 @@ def test_dispatch_without_sorts_is_the_stable_sort():
     plain = lambda x: jnp.take(x, src // k, axis=0, mode="fill", fill_value=0)
     ours = lambda x: dispatch.take_rows(x, src, slot, k)
     grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * cot))(x)
+    # the weighted sum's own VJP against autodiff of the float32 product, bf16 rows
+    got, w = jnp.repeat(x, k, axis=0).astype(jnp.bfloat16).reshape(t, k, -1).swapaxes(0, 1), x[:, :k].T ** 2
+    mix = lambda f: jax.value_and_grad(lambda g, w: jnp.sum(f(g, w) * x), (0, 1))(got, w)
+    sums = (mix(dispatch.combine), mix(lambda g, w: jnp.sum(g.astype(jnp.float32) * w[..., None], axis=0)))
+    # the choice-major gather (by_choice) against the token-major one, forward and gradient
+    flat_rows = lambda r: dispatch.take_rows(r, slot, src).reshape(t, k, -1)
+    chosen = lambda r: dispatch.take_rows(r, *dispatch.by_choice(slot, src, k)).reshape(k, t, -1).swapaxes(0, 1)
+    back = lambda f: jax.grad(lambda r: jnp.sum(f(r) * jnp.repeat(x, k, axis=0).reshape(t, k, -1)))(cot)
+    sums += ((chosen(cot), flat_rows(cot)), (back(chosen), back(flat_rows)))
     return ((slot, src, ids), dispatch.group_by_expert(ids, n, e_local), (ours(x), plain(x)),
-            (grad(ours), grad(plain)))
-  (slot, src, ids), (pos, by_expert, sizes), rows, grads = jax.tree.map(
+            (grad(ours), grad(plain)), sums)
+  (slot, src, ids), (pos, by_expert, sizes), rows, grads, sums = jax.tree.map(
       np.asarray, run(jnp.asarray(flat, jnp.int32), x))
+  for a, b in [*zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])), *sums[2:]]:  # the same arithmetic
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert sums[0][1][0].dtype == jnp.bfloat16 and np.any(sums[0][1][1]) and np.any(sums[3][0])
   order = np.argsort(flat, kind="stable")
   want_slot = np.full(m, n * cap)
   for d in range(n):

@@ -98,9 +98,53 @@ def _take_rows_fwd(x, index, inverse, group):
 
 def _take_rows_bwd(group, res, dy):
   inverse, rows = res
-  dx = jnp.take(dy, inverse[:rows * group], axis=0, mode="fill", fill_value=0)
-  dx = jnp.sum(dx.reshape(rows, group, *dy.shape[1:]), axis=1) if group > 1 else dx
-  return dx, None, None
+  if group == 1:
+    return jnp.take(dy, inverse[:rows], axis=0, mode="fill", fill_value=0), None, None
+  # Gathered choice-major, (group, rows, ...): its reshape is free where rows is a multiple
+  # of the 16-row tile, where (rows, group, ...) with group 6 was a relayout (a copy)
+  # on TPUs (docs/bench/moe.md).
+  index = inverse[:rows * group].reshape(rows, group).T.reshape(-1)
+  dx = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
+  return jnp.sum(dx.reshape(group, rows, *dy.shape[1:]), axis=0), None, None
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def by_choice(slot, src, k: int):
+  """The combine's gather in choice-major order: slot (t k,) each assignment's row
+  (token-major, a token's k choices in turn) and src its inverse (`assignment_slots`)
+  -> index (k t,) the same rows choice by choice, and its inverse, for `take_rows`. The
+  rows then reshape to (k, t, w) in place where t is a multiple of the 16-row tile; as
+  (t, k, w), k 6, each reshape was a relayout (a copy) on TPUs (docs/bench/moe.md)."""
+  m = slot.shape[0]
+  t = m // k
+  index = slot.reshape(t, k).T.reshape(-1)
+  inverse = jnp.where(src < m, (src % k) * t + src // k, m).astype(src.dtype)
+  return index, inverse
+
+
+@jax.custom_vjp
+def combine(rows, weights):
+  """rows (k, t, w) in any float dtype (the experts' results, bfloat16 from the
+  kernels, choice-major: `by_choice`), weights (k, t) float32 -> (t, w) float32:
+  sum_j weights[j] rows[j]. Autodiff's own arithmetic, in a form XLA fuses: plain
+  autodiff of the float32 product keeps its (k, t, w) float32 cotangent (a broadcast
+  and a reduce over it, written to memory), where here the rows' cotangent is written
+  once in their dtype (the rounding autodiff's convert does) and the weights' is one
+  reduce over the rows and the incoming cotangent."""
+  return jnp.sum(rows.astype(jnp.float32) * weights[..., None], axis=0)
+
+
+def _combine_fwd(rows, weights):
+  return combine(rows, weights), (rows, weights)
+
+
+def _combine_bwd(res, dy):
+  rows, weights = res
+  d_rows = (dy[None] * weights[..., None]).astype(rows.dtype)
+  d_weights = jnp.sum(rows.astype(jnp.float32) * dy[None], axis=-1)
+  return d_rows, d_weights.astype(weights.dtype)
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mamba_train.ops.dispatch import assignment_slots, group_by_expert, take_rows
+from mamba_train.ops.dispatch import assignment_slots, by_choice, combine, group_by_expert, take_rows
 
 F32 = jnp.float32
 Axes = str | tuple[str, ...] | None
@@ -110,15 +110,19 @@ class ExpertSplit:
     seq = _names(self.length) if capped else ()
     parts = math.prod(self.mesh.shape[a] for a in seq) if seq else 1
 
+    split = bool(_names(hidden))
+
     def local(x, experts, weights, up, down):
       if parts > 1:
-        y, keep = self._pooled(mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count)
+        y, keep = self._pooled(mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count,
+                               split)
       else:
         shape = x.shape
         keep = mark(within(experts, cap, None)) if capped else None
         x, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
         y = self._local(mlp, x, experts, weights, up, down, cd, n,
-                        None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count)
+                        None if keep is None else keep.reshape(experts.shape), shape[:-1], cap, mark, count,
+                        split_hidden=split)
         y = y.reshape(shape[:-1] + y.shape[-1:])
       if _names(hidden):
         y = jax.lax.psum(y, hidden)
@@ -129,7 +133,8 @@ class ExpertSplit:
                         check_vma=check_vma)(x, experts, weights, up, down)
     return out if capped else (out, None)
 
-  def _pooled(self, mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count):
+  def _pooled(self, mlp, x, experts, weights, up, down, cd, n, cap, within, seq, parts, mark, count,
+              split_hidden=False):
     """A capacity under a sequence split over `parts` devices: the devices of a row
     pool it (the module's docstring). x (b, l, w), experts and weights (b, l, k): this
     device's part of its rows. Returns y (b, l, w) float32 and keep (b, l, k)."""
@@ -140,16 +145,19 @@ class ExpertSplit:
     me = jax.lax.axis_index(seq)
     k = experts.shape[-1]
     y = self._local(mlp, x.reshape(-1, x.shape[-1]), experts.reshape(-1, k), weights.reshape(-1, k), up, down,
-                    cd, n, keep.reshape(-1, k), (b, parts * l), cap, mark, count, part=(me, parts))
+                    cd, n, keep.reshape(-1, k), (b, parts * l), cap, mark, count, part=(me, parts),
+                    split_hidden=split_hidden)
     # each assignment was sent by one device of the row: their sums add up to the row's
     y = jax.lax.psum_scatter(y.reshape(b, parts * l, -1), seq, scatter_dimension=1, tiled=True)
     return y, jax.lax.dynamic_slice_in_dim(keep, me * l, l, axis=1)
 
   def _local(self, mlp, x, experts, weights, up, down, cd, n, keep=None, lead=(), seq_cap=None,
-             mark: Callable = lambda a: a, count: Callable | None = None, part=(0, 1)):
+             mark: Callable = lambda a: a, count: Callable | None = None, part=(0, 1),
+             split_hidden: bool = False):
     """The dispatch of t tokens' assignments, their experts and back. part (i, parts):
     this device sends the i-th of `parts` equal shares of each destination's block
-    (`_pooled`); the rows of the other shares come back zero."""
+    (`_pooled`); the rows of the other shares come back zero. split_hidden: the experts'
+    hidden units are split (the rows come back as partial sums)."""
     t, k = experts.shape
     e_local = down.shape[0]
     m = t * k
@@ -163,7 +171,10 @@ class ExpertSplit:
     # token order: what a stable sort by expert gives) and each row's assignment, and
     # the row's expert on its device; no sort (docs/bench/compile_depth.md).
     i, parts = part
-    share = -(-cap // parts)
+    # A whole number of bfloat16's 16-row tiles a destination: XLA:TPU lays the exchanged
+    # buffers out as (n, share, w), a copy each way where share is not (share 60 at
+    # expert 128 on v6e-256: 1.7e10 bytes a step, docs/bench/moe.md); the extra rows are empty.
+    share = -(-cap // (parts * 16)) * 16
     slot, src, ids = assignment_slots(flat, n, e_local, share * parts)
     if parts > 1:  # this device's share of each block: rows i share .. (i + 1) share
       row, lo = slot % (share * parts), i * share
@@ -174,8 +185,8 @@ class ExpertSplit:
     slot, src, ids = (mark(a) for a in (slot, src, ids))
     rows = take_rows(x.astype(cd), src, slot, k)  # empty rows zero
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
-      rows = jax.lax.all_to_all(rows.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-      ids = jax.lax.all_to_all(ids.reshape(n, cap), self.expert, 0, 0, tiled=True).reshape(-1)
+      rows = jax.lax.all_to_all(rows, self.expert, 0, 0, tiled=True)
+      ids = jax.lax.all_to_all(ids, self.expert, 0, 0, tiled=True)
     # Rows grouped by local expert for the grouped matmuls, and back, by gathers. The
     # rows come back in the dtype mlp gives them (the compute dtype for tokamax's
     # kernels) and stay in it to the weighted sum, which widens them to float32.
@@ -183,6 +194,11 @@ class ExpertSplit:
     out = mlp(take_rows(rows, by_expert, pos), up, down, sizes, cd)
     out = take_rows(out, pos, by_expert)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
-      out = jax.lax.all_to_all(out.reshape(n, cap, -1), self.expert, 0, 0, tiled=True).reshape(n * cap, -1)
-    got = take_rows(out, slot, src) * weights.reshape(-1, 1)  # each assignment's row, weighted; dropped zero
-    return jnp.sum(got.reshape(t, k, -1), axis=1)
+      out = jax.lax.all_to_all(out, self.expert, 0, 0, tiled=True)
+    # each assignment's row (dropped ones zero), weighted and summed onto its token. With
+    # the hidden units split the rows are partial sums (varying over those axes, the
+    # weights not): autodiff's form, whose transpose sums the weights' gradient over them.
+    got = take_rows(out, *by_choice(slot, src, k)).reshape(k, t, -1)  # choice-major
+    if split_hidden:
+      return jnp.sum(got * weights.T[..., None], axis=0)
+    return combine(got, weights.T.astype(F32))
