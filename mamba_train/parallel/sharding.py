@@ -52,10 +52,12 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", "fsdp"),
     ("inner", "tensor"),
     # out_proj (i, d)'s rows: whole heads over tensor, as 'inner', and each tensor
-    # shard's rows over fsdp, not its d columns as 'embed' would: a chip then holds
-    # whole rows and the gather is on the axis the weight's layout keeps major (d
-    # minor, as the GEMMs read it). The 1.3b v6e-256 step: -2% bytes, -0.38 GiB a chip
-    # (docs/bench/fused_layer.md, "out_proj split on its rows").
+    # shard's rows over fsdp, not its d columns as 'embed' would: a chip holds whole
+    # rows, gathered on the axis the weight's layout keeps major (d minor, as the GEMMs
+    # read it). XLA:TPU turns a gather of pieces of 64 KiB or less into an all-reduce
+    # whichever axis is split (1.3b at fsdp 256); above that this split is what makes it
+    # an all-gather (1.3b on v6e-256 at data 2 x fsdp 128: -14% bytes against d split;
+    # docs/bench/fused_layer.md, "out_proj split on its rows").
     ("inner_fsdp", ("tensor", "fsdp")),
     ("heads", "tensor"),
     ("state", None),
