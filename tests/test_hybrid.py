@@ -273,7 +273,7 @@ def test_param_and_cache_axes_have_rules(hyb):
   for leaf in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)):
     spec = sharding.logical_to_spec(leaf)
     assert "tensor" not in str(spec) or any(a in leaf for a in (
-        "inner", "heads", "vocab", "attn_heads", "kv_heads", "mlp")), leaf
+        "inner", "inner_fsdp", "heads", "vocab", "attn_heads", "kv_heads", "mlp")), leaf
   assert sharding.logical_to_spec(axes["attn"]["o_proj"]) == jax.sharding.PartitionSpec(
       None, "tensor", None, "fsdp")
   for name in ("k", "v", "kv_valid", "kv_pos"):

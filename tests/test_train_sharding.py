@@ -148,7 +148,7 @@ def test_params_and_adam_state_sharded_by_rules(runs):
   expected = {  # spot checks, written out by hand from sharding.DEFAULT_RULES
       "['embedding']": P("tensor", "fsdp"),
       "['layers']['in_proj_zx']": P(None, "fsdp", None, "tensor"),
-      "['layers']['out_proj']": P(None, "tensor", "fsdp"),
+      "['layers']['out_proj']": P(None, ("tensor", "fsdp"), None),  # rows over fsdp too
       "['layers']['A_log']": P(None, "tensor"),
       "['norm_f']": P("fsdp"),
   }

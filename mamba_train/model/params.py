@@ -39,7 +39,9 @@ BLOCK_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "A_log": ("heads",),
     "D": ("heads",),
     "gate_norm": ("inner",),
-    "out_proj": ("inner", "embed"),  # (i, d)
+    # (i, d): its rows split over tensor x fsdp, so that fsdp gathers it on its major
+    # axis (parallel/sharding.py, 'inner_fsdp'); the model dimension whole.
+    "out_proj": ("inner_fsdp", None),
 }
 
 

@@ -51,6 +51,14 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("embed", "fsdp"),
     ("inner", "tensor"),
+    # out_proj (i, d)'s rows: whole heads over tensor, as 'inner', and each tensor
+    # shard's rows over fsdp, not its d columns as 'embed' would: a chip holds whole
+    # rows, gathered on the axis the weight's layout keeps major (d minor, as the GEMMs
+    # read it). XLA:TPU turns a gather of pieces of 64 KiB or less into an all-reduce
+    # whichever axis is split (1.3b at fsdp 256); above that this split is what makes it
+    # an all-gather (1.3b on v6e-256 at data 2 x fsdp 128: -14% bytes against d split;
+    # docs/bench/fused_layer.md, "out_proj split on its rows").
+    ("inner_fsdp", ("tensor", "fsdp")),
     ("heads", "tensor"),
     ("state", None),
     ("conv", None),
@@ -77,9 +85,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 #                expert 8 holds an eighth of them, their gradients and moments, and
 #                gathers each layer's weights for its step. The expert axis splits the
 #                batch, so this is plain FSDP over the devices along it.
-# Only 'embed' moves: every non-expert matrix, norm and the embedding carry it (the
-# model dimension); the few small vectors without it (A, D, dt bias, conv) stay whole.
-EXPERT_ZERO3_RULES = tuple((k, ("fsdp", "expert") if k == "embed" else v) for k, v in DEFAULT_RULES)
+# Only 'embed' (and out_proj's 'inner_fsdp') moves: every non-expert matrix, norm and
+# the embedding carry one of them (the model dimension, or out_proj's rows); the few
+# small vectors without them (A, D, dt bias, conv) stay whole.
+_ZERO3 = {"embed": ("fsdp", "expert"), "inner_fsdp": ("tensor", "fsdp", "expert")}
+EXPERT_ZERO3_RULES = tuple((k, _ZERO3.get(k, v)) for k, v in DEFAULT_RULES)
 LAYOUTS: dict[str, tuple] = {"fsdp": DEFAULT_RULES, "fsdp_expert": EXPERT_ZERO3_RULES}
 
 
