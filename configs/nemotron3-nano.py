@@ -26,8 +26,8 @@ LoRA (--config.lora.rank=16: the frozen experts held in bf16). On GPUs unroll th
 there. The TPU slices keep the scan, and a full finetune fits each at the recipe's tokens
 a step (megablox experts); v5p and v6e-64 keep 'fsdp' (fsdp 4 to 16). v6e-256 at 128 x 2048
 (1,024 tokens a chip) takes one expert a chip, expert 128 x sequence 2 with the non-expert
-weights over all 128 of the group ('fsdp_expert'): no expert weight is gathered, 12% fewer
-bytes a chip and 3 GiB less than fsdp 16 x expert 8 (docs/bench/moe.md, 2026-12-05).
+weights over all 128 of the group ('fsdp_expert'): no expert weight is gathered, and it
+moves fewer bytes and holds less a chip than fsdp 16 x expert 8 (docs/bench/moe.md).
 What each target counts and holds a chip: the README's performance table and
 docs/bench/moe.md.
 

@@ -54,8 +54,8 @@ TOKAMAX_ROW_PAD = 128
 # each expert's (k, n) weight as stored; tokamax's backward asks its kernel for w^T, which
 # XLA writes out (bfloat16 copies of every expert weight a layer: the cast's transposed
 # outputs, their transposes back for full remat's recompute, the down weights' in the
-# backward: about 1.8e10 bytes a GPU for Nano on h100-8; docs/bench/moe.md, 2026-12-05,
-# gpufull). INTERPRET: run it in Pallas' interpreter (the CPU tests).
+# backward; docs/bench/moe.md, "The parameter norm from the guard's pass, and the experts'
+# rows' gradient without transposed weights"). INTERPRET: run it in Pallas' interpreter (the CPU tests).
 INTERPRET = False
 _DOT_DIMS = 16  # a Triton dot's smallest side: shapes with a width not a multiple keep tokamax's path
 

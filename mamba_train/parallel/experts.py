@@ -172,8 +172,8 @@ class ExpertSplit:
     # the row's expert on its device; no sort (docs/bench/compile_depth.md).
     i, parts = part
     # A whole number of bfloat16's 16-row tiles a destination: XLA:TPU lays the exchanged
-    # buffers out as (n, share, w), a copy each way where share is not (share 60 at
-    # expert 128 on v6e-256: 1.7e10 bytes a step, docs/bench/moe.md); the extra rows are empty.
+    # buffers out as (n, share, w), a copy each way where share is not (the Nano recipe's
+    # share of 60 at expert 128 on v6e-256; docs/bench/moe.md); the extra rows are empty.
     share = -(-cap // (parts * 16)) * 16
     slot, src, ids = assignment_slots(flat, n, e_local, share * parts)
     if parts > 1:  # this device's share of each block: rows i share .. (i + 1) share

@@ -56,8 +56,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # rows, gathered on the axis the weight's layout keeps major (d minor, as the GEMMs
     # read it). XLA:TPU turns a gather of pieces of 64 KiB or less into an all-reduce
     # whichever axis is split (1.3b at fsdp 256); above that this split is what makes it
-    # an all-gather (1.3b on v6e-256 at data 2 x fsdp 128: -14% bytes against d split;
-    # docs/bench/fused_layer.md, "out_proj split on its rows").
+    # an all-gather (docs/bench/fused_layer.md, "out_proj split on its rows").
     ("inner_fsdp", ("tensor", "fsdp")),
     ("heads", "tensor"),
     ("state", None),

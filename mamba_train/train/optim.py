@@ -245,8 +245,8 @@ def param_norm(new_params, guarded, squares) -> jax.Array:
   (`squares` of `update_with_squares`, for the leaves of `guarded`, the parameters its
   step returned), computed here only for a leaf changed after it (the router's
   correction biases, moved by the load: train/step.py). A pass of its own reading every
-  new weight was 4 bytes a parameter (1.5e10 a step for Nano's experts on h100-8;
-  docs/bench/moe.md, 2026-12-05, gpufull)."""
+  new weight would cost 4 bytes a parameter more (docs/bench/moe.md, "The parameter norm
+  from the guard's pass")."""
   sq = [s if new is old else jnp.sum(jnp.square(new.astype(jnp.float32)))
         for new, old, s in zip(jax.tree.leaves(new_params), jax.tree.leaves(guarded), jax.tree.leaves(squares))]
   return jnp.sqrt(sum(sq[1:], sq[0]))
