@@ -64,7 +64,7 @@ from mamba_train.model.config import Mamba2Config
 from mamba_train.model.runtime import Runtime
 from mamba_train.model.select import ops_for
 from mamba_train.ops import experts as experts_ops
-from mamba_train.ops.dispatch import assignment_slots, by_choice, combine, take_rows
+from mamba_train.ops.dispatch import assignment_slots, take_rows
 from mamba_train.ops.experts import act
 from mamba_train.ops.table import Ops
 from mamba_train.parallel import sharding
@@ -281,8 +281,12 @@ def experts_ragged(x, experts, weights, up, down, cd, expert_mlp: Callable, keep
   slot, src, _ = (_saved(a) for a in assignment_slots(flat, 1, e, t * k))
   sizes = _saved(counts(flat, e))
   rows = checkpoint_name(expert_mlp(take_rows(x.astype(cd), src, slot, k), up, down, sizes, cd), RETURNED)
-  got = take_rows(rows, *by_choice(slot, src, k)).reshape(k, t, -1)  # choice-major
-  return combine(got, weights.T.astype(F32))
+  # Token-major here, not the expert split's choice-major gather and `combine`
+  # (parallel/experts.py): that form's gain was counted only on the TPU slices, and on
+  # one device it moved the schedules' float32 rounding apart (layer scan against runs,
+  # held to 1e-6 by tests/test_pattern_steps.py) by which products XLA fuses.
+  got = take_rows(rows, slot, src) * weights.reshape(-1, 1)
+  return jnp.sum(got.reshape(t, k, -1), axis=1)
 
 
 def experts_dense(x, experts, weights, up, down, cd):
