@@ -203,12 +203,14 @@ def test_sigterm_saves_exits_cleanly_and_resumes(uninterrupted, tmp_path, start)
 
 
 def test_reshard_restore_onto_fewer_devices(tmp_path):
-  """Save on 8 devices (data=2 x fsdp=4), continue on 4 and on 1."""
+  """Save on 8 devices (data=2 x fsdp=4), continue on 1: every array gathered from its
+  shards. (Onto 4 devices at fsdp 4 is the same restore into another sharding, a train.py
+  process more out of the suite's ten minutes; tests/test_sequence_parallel.py moves a
+  checkpoint between meshes both ways in one process.)"""
   src = tmp_path / "eight"
   train(src, "--config.mesh.data=2", "--config.mesh.fsdp=4", devices=8)
   full = losses(src)
-  for devices, mesh in ((4, ["--config.mesh.data=1", "--config.mesh.fsdp=4"]),
-                        (1, ["--config.mesh.data=1", "--config.mesh.fsdp=1"])):
+  for devices, mesh in ((1, ["--config.mesh.data=1", "--config.mesh.fsdp=1"]),):
     dst = tmp_path / f"on{devices}"
     shutil.copytree(src, dst)
     for s in (4, 6):  # resume from step 2
