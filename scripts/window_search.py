@@ -26,6 +26,7 @@ from mamba_train import cli  # noqa: E402
 from mamba_train.data import prepare  # noqa: E402
 from mamba_train.data.loader import make_eval_loader, validate_for_model  # noqa: E402
 from mamba_train.errors import UserError  # noqa: E402
+from mamba_train.interop.load import load_config  # noqa: E402
 from mamba_train.tools import window_search  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Workdir, checkpoint, transformers or mamba_ssm dir.",
@@ -51,6 +52,8 @@ def main(argv):
   windows = ([int(w) for w in _WINDOWS.value] if _WINDOWS.value
              else list(range(_MIN.value, _MAX.value + 1, _STEP.value)))
   try:
+    # The candidates against the model's config before any weight is read.
+    window_search.check_candidates(load_config(_MODEL.value), windows, _SEQ_LEN.value)
     model = mamba_train.load_model(_MODEL.value)
     validate_for_model(prepare.read_metadata(_DATA.value), model.config.vocab_size)
     batches = list(make_eval_loader(_DATA.value, seq_len=_SEQ_LEN.value,
