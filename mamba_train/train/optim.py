@@ -224,11 +224,14 @@ def guard(inner: optax.GradientTransformation, *, factor: float = WEIGHT_GUARD_F
 
 def _squares(updates, params) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
   """Each leaf's (sum of the update's squares, sum of the squares of the parameter after
-  it, the parameter's as it was), float32, from one reduction that XLA:GPU fuses with the
-  update's computation: the three squares stacked on a last axis of 3 and summed over
-  the rest. Separate sums of the same update (three, or a variadic reduce) have it
-  written out and read back (docs/bench/moe.md, "One MoE layer's bytes"). An inf or NaN
-  anywhere makes the sums non-finite. params None: all three are the update's."""
+  it, the parameter's as it was), float32. The first two are one reduction (the real and
+  imaginary parts of one complex sum), which XLA:GPU fuses with the update's computation,
+  where two sums of the same update (two, or a variadic reduce) have it written out and
+  read back (docs/bench/moe.md, "One MoE layer's bytes"); the third reads only the
+  parameter, which the pass reads anyway, and fuses beside them (stacking all three on a
+  last axis of 3 moved more: docs/bench/moe.md, "The parameter norm from the guard's
+  pass"). An inf or NaN anywhere makes the sums non-finite. params None: all three are
+  the update's."""
   out = []
   for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params) if params is not None else
                   [None] * len(jax.tree.leaves(updates))):
