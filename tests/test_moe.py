@@ -242,8 +242,9 @@ def test_dispatch_without_sorts_is_the_stable_sort():
   """ops/dispatch.py against numpy's stable sort by expert: the buffer slots, their
   inverse and experts (2 devices of 4 experts, some assignments dropped), the grouping
   of received blocks; and `take_rows` (a gather whose gradient is the gather by the
-  inverse) against jnp.take, forward and gradient (autodiff's scatter-add); `combine`
-  (the weighted sum's own VJP) against autodiff of the float32 product."""
+  inverse) against jnp.take, forward and gradient (autodiff's scatter-add), also with
+  the out-of-range rows left unzeroed; `combine` (the weighted sum's own VJP) against
+  autodiff of the float32 product."""
   rng = np.random.default_rng(0)
   n, e_local, t, k = 2, 4, 15, 3
   m = t * k
@@ -268,10 +269,18 @@ def test_dispatch_without_sorts_is_the_stable_sort():
     chosen = lambda r: dispatch.take_rows(r, *dispatch.by_choice(slot, src, k)).reshape(k, t, -1).swapaxes(0, 1)
     back = lambda f: jax.grad(lambda r: jnp.sum(f(r) * jnp.repeat(x, k, axis=0).reshape(t, k, -1)))(cot)
     sums += ((chosen(cot), flat_rows(cot)), (back(chosen), back(flat_rows)))
+    # rows left unzeroed (zero=False, zero_grad=False), read where the index is in range
+    loose = (dispatch.take_rows(x, src, slot, k, zero=False),
+             back(lambda r: dispatch.take_rows(r, *dispatch.by_choice(slot, src, k), zero_grad=False
+                                               ).reshape(k, t, -1).swapaxes(0, 1)))
     return ((slot, src, ids), dispatch.group_by_expert(ids, n, e_local), (ours(x), plain(x)),
-            (grad(ours), grad(plain)), sums)
-  (slot, src, ids), (pos, by_expert, sizes), rows, grads, sums = jax.tree.map(
+            (grad(ours), grad(plain)), sums, loose)
+  (slot, src, ids), (pos, by_expert, sizes), rows, grads, sums, loose = jax.tree.map(
       np.asarray, run(jnp.asarray(flat, jnp.int32), x))
+  sent = src < m  # the rows that hold an assignment: the same with or without the zeros
+  np.testing.assert_array_equal(loose[0][sent], rows[1][sent])
+  np.testing.assert_array_equal(loose[1][sent], sums[3][1][sent])
+  assert np.any(loose[0][~sent]) and np.any(loose[1][~sent])  # the others really left as gathered
   for a, b in [*zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])), *sums[2:]]:  # the same arithmetic
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert sums[0][1][0].dtype == jnp.bfloat16 and np.any(sums[0][1][1]) and np.any(sums[3][0])

@@ -81,30 +81,43 @@ def group_by_expert(ids, n: int, e_local: int, count: Callable | None = None):
   return pos, by_expert, sizes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def take_rows(x, index, inverse, group: int = 1):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def take_rows(x, index, inverse, group: int = 1, zero: bool = True, zero_grad: bool = True):
   """x[index // group] along the first axis (rows of index out of range, past
   len(x) group, zero), where index is a one-to-one map (each i hit at most once) and
   inverse its inverse (index[inverse[i]] == i wherever inverse[i] is in range).
   Its gradient is a gather too: dx[r] = sum over g < group of dy[inverse[r group +
   g]], where plain autodiff would scatter-add by index, which libtpu compiles as a
-  sort of the indices and a scatter (docs/bench/compile_depth.md)."""
-  return jnp.take(x, index // group, axis=0, mode="fill", fill_value=0)
+  sort of the indices and a scatter (docs/bench/compile_depth.md).
+
+  zero False: the rows of out-of-range indices are left as the clamped gather gives
+  them (copies of x's last row), for a caller that never reads them; zero_grad False:
+  the same for the gradient (a row of dx that takes any out-of-range inverse entry is
+  left unspecified). Zero fill is a
+  select after the gather that XLA:TPU cannot fuse into its SparseCore gathers, a pass
+  over the whole buffer (docs/bench/moe.md)."""
+  return _take(x, index // group, zero)
 
 
-def _take_rows_fwd(x, index, inverse, group):
-  return take_rows(x, index, inverse, group), (inverse, x.shape[0])
+def _take(x, index, zero: bool):
+  if zero:
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+  return jnp.take(x, index, axis=0, mode="clip")
 
 
-def _take_rows_bwd(group, res, dy):
+def _take_rows_fwd(x, index, inverse, group, zero, zero_grad):
+  return take_rows(x, index, inverse, group, zero, zero_grad), (inverse, x.shape[0])
+
+
+def _take_rows_bwd(group, zero, zero_grad, res, dy):
   inverse, rows = res
   if group == 1:
-    return jnp.take(dy, inverse[:rows], axis=0, mode="fill", fill_value=0), None, None
+    return _take(dy, inverse[:rows], zero_grad), None, None
   # Gathered choice-major, (group, rows, ...): its reshape is free where rows is a multiple
   # of the 16-row tile, where (rows, group, ...) with group 6 was a relayout (a copy)
   # on TPUs (docs/bench/moe.md).
   index = inverse[:rows * group].reshape(rows, group).T.reshape(-1)
-  dx = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
+  dx = _take(dy, index, zero_grad)
   return jnp.sum(dx.reshape(group, rows, *dy.shape[1:]), axis=0), None, None
 
 

@@ -183,7 +183,13 @@ class ExpertSplit:
       src, ids = (jax.lax.dynamic_slice_in_dim(a.reshape(n, -1), lo, share, axis=1).reshape(-1) for a in (src, ids))
     cap = share
     slot, src, ids = (mark(a) for a in (slot, src, ids))
-    rows = take_rows(x.astype(cd), src, slot, k)  # empty rows zero
+    # Rows no one reads are left as the gathers give them, not zeroed (a pass each over the
+    # buffer on TPUs: `take_rows`): the send buffer's empty rows (the grouping reads only
+    # rows with an expert) and their gradients, the returned buffer's empty rows (the
+    # weighted sum reads only kept assignments) and their gradients. The rows the experts'
+    # kernels get past their groups, and a dropped or other-share assignment's row (and
+    # gradient) in the weighted sum, stay zero.
+    rows = take_rows(x.astype(cd), src, slot, k, zero=False)
     if n > 1:  # rows (and their local expert ids) to the devices of their experts
       rows = jax.lax.all_to_all(rows, self.expert, 0, 0, tiled=True)
       ids = jax.lax.all_to_all(ids, self.expert, 0, 0, tiled=True)
@@ -191,14 +197,14 @@ class ExpertSplit:
     # rows come back in the dtype mlp gives them (the compute dtype for tokamax's
     # kernels) and stay in it to the weighted sum, which widens them to float32.
     pos, by_expert, sizes = (mark(a) for a in group_by_expert(ids, n, e_local, count))
-    out = mlp(take_rows(rows, by_expert, pos), up, down, sizes, cd)
-    out = take_rows(out, pos, by_expert)
+    out = mlp(take_rows(rows, by_expert, pos, zero_grad=False), up, down, sizes, cd)
+    out = take_rows(out, pos, by_expert, zero=False)
     if n > 1:  # and back to the devices of their tokens, in the order they were sent
       out = jax.lax.all_to_all(out, self.expert, 0, 0, tiled=True)
     # each assignment's row (dropped ones zero), weighted and summed onto its token. With
     # the hidden units split the rows are partial sums (varying over those axes, the
     # weights not): autodiff's form, whose transpose sums the weights' gradient over them.
-    got = take_rows(out, *by_choice(slot, src, k)).reshape(k, t, -1)  # choice-major
+    got = take_rows(out, *by_choice(slot, src, k), zero_grad=False).reshape(k, t, -1)  # choice-major
     if split_hidden:
       return jnp.sum(got * weights.T[..., None], axis=0)
     return combine(got, weights.T.astype(F32))
