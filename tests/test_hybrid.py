@@ -240,7 +240,7 @@ def test_splash_kernel_agrees_in_interpret_mode():
 def test_tokamax_attention_path_agrees(monkeypatch):
   """`attention_gpu.flash` (attention='tokamax') against the reference: documents, left
   padding, GQA, forward and the gradients to q, k and v, through a shard function as
-  the mesh runs it. tokamax's Triton kernels have no interpreter on CPU, so tokamax's
+  the mesh runs it; and plain causal attention without one. tokamax's Triton kernels have no interpreter on CPU, so tokamax's
   XLA implementation stands in for them: what is checked is our segments, mask, scale,
   head grouping and layouts around tokamax's API; the kernels' sm_90a compile and their
   count are in `test_moe.py::test_tokamax_experts_compile_for_h100`."""
@@ -258,16 +258,21 @@ def test_tokamax_attention_path_agrees(monkeypatch):
   mask = jnp.asarray([[True] * l, [False] * 5 + [True] * (l - 5)])
   real = np.asarray(mask)[:, :, None, None]  # padding queries' outputs are never used
   ok = attention_ops.allowed(l, l, seq_idx=seq_idx, key_mask=mask)
-  ref = lambda q, k, v: attention_ops.attend(q, k, v, ok, "xla", jnp.float32, 0.3)
-  shard = lambda run, *xs: run(*xs)
-  for sh in (None, shard):
-    got = lambda q, k, v: attention_gpu.flash(q, k, v, seq_idx, mask, jnp.float32, 0.3, shard=sh)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(f(q, k, v)), 0.0))
-    assert rel(np.where(real, jax.jit(got)(q, k, v), 0), np.where(real, ref(q, k, v), 0)) < 1e-5
-    for a, b in zip(jax.jit(jax.grad(loss(got), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
-      assert rel(a, b) < 1e-5
+  def both(f):  # the outputs of real queries and the gradients of a loss of them
+    def loss(q, k, v):
+      out = jnp.where(real, f(q, k, v), 0.0)
+      return jnp.sum(jnp.sin(out)), out
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+  (_, want), g_want = both(lambda q, k, v: attention_ops.attend(q, k, v, ok, "xla", jnp.float32, 0.3))
+  shard = lambda run, *xs: run(*xs)  # the mesh's layout around the call, on one device
+  (_, got), g_got = both(lambda q, k, v: attention_gpu.flash(q, k, v, seq_idx, mask, jnp.float32, 0.3, shard=shard))
+  assert rel(got, want) < 1e-5
+  for a, b in zip(g_got, g_want):
+    assert rel(a, b) < 1e-5
+  # Without documents or padding: tokamax's causal path alone, no shard function.
   causal = attention_ops.attend(q, k, v, None, "xla", jnp.float32)
-  assert rel(attention_gpu.flash(q, k, v, None, None, jnp.float32), causal) < 1e-5
+  assert rel(jax.jit(attention_gpu.flash, static_argnums=(5,))(q, k, v, None, None, jnp.float32), causal) < 1e-5
 
 
 def test_patterns_plan_into_scans():
