@@ -190,8 +190,8 @@ def flash_attention_cost(line: str) -> tuple[float, float] | None:
   from its custom call's HLO line, which carries no cost estimate: bytes its operands
   (queries, keys, values, the document mask, and the backward's output, cotangent and row
   statistics) and its results once each, the floor a kernel that keeps the scores on chip
-  reads (an expert's keys and values, 1 MB a layer on the Nano recipe, are re-read by every
-  block of queries, from L2); FLOPs of the causal half of the scores: the forward's two
+  reads (a layer's keys and values, 1 MB on the Nano recipe, are re-read by every block
+  of queries, from L2); FLOPs of the causal half of the scores: the forward's two
   products 2 l s h e (4 l s h e, halved), the backward's five (recompute, dP, dV, dQ, dK)
   5 l s h e, for queries (.., l, h, e) and keys (.., s, k, e). None if the line is not one."""
   if "PallasTritonFlashAttention" not in line:
@@ -212,7 +212,8 @@ def _kernel_line_cost(line: str, found: dict[str, list]) -> tuple[float, float, 
   """(FLOPs, bytes, transcendentals) of one custom call's HLO line: the cost estimate a
   Mosaic (TPU) kernel carries in its backend config, else the estimate of the Pallas
   call it is (matched by kernel name, then result shapes, in `found`, from
-  `kernel_estimates`), or tokamax's ragged dot's `ragged_dot_cost`; None for any other line."""
+  `kernel_estimates`), or tokamax's ragged dot's `ragged_dot_cost` and its flash
+  attention's `flash_attention_cost`; None for any other line."""
   if "custom-call(" not in line:
     return None
   mosaic = _COST_ESTIMATE.search(line)
