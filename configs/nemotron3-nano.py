@@ -26,8 +26,9 @@ ZeRO-3; with 'fsdp' they are whole on every GPU and the state alone is 65.7 GiB)
 LoRA (--config.lora.rank=16: the frozen experts held in bf16). On GPUs unroll the layers
 (--config.runtime.unroll_layers=True): the scanned hybrid moves more bytes and memory
 there; unrolled, --config.runtime.remat=save_moe keeps the MoE layers' expert rows across
-remat (2 GiB more a GPU; no dispatch or expert kernel rerun in the backward). The TPU slices keep the scan, and a full finetune fits each at the recipe's tokens
-a step (megablox experts); v5p and v6e-64 keep 'fsdp' (fsdp 4 to 16). v6e-256 at 128 x 2048
+remat (2 GiB more a GPU; no dispatch or expert kernel rerun in the backward). The TPU
+slices keep the scan, and a full finetune fits each at the recipe's tokens a step
+(megablox experts); v5p and v6e-64 keep 'fsdp' (fsdp 4 to 16). v6e-256 at 128 x 2048
 (1,024 tokens a chip) takes one expert a chip, expert 128 x sequence 2 with the non-expert
 weights over all 128 of the group ('fsdp_expert'): no expert weight is gathered, and it
 moves fewer bytes and holds less a chip than fsdp 16 x expert 8 (docs/bench/moe.md).

@@ -240,7 +240,8 @@ def test_splash_kernel_agrees_in_interpret_mode():
 def test_tokamax_attention_path_agrees(monkeypatch):
   """`attention_gpu.flash` (attention='tokamax') against the reference: documents, left
   padding, GQA, forward and the gradients to q, k and v, through a shard function as
-  the mesh runs it; and plain causal attention without one. tokamax's Triton kernels have no interpreter on CPU, so tokamax's
+  the mesh runs it; and plain causal attention without one. tokamax's Triton kernels have
+  no interpreter on CPU, so tokamax's
   XLA implementation stands in for them: what is checked is our segments, mask, scale,
   head grouping and layouts around tokamax's API; the kernels' sm_90a compile and their
   count are in `test_moe.py::test_tokamax_experts_compile_for_h100`."""

@@ -3,12 +3,11 @@ extra), in the layout and with the result of `attention.attend`.
 
 The plain form (`attention.attend`, form 'xla') writes the float32 scores of every
 query against every key and reads them back through the softmax, forward, in full
-remat's recompute and backward: on the Nano recipe's h100-8 step about 1.1e10 bytes an
-attention layer a GPU (docs/bench/moe.md, "Attention by tokamax's flash kernel").
-tokamax's kernels keep the scores on chip: the forward returns the output and the
-softmax's row statistics, the backward recomputes the scores block by block. cuDNN's
-flash attention (form 'cudnn') does the same but needs a GPU to compile; these compile
-on any host.
+remat's recompute and backward (what that costs the Nano recipe's h100-8 step:
+docs/bench/moe.md, "Attention by tokamax's flash kernel"). tokamax's kernels keep the
+scores on chip: the forward returns the output and the softmax's row statistics, the
+backward recomputes the scores block by block. cuDNN's flash attention (form 'cudnn')
+does the same but needs a GPU to compile; these compile on any host.
 
 Shapes: b batch, l queries (= keys), h query heads, k key/value heads, r = h / k, e head dim.
 """

@@ -24,7 +24,7 @@ def import_tokamax():
   except Exception as err:  # noqa: BLE001 - a missing or broken (another jax) install alike
     raise ImportError(f"moe_impl='tokamax' (or attention='tokamax') needs tokamax (pip install "
                       f"'mamba_train[gpu]'), which does not import here ({type(err).__name__}: {err}); "
-                      f"use moe_impl='xla'") from err
+                      f"use moe_impl='xla' (attention='xla', or 'cudnn' on a GPU)") from err
   from absl import flags  # pylint: disable=import-outside-toplevel
   if not flags.FLAGS.is_parsed():
     # tokamax reads its options as absl flags, and with none parsed it parses
