@@ -16,15 +16,19 @@ Dispatch has a capacity (moe.capacity_factor 1.25, MaxText's and Megatron's usua
 value): each expert takes at most 1.25 x an even share of a sequence's
 assignments, the rest dropped and counted (moe_dropped_tokens). Dropless dispatch
 (capacity_factor=0) sizes the expert all-to-all's buffers for the worst case and
-did not fit either slice; at 1.25 both fit. On H100s (add --config.runtime.attention=xla to
-compile without a GPU): one 8-GPU host takes a full finetune at 8 x 2048 in the layout
+did not fit either slice; at 1.25 both fit. On H100s (--config.runtime.attention=tokamax:
+tokamax's flash attention, which compiles without a GPU where cuDNN's, the GPU default, does
+not; =xla, the plain form, moves 6.7e10 more bytes a GPU): one 8-GPU host takes a full
+finetune at 8 x 2048 in the layout
 config.layout='auto' picks there (fsdp 1, expert 8: 'fsdp_expert', the non-expert
 weights, their gradients and moments split over the 8 GPUs of the expert group as well,
 ZeRO-3; with 'fsdp' they are whole on every GPU and the state alone is 65.7 GiB), and
 LoRA (--config.lora.rank=16: the frozen experts held in bf16). On GPUs unroll the layers
 (--config.runtime.unroll_layers=True): the scanned hybrid moves more bytes and memory
-there. The TPU slices keep the scan, and a full finetune fits each at the recipe's tokens
-a step (megablox experts); v5p and v6e-64 keep 'fsdp' (fsdp 4 to 16). v6e-256 at 128 x 2048
+there; unrolled, --config.runtime.remat=save_moe keeps the MoE layers' expert rows across
+remat (2 GiB more a GPU; no dispatch or expert kernel rerun in the backward). The TPU
+slices keep the scan, and a full finetune fits each at the recipe's tokens a step
+(megablox experts); v5p and v6e-64 keep 'fsdp' (fsdp 4 to 16). v6e-256 at 128 x 2048
 (1,024 tokens a chip) takes one expert a chip, expert 128 x sequence 2 with the non-expert
 weights over all 128 of the group ('fsdp_expert'): no expert weight is gathered, and it
 moves fewer bytes and holds less a chip than fsdp 16 x expert 8 (docs/bench/moe.md).
@@ -32,8 +36,8 @@ What each target counts and holds a chip: the README's performance table and
 docs/bench/moe.md.
 
   python scripts/aot_compile.py --config configs/nemotron3-nano.py --topology h100-8 \
-      --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=xla \
-      --config.runtime.unroll_layers=True
+      --config.batch_size=8 --config.seq_len=2048 --config.runtime.attention=tokamax \
+      --config.runtime.unroll_layers=True --config.runtime.remat=save_moe
 
 The router keeps NemotronH's
 balancing in finetuning: the correction bias moves at 1e-3 a step and a 1e-4

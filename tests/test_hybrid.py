@@ -237,6 +237,45 @@ def test_splash_kernel_agrees_in_interpret_mode():
   assert rel(jax.jit(jax.grad(loss(got)))(q), jax.grad(loss(ref))(q)) < 1e-5
 
 
+def test_tokamax_attention_path_agrees(monkeypatch):
+  """`attention_gpu.flash` (attention='tokamax') against the reference: documents, left
+  padding, GQA, forward and the gradients to q, k and v, through a shard function as
+  the mesh runs it; and plain causal attention without one. tokamax's Triton kernels have
+  no interpreter on CPU, so tokamax's
+  XLA implementation stands in for them: what is checked is our segments, mask, scale,
+  head grouping and layouts around tokamax's API; the kernels' sm_90a compile and their
+  count are in `test_moe.py::test_tokamax_experts_compile_for_h100`."""
+  from mamba_train.ops import attention_gpu
+  try:
+    attention_gpu.import_tokamax()
+  except ImportError as err:
+    pytest.skip(f"tokamax (the gpu extra) absent: {err}")
+  monkeypatch.setattr(attention_gpu, "IMPLEMENTATION", "xla")
+  rng = np.random.default_rng(2)
+  l = 24
+  q = jnp.asarray(rng.normal(size=(2, l, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, l, 2, 8)), jnp.float32) for _ in range(2))
+  seq_idx = jnp.asarray([[0] * 10 + [1] * 14, [0] * l])
+  mask = jnp.asarray([[True] * l, [False] * 5 + [True] * (l - 5)])
+  real = np.asarray(mask)[:, :, None, None]  # padding queries' outputs are never used
+  ok = attention_ops.allowed(l, l, seq_idx=seq_idx, key_mask=mask)
+  def both(f):  # the outputs of real queries and the gradients of a loss of them
+    def loss(q, k, v):
+      out = jnp.where(real, f(q, k, v), 0.0)
+      return jnp.sum(jnp.sin(out)), out
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+  (_, want), g_want = both(lambda q, k, v: attention_ops.attend(q, k, v, ok, "xla", jnp.float32, 0.3))
+  shard = lambda run, *xs: run(*xs)  # the mesh's layout around the call, on one device
+  (_, got), g_got = both(lambda q, k, v: attention_gpu.flash(q, k, v, seq_idx, mask, jnp.float32, 0.3, shard=shard))
+  assert rel(got, want) < 1e-5
+  for a, b in zip(g_got, g_want):
+    assert rel(a, b) < 1e-5
+  # Without documents or padding: tokamax's causal path alone, no shard function.
+  causal = attention_ops.attend(q, k, v, None, "xla", jnp.float32)
+  assert rel(jax.jit(attention_gpu.flash, static_argnums=(5,))(q, k, v, None, None, jnp.float32), causal) < 1e-5
+
+
 def test_patterns_plan_into_scans():
   p = pattern_lib.plan("MMMM*MMM" * 6)
   assert (p.period, p.repeats) == ("MMMM*MMM", 6)

@@ -449,6 +449,25 @@ mp = m + experts_gpu.TOKAMAX_ROW_PAD
 k = kernel_costs(compiled, jaxpr)
 assert k["flops"] == 9 * 2 * mp * w * f, k
 print("compiled", len(calls) + len(ours))
+# attention='tokamax': its flash kernels forward and backward, no score-sized buffer,
+# counted by `hlo.flash_attention_cost` (2 + 5 l s h e FLOPs: the causal half).
+import re
+from mamba_train.ops import attention_gpu
+l, h, kv, d = 256, 4, 2, 64
+seq = jnp.asarray(np.repeat(np.arange(2), l // 2)[None], jnp.int32)
+def att(q, k, v):
+  return jnp.sum(attention_gpu.flash(q, k, v, seq, None, bf) ** 2)
+fn = jax.jit(jax.grad(att, argnums=(0, 1, 2)))
+qkv = (S((1, l, h, d)), S((1, l, kv, d)), S((1, l, kv, d)))
+with tokamax.config.cross_compile(True):
+  compiled = fn.lower(*qkv).compile()
+  jaxpr = fn.trace(*qkv).jaxpr
+hlo = compiled.as_text()
+flash = [x for x in hlo.splitlines() if "custom-call(" in x and "PallasTritonFlashAttention" in x]
+assert len(flash) == 2, len(flash)
+assert not re.search(r"f32\\[[0-9,]*256,256\\]", hlo), re.search(r".*f32\\[[0-9,]*256,256\\].*", hlo).group(0)[:200]
+assert kernel_costs(compiled, jaxpr)["flops"] == 7 * l * l * h * d
+print("attention compiled", len(flash))
 """
 
 
@@ -457,7 +476,9 @@ def test_tokamax_experts_compile_for_h100():
   sm_90a with the gpu extra's wheels (no GPU needed): six tokamax Triton custom
   calls, three of ours (the rows' gradients) and no other matmul in the optimised
   module (XLA:GPU's rewrite of ragged_dot into a dense all-experts dot is gone), no
-  transposed weight copy, and `hlo.kernel_costs` counting each at 2 m k n."""
+  transposed weight copy, and `hlo.kernel_costs` counting each at 2 m k n; and
+  attention='tokamax' (`attention_gpu.flash`): tokamax's two flash kernels, no float32
+  scores written, counted by `hlo.flash_attention_cost`."""
   import os
   import subprocess
   import sys
@@ -474,7 +495,7 @@ def test_tokamax_experts_compile_for_h100():
   env["PYTHONPATH"] = str(ROOT)
   r = subprocess.run([sys.executable, "-c", _TOKAMAX_COMPILE], capture_output=True, text=True, env=env,
                      timeout=600)
-  assert r.returncode == 0 and "compiled 9" in r.stdout, r.stderr[-3000:]
+  assert r.returncode == 0 and "compiled 9" in r.stdout and "attention compiled 2" in r.stdout, r.stderr[-3000:]
 
 
 def test_moe_impl_choice():

@@ -17,12 +17,20 @@ from mamba_train.ops.experts import grouped, split_gate
 
 def import_tokamax():
   """tokamax, imported on first use (it is the optional `gpu` extra; CPU and TPU
-  runs never import it), or an ImportError that says how to get it or do without."""
+  runs never import it), or an ImportError that says how to get it or do without; its
+  absl options readable outside an absl program."""
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
   except Exception as err:  # noqa: BLE001 - a missing or broken (another jax) install alike
-    raise ImportError(f"moe_impl='tokamax' needs tokamax (pip install 'mamba_train[gpu]'), which does not "
-                      f"import here ({type(err).__name__}: {err}); use moe_impl='xla'") from err
+    raise ImportError(f"moe_impl='tokamax' (or attention='tokamax') needs tokamax (pip install "
+                      f"'mamba_train[gpu]'), which does not import here ({type(err).__name__}: {err}); "
+                      f"use moe_impl='xla' (attention='xla', or 'cudnn' on a GPU)") from err
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads its options as absl flags, and with none parsed it parses
+    # sys.argv, which outside an absl program (pytest, a notebook) holds foreign
+    # flags and raises: its options then keep their defaults.
+    flags.FLAGS.mark_as_parsed()
   return tokamax
 
 
@@ -162,12 +170,6 @@ def expert_mlp_tokamax(rows, up, down, sizes, cd):
   gate, up = split_gate(up)
   sizes = sizes.astype(jnp.int32)
   impl = TOKAMAX_IMPLEMENTATION or _tokamax_implementation()
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if not flags.FLAGS.is_parsed():
-    # tokamax reads its options as absl flags, and with none parsed it parses
-    # sys.argv, which outside an absl program (pytest, a notebook) holds foreign
-    # flags and raises: its options then keep their defaults.
-    flags.FLAGS.mark_as_parsed()
   # Results in the compute dtype (float32 accumulation inside): the gradients flowing
   # back into the backward kernels are then in it too, and a bfloat16 run's backward
   # products run at the bfloat16 rate, not at float32's with bfloat16 weights. The

@@ -112,6 +112,8 @@ TABLE: dict[tuple[str, str], Impl] = {
                                        "jax.nn.dot_product_attention, XLA's implementation"),
     ("attention", "cudnn"): _row("attention", "attend", ["gpu"], False, [SEQUENCE, MESH, DOCUMENTS, ANY_LENGTH],
                                  "jax.nn.dot_product_attention, cuDNN's flash attention (bfloat16)"),
+    ("attention", "tokamax"): _row("attention_gpu", "flash", ["gpu"], False, [MESH, DOCUMENTS],
+                                   "tokamax's flash attention, Pallas Triton (the `gpu` extra; bfloat16)"),
     ("attention", "splash"): _row("attention_tpu", "splash", ["tpu"], True, [MESH, DOCUMENTS],
                                   "JAX's Pallas splash attention kernel (lengths a multiple of 128)"),
 }
@@ -383,6 +385,8 @@ def _attend(impl: str, runtime, mesh: Mesh) -> Callable:
                                                                               key_mask=key_mask)
     return plain_mod.attend(q, k, v, ok, form, cd, scale)
 
+  if impl == "tokamax":
+    return functools.partial(_kernel("attention", "tokamax", runtime), shard=mesh.kv_heads)
   if impl != "splash":
     return plain
   splash = functools.partial(_kernel("attention", "splash", runtime), shard=mesh.kv_heads)
@@ -396,8 +400,9 @@ def _attend(impl: str, runtime, mesh: Mesh) -> Callable:
 
 
 def cross_compile(runtime):
-  """The context an ahead-of-time compile for GPUs lowers in: tokamax (the GPU experts)
-  refuses to lower for a default device that is no GPU unless told it cross-compiles."""
-  if runtime.moe_impl == "tokamax":
+  """The context an ahead-of-time compile for GPUs lowers in: tokamax (the GPU experts,
+  attention='tokamax') refuses to lower for a default device that is no GPU unless told
+  it cross-compiles."""
+  if runtime.moe_impl == "tokamax" or runtime.attention == "tokamax":
     return importlib.import_module("mamba_train.ops.experts_gpu").import_tokamax().config.cross_compile(True)
   return contextlib.nullcontext()

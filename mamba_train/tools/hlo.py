@@ -185,11 +185,35 @@ def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   return 2.0 * m * k * n, float(sum(e * math.prod(d) for e, d in (res[0], *operands)))
 
 
+def flash_attention_cost(line: str) -> tuple[float, float] | None:
+  """(FLOPs, bytes) of one of tokamax's flash-attention Triton kernels (`ops/attention_gpu.py`)
+  from its custom call's HLO line, which carries no cost estimate: bytes its operands
+  (queries, keys, values, the document mask, and the backward's output, cotangent and row
+  statistics) and its results once each, the floor a kernel that keeps the scores on chip
+  reads (a layer's keys and values, 1 MB on the Nano recipe, are re-read by every block
+  of queries, from L2); FLOPs of the causal half of the scores: the forward's two
+  products 2 l s h e (4 l s h e, halved), the backward's five (recompute, dP, dV, dQ, dK)
+  5 l s h e, for queries (.., l, h, e) and keys (.., s, k, e). None if the line is not one."""
+  if "PallasTritonFlashAttention" not in line:
+    return None
+  head, tail = line.split("custom-call(", 1)
+  res = shapes(head)
+  if "operand_layout_constraints={" not in tail or not res:
+    return None
+  operands = shapes(tail.split("operand_layout_constraints={", 1)[1].split("}}, ", 1)[0])
+  if len(operands) < 2 or len(operands[0][1]) < 3 or len(operands[1][1]) < 3:
+    return None
+  q, s = operands[0][1], operands[1][1][-3]
+  per = 5.0 if "FlashAttentionVjp" in line else 2.0
+  return per * math.prod(q) * s, float(sum(e * math.prod(d) for e, d in (*res, *operands)))
+
+
 def _kernel_line_cost(line: str, found: dict[str, list]) -> tuple[float, float, float] | None:
   """(FLOPs, bytes, transcendentals) of one custom call's HLO line: the cost estimate a
   Mosaic (TPU) kernel carries in its backend config, else the estimate of the Pallas
   call it is (matched by kernel name, then result shapes, in `found`, from
-  `kernel_estimates`), or tokamax's ragged dot's `ragged_dot_cost`; None for any other line."""
+  `kernel_estimates`), or tokamax's ragged dot's `ragged_dot_cost` and its flash
+  attention's `flash_attention_cost`; None for any other line."""
   if "custom-call(" not in line:
     return None
   mosaic = _COST_ESTIMATE.search(line)
@@ -197,6 +221,8 @@ def _kernel_line_cost(line: str, found: dict[str, list]) -> tuple[float, float, 
     est = json.loads(mosaic.group(1))
     return tuple(float(est.get(k, 0)) for k in ("flops", "bytes_accessed", "transcendentals"))
   ragged = ragged_dot_cost(line)
+  if ragged is None:
+    ragged = flash_attention_cost(line)
   if ragged is not None:
     return ragged[0], ragged[1], 0.0
   names = [t for t in set(_TOKEN.findall(line)) if t in found]
