@@ -95,8 +95,8 @@ def get_config() -> ml_collections.ConfigDict:
       max_batch_size=64,  # the most "auto" tries (lm-eval's default)
   ))
 
-  # --- devices: data x fsdp x expert x sequence x tensor; one axis may be -1 (fills the rest),
-  # or data and fsdp both (split between them: mamba_train/parallel/mesh.py) ---
+  # --- devices: data x fsdp x expert x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # data and fsdp both -1 split the devices between them (mamba_train/parallel/mesh.py).
   # sequence splits each sequence's length over devices (long context:
   # mamba_train/parallel/sequence.py); seq_len must divide over it.
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
