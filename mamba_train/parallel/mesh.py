@@ -33,9 +33,8 @@ DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
 # XLA:TPU's all_gather_decomposer (libtpu 0.0.52) rewrites an all-gather whose piece on a
 # device is at most 64 KiB into a broadcast of zeros, a dynamic-update-slice and an
 # all-reduce, whichever axis is split and whatever the flags; XLA's memory-space schedule
-# around the decomposed form moves more besides. The 1.3b step on v6e-256 (fsdp 256:
-# out_proj's bf16 piece is 64 KiB) counts 1.904e11 bytes a chip, at data 2 x fsdp 128
-# 1.624e11 (docs/bench/fused_layer.md).
+# around the decomposed form moves more besides (what that costs the 1.3b step on v6e-256,
+# where out_proj's bf16 piece is 64 KiB at fsdp 256: docs/bench/fused_layer.md).
 TPU_MIN_GATHER_PIECE = 64 * 1024
 # The weights whose gathers the split keeps whole: the largest, until they hold this share
 # of all the weights' bytes (1.3b: the embedding, z|x and out_proj; not B|C or dt).
