@@ -96,6 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   # --- devices: data x fsdp x expert x sequence x tensor; one axis may be -1 (fills the rest) ---
+  # data and fsdp both -1 split the devices between them (mamba_train/parallel/mesh.py).
   # sequence splits each sequence's length over devices (long context:
   # mamba_train/parallel/sequence.py); seq_len must divide over it.
   # Over several hosts or TPU slices, dcn_data / dcn_fsdp / dcn_sequence split that axis
@@ -230,5 +231,8 @@ def mamba2_pretrain(size: str) -> ml_collections.ConfigDict:
   c.runtime.compute_dtype = "bfloat16"
   c.optim.lr = MAMBA2_LR[size.removesuffix("-hybrid")]  # a hybrid: its pure model's
   c.data.source = "corpus"
-  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  # data and fsdp both -1: fsdp takes every device, but on TPU no more than keeps the large
+  # weights' pieces over XLA:TPU's smallest all-gather (parallel/mesh.py split_data_fsdp:
+  # 1.3b on v6e-256 data 2 x fsdp 128), data the rest.
+  c.mesh.update(data=-1, fsdp=-1, tensor=1)
   return c

@@ -56,6 +56,35 @@ def test_size_recipes(size):
   assert c.seq_len == 2048 and c.batch_size * c.seq_len == 2**19  # 0.5M tokens per step
 
 
+def test_recipe_mesh_keeps_tpu_gathers_whole():
+  """data = fsdp = -1 (the size recipes): fsdp as large as keeps the large weights' bf16
+  pieces over XLA:TPU's 64 KiB all-gather threshold, on TPU only. Checked against the
+  pieces by hand: 1.3b's out_proj (4096, 2048) is 64 KiB a device at fsdp 256 (not over:
+  decomposed), 128 KiB at 128; 2.7b's (5120, 2560) 100 KiB at 256."""
+  from mamba_train.parallel.mesh import gathered_weights
+  c = load("1.3b")
+  c.batch_size = 512
+  tpu = dict(reference=base.get_config(), platform="tpu", device_kind="TPU v6 lite")
+  shape = lambda cfg, n, **kw: {a: s for a, s in validate(cfg, num_devices=n, **kw).mesh_shape.items()
+                                if a in ("data", "fsdp")}
+  assert 2 * 4096 * 2048 / 256 == 64 * 1024
+  assert shape(c, 256, **tpu) == {"data": 2, "fsdp": 128}  # v6e-256
+  assert shape(c, 512, **tpu) == {"data": 4, "fsdp": 128}  # tpu7x-512 (a device a TensorCore)
+  assert shape(c, 64, **tpu) == {"data": 1, "fsdp": 64}  # v5p-128: unchanged
+  gpu = dict(reference=base.get_config(), platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  assert shape(c, 256, **gpu) == {"data": 1, "fsdp": 256}  # no such rewrite known on GPUs
+  c.mesh.fsdp = 256  # one axis given: the other fills, as before
+  assert shape(c, 256, **tpu) == {"data": 1, "fsdp": 256}
+  # The weights it keeps whole: the embedding, z|x and out_proj (97% of the bytes), not B|C or dt.
+  shapes = {"embedding": (50288, 2048), "layers/in_proj_zx": (48, 2048, 2, 4096),
+            "layers/out_proj": (48, 4096, 2048), "layers/in_proj_bc": (48, 2048, 2, 128),
+            "layers/in_proj_dt": (48, 2048, 64), "layers/norm": (48, 2048), "norm_f": (2048,)}
+  assert gathered_weights(shapes) == [2 * 50288 * 2048, 2 * 2048 * 2 * 4096, 2 * 4096 * 2048]
+  c27 = load("2.7b")
+  c27.batch_size = 512
+  assert shape(c27, 256, **tpu) == {"data": 1, "fsdp": 256}
+
+
 def _errors(config, **kw):
   with pytest.raises(ConfigError) as e:
     validate(config, reference=base.get_config(), **kw)
@@ -98,7 +127,7 @@ def test_mesh_mismatch_errors():
   assert "spans data*fsdp*expert*sequence*tensor = 4 devices, but 8 devices are present" in _errors(c, num_devices=8)
   c.mesh.update(data=-1, fsdp=3, tensor=1)
   assert "do not divide the 8 devices" in _errors(c, num_devices=8)
-  c.mesh.update(data=-1, fsdp=-1, tensor=1)
+  c.mesh.update(data=-1, fsdp=1, sequence=-1, tensor=1)
   assert "only one axis may be -1" in _errors(c, num_devices=8)
 
 

@@ -7,6 +7,7 @@ bfloat16 decoding on the trained model."""
 import concurrent.futures
 import dataclasses
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,24 @@ def test_default_precision_is_the_compute_dtype_dot_exactly():
   for cd in ("float32", "bfloat16"):
     want = jnp.einsum("bld,dko->blko", x.astype(cd), w.astype(cd), preferred_element_type=jnp.float32)
     np.testing.assert_array_equal(np.asarray(mm.linear(x, w, cd)), np.asarray(want))
+
+
+def test_row_scaled_linear_backward_is_autodiffs():
+  """out_proj with the norm folded in (`linear_row_scaled`), its written-out backward
+  against autodiff of the plain form: float32 to rounding; in bfloat16 the weight's
+  gradient in the compute dtype, and no GEMM of x and w in the backward."""
+  rng = np.random.RandomState(2)
+  x, w, ct = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((2, 6, 16), (16, 12), (2, 6, 12)))
+  scale = jnp.asarray(rng.rand(2, 6, 1) + 0.5, jnp.float32)
+  plain = lambda x, w, s: jnp.sum(mm.linear(x, w, "float32") * s * ct)
+  got = jax.grad(lambda *a: jnp.sum(mm.linear_row_scaled(*a, "float32") * ct), (0, 1, 2))(x, w, scale)
+  for g, want in zip(got, jax.grad(plain, (0, 1, 2))(x, w, scale)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  bf = jnp.bfloat16
+  f = lambda x, w, s: jnp.sum(mm.linear_row_scaled(x, w, s, "bfloat16") * ct)
+  jaxpr = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(x.astype(bf), w.astype(bf), scale))
+  dots = re.findall(r"(\w+)\[[\d,]*\] = dot_general", jaxpr)
+  assert sorted(dots) == ["bf16", "bf16", "f32"], dots  # dx's, dw's, the forward's
 
 
 # ----------------------------------------------------------------------------

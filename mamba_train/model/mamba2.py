@@ -246,7 +246,7 @@ def _mixer_fused(p, zx, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, st
     y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i) * p["gate_norm"]
     out = mm.linear(y, p["out_proj"], cd, prec, 1, adapter)
   elif g == 1:
-    out = mm.linear(gated, p["out_proj"] * p["gate_norm"][:, None], cd, prec) * rstd
+    out = mm.linear_row_scaled(gated, p["out_proj"] * p["gate_norm"][:, None], rstd, cd, prec)
   else:  # a scale per group of a row: on out_proj's operand (XLA fuses it into the GEMM's operand)
     y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i)
     out = mm.linear(y, p["out_proj"] * p["gate_norm"][:, None], cd, prec)

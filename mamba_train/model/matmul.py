@@ -183,6 +183,49 @@ def linear(x, w, compute_dtype, precision: str = "default", n_in: int = 1,
   return y
 
 
+def linear_row_scaled(x, w, scale, compute_dtype, precision: str = "default"):
+  """(x @ w) * scale, float32: x (..., i), w (i, o), scale (..., 1) float32 (out_proj
+  with the fused layer's RMSNorm folded in: `mamba2._mixer_fused`).
+
+  In the default precision the backward is written out (`_row_scaled`): scale's
+  cotangent comes from x's, sum(dx x) / scale, where autodiff wants x @ w again (under
+  remat a rerun of the whole GEMM, fused with the reduction); and the cotangent enters
+  both GEMMs in the compute dtype, so the weight's gradient is written, and reduced
+  over devices, in it (as in_proj's is). On TPU the default precision rounds a float32
+  operand to bfloat16 in the GEMM anyway."""
+  cd = jnp.dtype(compute_dtype)
+  if precision != "default" or isinstance(w, qwix.QArray):
+    return linear(x, w, cd, precision) * scale
+  return _row_scaled(x.astype(cd), w.astype(cd), scale)
+
+
+def _row_dims(x):
+  return ((x.ndim - 1,), (0,)), ((), ())
+
+
+@jax.custom_vjp
+def _row_scaled(x, w, scale):
+  return jax.lax.dot_general(x, w, _row_dims(x), preferred_element_type=F32) * scale
+
+
+def _row_scaled_fwd(x, w, scale):
+  return _row_scaled(x, w, scale), (x, w, scale)
+
+
+def _row_scaled_bwd(res, ct):
+  x, w, scale = res
+  cts = (ct * scale).astype(w.dtype)  # the cotangent of x @ w
+  lead = tuple(range(x.ndim - 1))
+  dx = jax.lax.dot_general(cts, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+  dw = jax.lax.dot_general(x, cts, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
+  # d scale = sum(ct (x @ w)) = sum((ct @ w^T) x) = sum(dx x) / scale (scale > 0: an rstd).
+  dscale = jnp.sum(dx.astype(F32) * x.astype(F32), -1, keepdims=True) / scale
+  return dx, dw, dscale.astype(scale.dtype)
+
+
+_row_scaled.defvjp(_row_scaled_fwd, _row_scaled_bwd)
+
+
 # ----------------------------------------------------------------------------
 # Decoding weights.
 

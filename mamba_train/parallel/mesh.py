@@ -10,6 +10,10 @@ hosts elsewhere) an axis spans over the slow data-center network, and data / fsd
 data=1, fsdp=8` is a data axis of 4 across hosts and fsdp 8 inside each, so the
 gradient all-reduce is the only traffic between hosts. With every dcn_* at 1
 (the default) data / fsdp / tensor span all devices, as before.
+
+`-1` on both data and fsdp splits the devices the other axes leave between them
+(`split_data_fsdp`): fsdp as large as keeps each large weight's piece over the size
+under which XLA:TPU no longer gathers it with an all-gather, data the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +30,48 @@ from mamba_train.parallel.sharding import MESH_AXES
 
 DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
 
+# XLA:TPU's all_gather_decomposer (libtpu 0.0.52) rewrites an all-gather whose piece on a
+# device is at most 64 KiB into a broadcast of zeros, a dynamic-update-slice and an
+# all-reduce, whichever axis is split and whatever the flags; XLA's memory-space schedule
+# around the decomposed form moves more besides (what that costs the 1.3b step on v6e-256,
+# where out_proj's bf16 piece is 64 KiB at fsdp 256: docs/bench/fused_layer.md).
+TPU_MIN_GATHER_PIECE = 64 * 1024
+# The weights whose gathers the split keeps whole: the largest, until they hold this share
+# of all the weights' bytes (1.3b: the embedding, z|x and out_proj; not B|C or dt).
+GATHERED_SHARE = 0.9
+
+
+def gathered_weights(shapes: Mapping[str, Sequence[int]], share: float = GATHERED_SHARE) -> list[int]:
+  """The bf16 bytes of one gather of each weight that holds most of the model's bytes:
+  largest first, until they hold `share` of all. `shapes`: {path: shape} of the
+  parameters (`model.params.param_shapes`); a path under a stack ('layers/out_proj')
+  has the layers on its leading axis and is gathered one layer at a time."""
+  weights = []  # (bytes of one gather, gathers)
+  for path, shape in shapes.items():
+    stacked = "/" in path and len(shape) > 1
+    one = shape[1:] if stacked else shape
+    weights.append((2 * math.prod(one), shape[0] if stacked else 1))
+  weights.sort(reverse=True)
+  total, held, out = sum(b * n for b, n in weights), 0, []
+  for b, n in weights:
+    if held >= share * total:
+      break
+    out.append(b)
+    held += b * n
+  return out
+
+
+def split_data_fsdp(devices: int, gathered: Sequence[int] = (), min_piece: int = 0,
+                    other_split: int = 1) -> tuple[int, int]:
+  """(data, fsdp) with data x fsdp = `devices`: fsdp the largest divisor of `devices`
+  that keeps every weight of `gathered` (bytes, `gathered_weights`), split over fsdp
+  x `other_split` (the tensor axis, and dcn_fsdp's granules), over `min_piece` bytes
+  a device; data the rest. Without weights or with min_piece 0, fsdp takes them all."""
+  for fsdp in sorted((f for f in range(1, devices + 1) if devices % f == 0), reverse=True):
+    if all(b / (fsdp * other_split) > min_piece for b in gathered) or fsdp == 1:
+      return devices // fsdp, fsdp
+  raise AssertionError("unreachable: fsdp 1 always returns")
+
 
 def dcn_shape(mesh_cfg: Mapping[str, int]) -> dict[str, int]:
   """{'data': granules, 'fsdp': ..., 'sequence': ..., 'tensor': ...} from the dcn_* keys (default 1)."""
@@ -36,35 +82,48 @@ def dcn_shape(mesh_cfg: Mapping[str, int]) -> dict[str, int]:
   return shape
 
 
-def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
+def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, *, gathered: Sequence[int] = (),
+                       min_piece: int = 0) -> dict[str, int]:
   """{'data': d, 'fsdp': f, 'sequence': s, 'tensor': t} with any -1 filled; raises ValueError on a mismatch.
-  With dcn_* keys each axis is dcn_<axis> x <axis>, the latter resolved within a granule."""
+  With dcn_* keys each axis is dcn_<axis> x <axis>, the latter resolved within a granule.
+  data and fsdp both -1: `split_data_fsdp` with `gathered` and `min_piece` (the run's
+  weights and `TPU_MIN_GATHER_PIECE` on TPU; none elsewhere: fsdp takes all)."""
   unknown = sorted(set(mesh_cfg) - set(MESH_AXES) - set(DCN_KEYS))
   if unknown:
     raise ValueError(f"config.mesh has unknown axes {unknown}; the axes are "
                      f"{list(MESH_AXES)} and {list(DCN_KEYS)}")
   dcn = dcn_shape(mesh_cfg)
   granules = math.prod(dcn.values())
+  split = dict(gathered=gathered, min_piece=min_piece, other_split=dcn["fsdp"] * dcn["tensor"])
   if granules == 1:
-    return _resolve_ici(mesh_cfg, num_devices)
+    return _resolve_ici(mesh_cfg, num_devices, **split)
   if num_devices % granules:
     raise ValueError(f"config.mesh dcn_* = {dcn} spans {granules} hosts or slices, which do not "
                      f"divide the {num_devices} devices")
   try:
-    ici = _resolve_ici(mesh_cfg, num_devices // granules)
+    ici = _resolve_ici(mesh_cfg, num_devices // granules, **split)
   except ValueError as e:
     raise ValueError(f"{e} (per host or slice: {num_devices} devices / {granules} from dcn_*)") from None
   return {a: dcn[a] * ici[a] for a in MESH_AXES}
 
 
-def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
+def _resolve_ici(mesh_cfg: Mapping[str, int], num_devices: int, *, gathered: Sequence[int],
+                 min_piece: int, other_split: int) -> dict[str, int]:
   shape = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
   bad = {a: s for a, s in shape.items() if s == 0 or s < -1}
   if bad:
     raise ValueError(f"config.mesh sizes must be positive or -1, got {bad}")
   fill = [a for a, s in shape.items() if s == -1]
+  if fill == ["data", "fsdp"]:
+    rest = math.prod(s for a, s in shape.items() if a not in fill)
+    if num_devices % rest:
+      raise ValueError(f"config.mesh {dict(mesh_cfg)}: the fixed axes ({rest} devices) do not divide "
+                       f"the {num_devices} devices, so data = fsdp = -1 cannot split the rest")
+    shape["data"], shape["fsdp"] = split_data_fsdp(num_devices // rest, gathered, min_piece,
+                                                   other_split * shape["tensor"])
+    return shape
   if len(fill) > 1:
-    raise ValueError(f"config.mesh: only one axis may be -1, got {fill}")
+    raise ValueError(f"config.mesh: only one axis may be -1 (or data and fsdp both), got {fill}")
   fixed = math.prod(s for s in shape.values() if s != -1)
   if fill:
     if num_devices % fixed:

@@ -19,10 +19,10 @@ from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import FINETUNE_MAY_CHANGE, MOE, Mamba2Config
-from mamba_train.model.params import weight_names
+from mamba_train.model.params import init_params, param_shapes, weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
-from mamba_train.parallel.mesh import resolve_mesh_shape
+from mamba_train.parallel.mesh import TPU_MIN_GATHER_PIECE, gathered_weights, resolve_mesh_shape
 from mamba_train.train.balance import MoeSpec, spec_problems as moe_problems
 from mamba_train.train.dpo import DpoSpec
 from mamba_train.train.grpo import GrpoSpec
@@ -114,6 +114,17 @@ _OPTIM_RANGES = (
 )
 
 
+def _gather_split(mesh_cfg: Mapping, model: Mamba2Config | None, platform: str) -> dict:
+  """`resolve_mesh_shape`'s split of data = fsdp = -1: on TPU, the model's large weights
+  and XLA:TPU's smallest all-gather piece (`mesh.TPU_MIN_GATHER_PIECE`); elsewhere none
+  (fsdp takes every device: no such rewrite is known on GPUs)."""
+  if platform != "tpu" or model is None or not (mesh_cfg.get("data") == mesh_cfg.get("fsdp") == -1):
+    return {}
+  import jax  # the shapes only: nothing is computed
+  shapes = param_shapes(jax.eval_shape(init_params, model, jax.random.key(0)))
+  return dict(gathered=gathered_weights(shapes), min_piece=TPU_MIN_GATHER_PIECE)
+
+
 def data_groups(mesh_cfg: Mapping, process_count: int) -> int:
   """How many sets of rows the processes load (`parallel.sharding.data_group`): the
   processes one sequence or tensor group spans over the network (dcn_sequence x
@@ -201,7 +212,12 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
   problems += _top_level_problems(cfg, reference)
   model = _attempt(problems, lambda: model_config(cfg))
   rt = _attempt(problems, lambda: runtime(cfg))
-  mesh = _attempt(problems, lambda: resolve_mesh_shape(cfg["mesh"], num_devices), ValueError)
+  if platform is None:
+    import jax  # only here: planning for this host is the one case that asks it
+    platform = jax.default_backend()
+    device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+  mesh = _attempt(problems, lambda: resolve_mesh_shape(cfg["mesh"], num_devices,
+                                                       **_gather_split(cfg["mesh"], model, platform)), ValueError)
   # How the batch and the sequence divide over the devices.
   optim = cfg["optim"]
   accum = optim.get("grad_accum", 1)
@@ -257,10 +273,6 @@ def validate(config, *, num_devices: int, process_count: int = 1, reference=None
       sources = (mixture.Source(cfg["data"]["dir"], 1.0),)
     else:
       default_corpus = data_root
-  if platform is None:
-    import jax  # only here: planning for this host is the one case that asks it
-    platform = jax.default_backend()
-    device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
   rt = rt.resolve(platform, device_kind)
   if lora is not None:  # see LoraSpec.packed_int4 and .frozen_dtype
     lora = lora.replace(packed_int4=platform != "cpu",
