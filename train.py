@@ -24,7 +24,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from mamba_train import errors  # noqa: E402
+from mamba_train import cli, errors  # noqa: E402
 from mamba_train.parallel import distributed  # noqa: E402
 from mamba_train.train import loop, run_config  # noqa: E402
 from mamba_train.workdir import checkpoint  # noqa: E402
@@ -152,4 +152,5 @@ def parse_flags(argv):
 
 
 if __name__ == "__main__":
+  cli.freeze_imported()  # the imports above stay out of the garbage collector's walks
   app.run(main, flags_parser=parse_flags)

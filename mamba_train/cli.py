@@ -11,6 +11,7 @@ each print `error: <what> (flags: --help)` and exit 2. `--help` still prints the
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from absl import app, flags
@@ -49,8 +50,20 @@ def _flag_message(e: Exception) -> str:
   return text
 
 
+def freeze_imported() -> None:
+  """Take everything imported so far out of the cyclic garbage collector's walks
+  (`gc.freeze`): the modules, classes and functions of JAX, Flax, Orbax and the package,
+  live for the whole process. Tracing and lowering a step allocate enough to start many
+  full collections, each of which would walk them all again (what it saves a short run:
+  docs/bench/suite.md). An entry point calls it when its imports are done. Objects
+  still free by reference count as before."""
+  gc.freeze()
+
+
 def run(main) -> None:
-  """`app.run(main)` with one-line answers to a bad flag or a `UsageError` / `UserError`."""
+  """`app.run(main)` with one-line answers to a bad flag or a `UsageError` / `UserError`,
+  after `freeze_imported` (the tool's imports are done by then)."""
+  freeze_imported()
   def main_one_line(argv):
     try:
       return main(argv)

@@ -187,7 +187,7 @@ def test_every_layer_cost_counts_each_layer():
 
 
 _RECOMPUTE = """
-import json, jax
+import jax
 from configs import base
 from mamba_train.parallel.mesh import make_mesh
 from mamba_train.parallel.topology import tpu_devices
@@ -213,23 +213,50 @@ plan7 = run_config.validate(c, num_devices=1, platform=devices7[0].platform)
 out["tpu7x"] = [devices7[0].device_kind, len(devices7), aot.cost_with_layers(plan7, mesh7, 1, unroll=False)["flops"],
                 run_config.validate(c, num_devices=1, platform=devices7[0].platform,
                                     device_kind=devices7[0].device_kind).runtime.layer_impl]
+result = out
+"""
+
+
+# The TPU programs this file compiles in Python (not through scripts/aot_compile.py), run in
+# one libtpu process for the module: each snippet sets `result`, and a test reads its own
+# (a snippet that raised gives its traceback to its test alone): one start of JAX, libtpu
+# and the package instead of one a test.
+_ON_LIBTPU = """
+import json, sys, traceback
+out = {}
+for name, code in json.loads(sys.stdin.read()).items():
+  scope = {}
+  try:
+    exec(code, scope)
+    out[name] = {"result": scope["result"]}
+  except Exception:
+    out[name] = {"error": traceback.format_exc()}
 print(json.dumps(out))
 """
 
 
-def _run_on_libtpu(code: str):
-  """Run `code` in a fresh process that compiles for TPUs; its last line, read as JSON."""
+@pytest.fixture(scope="module")
+def on_libtpu():
+  """{snippet name: its `result`, or its traceback}: every snippet of _SNIPPETS, compiled
+  in one fresh process for TPUs."""
   require_libtpu()
   import json
   # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(ROOT)
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+  r = subprocess.run([sys.executable, "-c", _ON_LIBTPU], input=json.dumps(_SNIPPETS), capture_output=True,
+                     text=True, env=env, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_every_layer_programs_keep_the_recompute_on_tpu():
+def _result(on_libtpu, name):
+  got = on_libtpu[name]
+  assert "error" not in got, got.get("error", "")[-3000:]
+  return got["result"]
+
+
+def test_every_layer_programs_keep_the_recompute_on_tpu(on_libtpu):
   """The every-layer count's programs run their layers as straight-line code (one
   layer, two unrolled), where a remat with prevent_cse=False let XLA:TPU merge the
   backward's recomputation with the forward: `full` and `save_in_proj` counted the
@@ -237,7 +264,7 @@ def test_every_layer_programs_keep_the_recompute_on_tpu():
   `save_in_proj` by the in_proj matmul it recomputes, 2 T d (2i + 2gn + h). In the
   same process the `save_in_proj` step compiles for a TPU7x TensorCore (tpu7x-8), and
   'auto' picks the fused layer for the device kind libtpu reports there."""
-  flops = _run_on_libtpu(_RECOMPUTE)
+  flops = _result(on_libtpu, "recompute")
   assert flops["full"] - flops["save_in_proj"] == pytest.approx(flops["in_proj"], rel=0.02), flops
   # TPU7x: eight TensorCores of four chips as eight devices, and the same program's FLOPs.
   kind, n, flops7, layer7 = flops["tpu7x"]
@@ -352,7 +379,7 @@ def test_trip_scaled_cost_counts_a_skipped_layer_only_where_taken(monkeypatch):
 
 
 _TPU_TRIPS = """
-import json, tempfile
+import tempfile
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -374,19 +401,20 @@ with tempfile.TemporaryDirectory() as d:
   proto = hlo.dumped_module_proto(d)
 got = hlo.trip_scaled_cost(compiled, proto)
 kernels = hlo.kernel_costs(hlo.optimised_text(compiled, proto), jax.jit(f).trace(x, i).jaxpr, trip_counts=True)
-print(json.dumps({**{k: v for k, v in got.items() if k != "once"}, **{"kernel " + k: v for k, v in kernels.items()},
-                  "offloaded": b"async-update" in proto}))
+result = {**{k: v for k, v in got.items() if k != "once"}, **{"kernel " + k: v for k, v in kernels.items()},
+          "offloaded": b"async-update" in proto}
 """
+_SNIPPETS = {"recompute": _RECOMPUTE, "tpu_trips": _TPU_TRIPS}
 
 
-def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels():
+def test_trip_scaled_cost_reads_a_multi_chip_tpu_program_and_its_kernels(on_libtpu):
   """XLA:TPU's program for four v5p chips with a SparseCore-offloaded gather (whose
   `async-update`s jaxlib cannot read back from the executable) and a Pallas kernel
   in a loop of 3: read from XLA's dump, the loop body counted three times, the
   kernel (`kernel_costs` with trip counts) by the estimate its backend config carries
   (three times its 1000 FLOPs), the add to each
   device's 2048 x 256 gathered rows three times."""
-  got = _run_on_libtpu(_TPU_TRIPS)
+  got = _result(on_libtpu, "tpu_trips")
   assert got["offloaded"], got  # the rewrite the reader needs was exercised
   assert [n for _, n in got["loops"]] == [3], got
   assert got["kernel flops"] == 3 * 1000 and got["kernel transcendentals"] == 3 * 7, got
