@@ -232,7 +232,7 @@ def mamba2_pretrain(size: str) -> ml_collections.ConfigDict:
   c.optim.lr = MAMBA2_LR[size.removesuffix("-hybrid")]  # a hybrid: its pure model's
   c.data.source = "corpus"
   # data and fsdp both -1: fsdp takes every device, but on TPU no more than keeps the large
-  # weights' pieces over XLA:TPU's smallest all-gather (parallel/mesh.py split_data_fsdp:
-  # 1.3b on v6e-256 data 2 x fsdp 128), data the rest.
+  # weights' pieces at 128 KiB or more, where XLA:TPU gathers them well (parallel/mesh.py
+  # split_data_fsdp: 1.3b and 2.7b on v6e-256 data 2 x fsdp 128), data the rest.
   c.mesh.update(data=-1, fsdp=-1, tensor=1)
   return c

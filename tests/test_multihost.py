@@ -306,9 +306,9 @@ def test_mesh_config_errors():
   from mamba_train.parallel.mesh import hybrid_device_grid, resolve_mesh_shape
   assert resolve_mesh_shape({"dcn_data": 2, "data": 1, "fsdp": -1, "tensor": 1}, 8) == \
       {"data": 2, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1}
-  # data = fsdp = -1 inside each granule: a 1 MiB weight over dcn_fsdp 2 x fsdp f stays over
-  # 128 KiB a device at f 2, not 4; data takes the other 2 of the granule's 4.
-  assert resolve_mesh_shape({"dcn_fsdp": 2, "data": -1, "fsdp": -1}, 8, gathered=[2**20], min_piece=2**17) == \
+  # data = fsdp = -1 inside each granule: a 1 MiB weight over dcn_fsdp 2 x fsdp f keeps
+  # 256 KiB a device at f 2, not at 4; data takes the other 2 of the granule's 4.
+  assert resolve_mesh_shape({"dcn_fsdp": 2, "data": -1, "fsdp": -1}, 8, gathered=[2**20], min_piece=2**18) == \
       {"data": 2, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1}
   assert resolve_mesh_shape({"dcn_sequence": 2, "data": 1, "sequence": -1}, 8) == \
       {"data": 1, "fsdp": 1, "expert": 1, "sequence": 8, "tensor": 1}

@@ -12,8 +12,8 @@ gradient all-reduce is the only traffic between hosts. With every dcn_* at 1
 (the default) data / fsdp / tensor span all devices, as before.
 
 `-1` on both data and fsdp splits the devices the other axes leave between them
-(`split_data_fsdp`): fsdp as large as keeps each large weight's piece over the size
-under which XLA:TPU no longer gathers it with an all-gather, data the rest.
+(`split_data_fsdp`): fsdp as large as keeps each large weight's piece at a size XLA:TPU
+gathers well (`TPU_MIN_GATHER_PIECE`), data the rest.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from mamba_train.parallel.sharding import MESH_AXES
 
 DCN_KEYS = {f"dcn_{a}": a for a in MESH_AXES}  # config key -> mesh axis
 
-# XLA:TPU's all_gather_decomposer (libtpu 0.0.52) rewrites an all-gather whose piece on a
-# device is at most 64 KiB into a broadcast of zeros, a dynamic-update-slice and an
-# all-reduce, whichever axis is split and whatever the flags; XLA's memory-space schedule
-# around the decomposed form moves more besides (what that costs the 1.3b step on v6e-256,
-# where out_proj's bf16 piece is 64 KiB at fsdp 256: docs/bench/fused_layer.md).
-TPU_MIN_GATHER_PIECE = 64 * 1024
+# The smallest bf16 piece of a large weight a device holds that `split_data_fsdp` keeps on
+# TPU. XLA:TPU's all_gather_decomposer (libtpu 0.0.52) rewrites an all-gather whose piece
+# on a device is at most 64 KiB into a broadcast of zeros, a dynamic-update-slice and an
+# all-reduce, whichever axis is split and whatever the flags, and XLA's memory-space
+# schedule around the decomposed form moves more besides. Pieces between 64 and 128 KiB
+# gather whole, yet the step around them still counted more (2.7b's out_proj, 100 KiB at
+# fsdp 256), so the floor is twice the rewrite's: docs/bench/fused_layer.md, the 1.3b and
+# 2.7b steps on v6e-256 and the 1.3b on tpu7x-512 at each fsdp.
+TPU_MIN_GATHER_PIECE = 128 * 1024
 # The weights whose gathers the split keeps whole: the largest, until they hold this share
 # of all the weights' bytes (1.3b: the embedding, z|x and out_proj; not B|C or dt).
 GATHERED_SHARE = 0.9
@@ -65,10 +68,10 @@ def split_data_fsdp(devices: int, gathered: Sequence[int] = (), min_piece: int =
                     other_split: int = 1) -> tuple[int, int]:
   """(data, fsdp) with data x fsdp = `devices`: fsdp the largest divisor of `devices`
   that keeps every weight of `gathered` (bytes, `gathered_weights`), split over fsdp
-  x `other_split` (the tensor axis, and dcn_fsdp's granules), over `min_piece` bytes
-  a device; data the rest. Without weights or with min_piece 0, fsdp takes them all."""
+  x `other_split` (the tensor axis, and dcn_fsdp's granules), at `min_piece` bytes a
+  device or more; data the rest. Without weights or with min_piece 0, fsdp takes them all."""
   for fsdp in sorted((f for f in range(1, devices + 1) if devices % f == 0), reverse=True):
-    if all(b / (fsdp * other_split) > min_piece for b in gathered) or fsdp == 1:
+    if all(b / (fsdp * other_split) >= min_piece for b in gathered) or fsdp == 1:
       return devices // fsdp, fsdp
   raise AssertionError("unreachable: fsdp 1 always returns")
 

@@ -116,7 +116,7 @@ _OPTIM_RANGES = (
 
 def _gather_split(mesh_cfg: Mapping, model: Mamba2Config | None, platform: str) -> dict:
   """`resolve_mesh_shape`'s split of data = fsdp = -1: on TPU, the model's large weights
-  and XLA:TPU's smallest all-gather piece (`mesh.TPU_MIN_GATHER_PIECE`); elsewhere none
+  and the smallest piece of them XLA:TPU gathers well (`mesh.TPU_MIN_GATHER_PIECE`); elsewhere none
   (fsdp takes every device: no such rewrite is known on GPUs)."""
   if platform != "tpu" or model is None or not (mesh_cfg.get("data") == mesh_cfg.get("fsdp") == -1):
     return {}
