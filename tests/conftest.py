@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-from helpers import FAST_XLA, Libtpu
+from helpers import FAST_XLA
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mamba_train_xla_cache_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -53,15 +53,6 @@ def on_simulated_devices():
     with open(os.path.join(out_dir, "results.json")) as f:
       return json.load(f)
   return run
-
-
-@pytest.fixture(scope="session")
-def libtpu(tmp_path_factory):
-  """`helpers.Libtpu`: the worker's one process that compiles for TPUs (test_aot and the
-  Pallas TPU kernels' compile checks share it)."""
-  server = Libtpu(tmp_path_factory.mktemp("libtpu"))
-  yield server
-  server.close()
 
 
 # The suite's longest files (seconds of one worker on a 2-core machine, 2026-12-02), handed

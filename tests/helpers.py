@@ -55,80 +55,17 @@ def require_libtpu() -> None:
                 "the TPU compiler these tests compile with; no TPU is needed)")
 
 
-# The server side of `Libtpu`: one request a line on stdin ({"code", "argv"}), one answer a
-# line on the descriptor it is given ({"stdout", "result", "error"}). The process's own
-# stdout goes to stderr (libtpu and XLA write there too), so nothing else reaches the answers.
-_LIBTPU_SERVER = """
-import contextlib, io, json, os, sys, traceback
-answers = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-for line in sys.stdin:
-  request = json.loads(line)
-  sys.argv, scope, printed = ["-c", *request["argv"]], {"__name__": "__main__"}, io.StringIO()
-  try:
-    with contextlib.redirect_stdout(printed):
-      exec(request["code"], scope)
-    answer = {"result": scope.get("result"), "error": None}
-  except BaseException:
-    answer = {"result": None, "error": traceback.format_exc()}
-  answers.write(json.dumps({**answer, "stdout": printed.getvalue()}) + "\\n")
-  answers.flush()
-"""
-
-
-class Libtpu:
-  """One Python process that compiles for TPUs through libtpu, kept for the session (a
-  conftest fixture): each test's snippet runs there in its own namespace, so the start of
-  JAX, libtpu and the package is paid once a worker, not once a test file. A subprocess:
-  libtpu parses XLA_FLAGS too and aborts on conftest's CPU-only fast-compile flags. A
-  snippet that raises fails its own test; a process that died (libtpu aborts) is started
-  again for the next."""
-
-  def __init__(self, log_dir: Path):
-    self.log_dir, self.proc, self.starts = Path(log_dir), None, 0
-
-  def _start(self):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    self.starts += 1
-    self.log = self.log_dir / f"libtpu{self.starts}.log"
-    with open(self.log, "w") as log:
-      self.proc = subprocess.Popen([sys.executable, "-c", _LIBTPU_SERVER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-
-  def run(self, code: str, argv=(), timeout=600) -> dict:
-    """{"result": the snippet's `result`, "stdout": what it printed, "error": its traceback
-    or None}; `argv` is its sys.argv[1:]. Fails the test if the process dies or hangs."""
-    import json
-    import select
-
-    import pytest
-    require_libtpu()
-    if self.proc is None or self.proc.poll() is not None:
-      self._start()
-    self.proc.stdin.write(json.dumps({"code": code, "argv": list(argv)}) + "\n")
-    self.proc.stdin.flush()
-    ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-    line = self.proc.stdout.readline() if ready else ""
-    if not line:
-      self.close()
-      pytest.fail(f"the libtpu process died or took over {timeout} s:\n{self.log.read_text()[-3000:]}")
-    return json.loads(line)
-
-  def compiles(self, script: str, topologies=("v6e:1x1", "v5p:2x2x1")) -> None:
-    """Run `script` (Python source that compiles Pallas TPU kernels for each topology in
-    sys.argv[1:] and prints "compiled TOPO" for each) and assert every topology compiled."""
-    got = self.run(script, topologies)
-    assert got["error"] is None and got["stdout"].count("compiled") == len(topologies), \
-        (got["error"] or got["stdout"])[-3000:] + self.log.read_text()[-3000:]
-
-  def close(self):
-    if self.proc is not None:
-      self.proc.kill()
-      self.proc.wait()
-      self.proc.stdin.close()
-      self.proc.stdout.close()
-      self.proc = None
+def libtpu_compiles(script: str, topologies=("v6e:1x1", "v5p:2x2x1")) -> None:
+  """Run `script` (Python source that compiles Pallas TPU kernels for each topology
+  in sys.argv[1:] and prints "compiled TOPO" for each) in a subprocess through
+  libtpu, and assert every topology compiled. A subprocess: libtpu parses XLA_FLAGS
+  too and aborts on conftest's CPU-only fast-compile flags."""
+  require_libtpu()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", script, *topologies], capture_output=True, text=True, env=env,
+                     timeout=600)
+  assert r.returncode == 0 and r.stdout.count("compiled") == len(topologies), r.stderr[-3000:]
 
 
 def missing_gpu_wheels() -> list[str]:

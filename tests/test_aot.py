@@ -217,20 +217,42 @@ result = out
 """
 
 
-# The TPU programs this file compiles in Python (not through scripts/aot_compile.py), in the
-# worker's one libtpu process (conftest's `libtpu`, shared with the Pallas kernels' compile
-# checks): each snippet sets `result`, and a test reads its own (a snippet that raised gives
-# its traceback to its test alone).
+# The TPU programs this file compiles in Python (not through scripts/aot_compile.py), run in
+# one libtpu process for the module: each snippet sets `result`, and a test reads its own
+# (a snippet that raised gives its traceback to its test alone): one start of JAX, libtpu
+# and the package instead of one a test.
+_ON_LIBTPU = """
+import json, sys, traceback
+out = {}
+for name, code in json.loads(sys.stdin.read()).items():
+  scope = {}
+  try:
+    exec(code, scope)
+    out[name] = {"result": scope["result"]}
+  except Exception:
+    out[name] = {"error": traceback.format_exc()}
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module")
-def on_libtpu(libtpu):
-  """{snippet name: {"result": its `result`, "error": its traceback or None}} for every
-  snippet of _SNIPPETS."""
-  return {name: libtpu.run(code) for name, code in _SNIPPETS.items()}
+def on_libtpu():
+  """{snippet name: its `result`, or its traceback}: every snippet of _SNIPPETS, compiled
+  in one fresh process for TPUs."""
+  require_libtpu()
+  import json
+  # libtpu parses XLA_FLAGS too and aborts on CPU-only flags (conftest's fast-compile set).
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  r = subprocess.run([sys.executable, "-c", _ON_LIBTPU], input=json.dumps(_SNIPPETS), capture_output=True,
+                     text=True, env=env, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _result(on_libtpu, name):
   got = on_libtpu[name]
-  assert got["error"] is None, got["error"][-3000:]
+  assert "error" not in got, got.get("error", "")[-3000:]
   return got["result"]
 
 

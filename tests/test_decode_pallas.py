@@ -26,7 +26,7 @@ from mamba_train.model.runtime import Runtime
 from mamba_train.model.select import ops_for
 from mamba_train.ops import decode_tpu
 
-from helpers import rel
+from helpers import libtpu_compiles, rel
 
 
 def _layer(cfg, seed):
@@ -182,5 +182,5 @@ for topo in sys.argv[1:]:
 """
 
 
-def test_fused_step_compiles_for_tpu_v6e_and_v5p(libtpu):
-  libtpu.compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))
+def test_fused_step_compiles_for_tpu_v6e_and_v5p():
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

@@ -18,7 +18,7 @@ from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
 from mamba_train.ops.layer_math import mixer_core
 from mamba_train.ops.ssd import ssd_chunked
 
-from helpers import rel
+from helpers import libtpu_compiles, rel
 from kernel_checks import assert_model_matches_xla
 
 
@@ -166,5 +166,5 @@ assert "mixer_fused" not in hlo and "ssd_one_pass" in hlo
 """
 
 
-def test_fused_mixer_compiles_for_v6e_and_tpu7x(libtpu):
-  libtpu.compiles(_AOT, ("v6e:1x1", "tpu7x:2x2x1"))
+def test_fused_mixer_compiles_for_v6e_and_tpu7x():
+  libtpu_compiles(_AOT, ("v6e:1x1", "tpu7x:2x2x1"))

@@ -12,6 +12,7 @@ import pytest
 
 from mamba_train.ops import layer_tpu
 
+from helpers import libtpu_compiles
 from kernel_checks import (
   assert_bfloat16_within_plain_error,
   assert_conv_matches_plain,
@@ -92,5 +93,5 @@ for topo in sys.argv[1:]:
 """
 
 
-def test_layer_kernels_compile_for_tpu_v6e_and_v5p(libtpu):
-  libtpu.compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))
+def test_layer_kernels_compile_for_tpu_v6e_and_v5p():
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))

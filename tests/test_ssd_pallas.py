@@ -13,7 +13,7 @@ import pytest
 
 from mamba_train.ops import ssd, ssd_tpu
 
-from helpers import packed_ids, rel, ssd_inputs
+from helpers import libtpu_compiles, packed_ids, rel, ssd_inputs
 from kernel_checks import assert_model_matches_xla
 
 
@@ -144,7 +144,7 @@ for topo in sys.argv[1:]:
 """
 
 
-def test_fused_ssd_compiles_for_tpu_v6e_and_v5p(libtpu):
+def test_fused_ssd_compiles_for_tpu_v6e_and_v5p():
   """Mamba-2's kernels for v6e and v5p, and Mamba-3's scan on them for v6e
   (one process for both, its start-up paid once)."""
-  libtpu.compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))
+  libtpu_compiles(_AOT, ("v6e:1x1", "v5p:2x2x1"))
