@@ -30,8 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # found at once, its sockets closing, or by train.py's heartbeat).
 PATIENT_COLLECTIVES = xla_flags.only_known("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
                                            "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+#
+# One codegen part a program (XLA:CPU splits each program's LLVM module into parts compiled on
+# a thread pool): the suite's programs are small, so splitting, cloning and the threads' hand-offs
+# cost more CPU than the parallel compile saves, and the suite's two workers keep both cores
+# busy anyway. The same machine code; docs/bench/suite.md has the figures.
 FAST_XLA = xla_flags.only_known("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                                "--xla_cpu_use_fusion_emitters=false") + " " + PATIENT_COLLECTIVES
+                                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1") \
+    + " " + PATIENT_COLLECTIVES
 
 
 def rel(a, b) -> float:

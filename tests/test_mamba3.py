@@ -255,13 +255,19 @@ def test_cached_decoding_matches_the_full_forward():
   assert cache.m3_ssm.shape == (2, 2, cfg.nheads, cfg.headdim, cfg.d_state)
   assert cache.m3_k.shape == (2, 2, 2, cfg.nheads, cfg.d_state)
   assert cache.m3_angle.shape == (2, 2, cfg.nheads, cfg.num_rope_angles)
-  # Step logits against the forward's, position by position after a prefill.
+  # Step logits against the forward's, position by position after a prefill (each jitted
+  # once, as `generate` runs them: eagerly every op of the model is its own compile).
+  from flax import nnx
+
   from mamba_train import generation
-  lg, cache = generation.prefill(model, jnp.asarray(out[:, :7]), capacity=13)
+
+  from helpers import step_through
+  gd, params = nnx.split(model)
+  lg, cache = jax.jit(lambda p, ids: generation.prefill(nnx.merge(gd, p), ids, capacity=13))(params, out[:, :7])
   assert rel(lg, logits[:, 6]) < 1e-5
-  for t in range(7, 12):
-    lg, cache = generation.step(model, jnp.asarray(out[:, t]), cache)
-    assert rel(lg, logits[:, t]) < 1e-5, t
+  got = step_through(gd, params, cache, jnp.asarray(out), 7, 12)
+  for i, t in enumerate(range(7, 12)):
+    assert rel(got[:, i], logits[:, t]) < 1e-5, t
 
 
 def test_training_lowers_the_loss():

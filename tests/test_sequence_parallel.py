@@ -13,6 +13,7 @@ read what it saved. The long-length test runs in this process on one device.
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,14 +28,14 @@ CHUNK = 16
 # code, each slice whole chunks), and trained only in the meshes below that mix the
 # sequence with data, tensor and fsdp: a case here is a compile, and the suite's ten
 # minutes are its budget (docs/bench/suite.md).
-# The `_fused` ones run the Pallas SSD kernels (in interpret mode) per slice, inside the
-# heads' map, against the unsharded XLA SSD (the GPU kernels go the same way: tests/test_ssd_gpu.py
+# The Pallas SSD kernels (in interpret mode) per slice, inside the heads' map, on this
+# sequence x tensor x fsdp mesh against the unsharded XLA SSD: FUSED_LAYER's split-sequence
+# case below, whose fallback runs them (the GPU kernels go the same way: tests/test_ssd_gpu.py
 # runs the model with them).
 FORWARD = {
     "seq8_l200": ({"sequence": 8}, 200),
     "s4d2_l256": ({"sequence": 4, "data": 2}, 256),
     "s2t2f2_l200": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
-    "s2t2f2_l200_fused": ({"sequence": 2, "tensor": 2, "fsdp": 2}, 200),
 }
 TRAIN = {  # name -> (mesh config, runtime overrides, grad_accum)
     "single": ({}, {}, 1),
@@ -85,9 +86,6 @@ def _worker(out_dir):
   out = {}
 
   # --- forward and gradients: logits, final states (from random initial states), grads ---
-  fused_rt = Runtime(ssd_impl="interpret").resolve("cpu")
-  gpu_rt = Runtime(ssd_impl="triton_interpret").resolve("cpu")
-
   def loss_and_grads(params, ids, seq, states, weights, rt=rt, cfg=cfg):
     def f(params, states):
       m = Mamba2LM.from_params(cfg, params, rt)
@@ -115,9 +113,9 @@ def _worker(out_dir):
     inputs, _ = refs[l]
     mesh = make_mesh(mesh_cfg)
 
-    def sharded(*a, mesh=mesh, rt={"fused": fused_rt, "gpu": gpu_rt}.get(name.rsplit("_", 1)[-1], rt)):
+    def sharded(*a, mesh=mesh):
       with sharding.use_rules(mesh):
-        return loss_and_grads(*a, rt=rt)
+        return loss_and_grads(*a)
 
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.jit(sharded)(*inputs)))
 
@@ -209,7 +207,7 @@ def _fused_layer(out_dir, cfg, loss_and_grads, flat, rng):
   t0 = time.process_time()
   np.savez(os.path.join(out_dir, "fused_ref.npz"),
            **flat(jax.jit(functools.partial(loss_and_grads, rt=xla_rt, cfg=cfg))(*inputs)))
-  chose, seconds = {}, {"ref": time.process_time() - t0}
+  chose, kernels, seconds = {}, {}, {"ref": time.process_time() - t0}
   for name, mesh_cfg in FUSED_LAYER.items():
     t0 = time.process_time()
     mesh = make_mesh(mesh_cfg)
@@ -220,9 +218,11 @@ def _fused_layer(out_dir, cfg, loss_and_grads, flat, rng):
 
     with sharding.use_rules(mesh):
       chose[name] = next(c for c in ops_for(cfg, fused_rt).choices if c[0] == "mixer")[1:]
-    np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(jax.jit(sharded)(*inputs)))
+    traced = jax.jit(sharded).trace(*inputs)
+    kernels[name] = sorted(set(re.findall(r"name=(\w+)", str(traced.jaxpr))))  # the Pallas calls that ran
+    np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(traced.lower().compile()(*inputs)))
     seconds[name] = time.process_time() - t0
-  return {"chose": chose, "seconds": seconds}
+  return {"chose": chose, "kernels": kernels, "seconds": seconds}
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +256,11 @@ def test_fused_layer_on_a_mesh_equals_xla_on_one_device(runs, name):
   sequence, under sequence."""
   results, out = runs
   impl, why = results["fused_layer"]["chose"][name]
+  kernels = results["fused_layer"]["kernels"][name]
   if "sequence" in FUSED_LAYER[name]:
     assert (impl, why) == ("xla", "fused takes no split sequence (the 'sequence' mesh axis)")
+    # The SSD kernels per slice, forward and backward (the FORWARD meshes run the XLA SSD).
+    assert "ssd_one_pass_save" in kernels and "ssd_one_pass_bwd" in kernels, kernels
   else:
     assert (impl, why) == ("fused", "runtime")
   ref, got = dict(np.load(out / "fused_ref.npz")), dict(np.load(out / f"{name}.npz"))

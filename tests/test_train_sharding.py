@@ -23,11 +23,12 @@ MESHES = {
     "single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
     "fsdp8": ({"data": 1, "fsdp": 8, "tensor": 1}, 1),
     "d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
-    "d2f2t2_accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, 2),
     # The layer's Mosaic kernels (conv + SiLU, gated norm; Pallas' interpreter) and the
     # fused SSD, each run per device's batch and heads under the mesh, against the XLA step.
     "d2f2t2_kernels": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
-    "d2f2t2_gpu_kernels": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),  # the same, the GPU's (Triton)
+    # The same, the GPU's (Triton), in 2 micro-batches: the gradient accumulation's case too
+    # (a case is a compile; the XLA step accumulates under a mesh in test_sequence_parallel).
+    "d2f2t2_gpu_kernels_accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, 2),
     # A hybrid (Mamba-2, GQA attention, MLP): heads and MLP units split by tensor.
     "hybrid_single": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
     "hybrid_d2f2t2": ({"data": 2, "fsdp": 2, "tensor": 2}, 1),
@@ -70,8 +71,8 @@ def _worker(out_dir):
                  str(logical_to_spec(ax)), list(a.addressable_shards[0].data.shape), list(a.shape)]
              for (k, a), b, ax in zip(flat(state.params).items(), flat(mu).values(),
                                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))}
-    rt = (Runtime(layer_impl="triton_interpret", ssd_impl="triton_interpret") if name.endswith("_gpu_kernels")
-          else Runtime(layer_impl="mosaic_interpret", ssd_impl="interpret") if name.endswith("_kernels")
+    rt = (Runtime(layer_impl="triton_interpret", ssd_impl="triton_interpret") if "_gpu_kernels" in name
+          else Runtime(layer_impl="mosaic_interpret", ssd_impl="interpret") if "_kernels" in name
           else Runtime()).resolve("cpu")
     step = trainer.make_train_step(cfg, rt, tx, schedule, mesh, grad_accum=accum)
     loader = SyntheticLoader(vocab_size=64, seq_len=40, global_batch_size=8, seed=0)
@@ -171,10 +172,11 @@ def test_params_and_adam_state_sharded_by_rules(runs):
 
 
 def test_grad_accumulation_equals_big_batch(runs):
-  # d2f2t2_accum2 runs 2 micro-batches of 4; "single" runs the 8 at once (checked above
-  # with the other meshes); here the accumulated run against its own mesh without it.
+  # d2f2t2_gpu_kernels_accum2 runs 2 micro-batches of 4; "single" runs the 8 at once (checked
+  # above with the other meshes); here the accumulated run against its own mesh without it.
   results, arrays = runs
-  np.testing.assert_allclose(results["d2f2t2_accum2"]["losses"], results["d2f2t2"]["losses"], rtol=1e-6)
+  np.testing.assert_allclose(results["d2f2t2_gpu_kernels_accum2"]["losses"], results["d2f2t2"]["losses"],
+                             rtol=1e-6)
 
 
 def test_nonfinite_steps_are_skipped(runs):
