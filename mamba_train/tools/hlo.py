@@ -165,6 +165,16 @@ def kernel_estimates(jaxpr) -> dict[str, list]:
   return found
 
 
+def _custom_call_shapes(line: str) -> tuple[list, list] | None:
+  """(result shapes, operand shapes) of a custom call's HLO line, the operands read from
+  its operand_layout_constraints (its operand list names them without shapes); None
+  without them."""
+  head, tail = line.split("custom-call(", 1)
+  if "operand_layout_constraints={" not in tail:
+    return None
+  return shapes(head), shapes(tail.split("operand_layout_constraints={", 1)[1].split("}}, ", 1)[0])
+
+
 def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   """(FLOPs, bytes) of one of tokamax's ragged-dot Triton kernels from its custom
   call's HLO line, which carries no cost estimate: 2 m k n for m rows (the padded
@@ -174,11 +184,10 @@ def ragged_dot_cost(line: str) -> tuple[float, float] | None:
   gradient (m, k)^T x (m, n) -> (g, k, n). None if the line is not one of them."""
   if "TritonRaggedDot" not in line:  # tokamax 0.0.12's PallasTritonRaggedDot, 0.0.17's TritonRaggedDot
     return None
-  head, tail = line.split("custom-call(", 1)
-  res = shapes(head)
-  if "operand_layout_constraints={" not in tail or len(res) != 1:
+  found = _custom_call_shapes(line)
+  if found is None or len(found[0]) != 1:
     return None
-  operands = shapes(tail.split("operand_layout_constraints={", 1)[1])[:2]  # lhs, rhs
+  res, operands = found[0], found[1][:2]  # lhs, rhs
   if len(operands) < 2 or len(operands[0][1]) != 2:
     return None
   (m, k), n = operands[0][1], res[0][1][-1]
@@ -196,11 +205,10 @@ def flash_attention_cost(line: str) -> tuple[float, float] | None:
   5 l s h e, for queries (.., l, h, e) and keys (.., s, k, e). None if the line is not one."""
   if "PallasTritonFlashAttention" not in line:
     return None
-  head, tail = line.split("custom-call(", 1)
-  res = shapes(head)
-  if "operand_layout_constraints={" not in tail or not res:
+  found = _custom_call_shapes(line)
+  if found is None or not found[0]:
     return None
-  operands = shapes(tail.split("operand_layout_constraints={", 1)[1].split("}}, ", 1)[0])
+  res, operands = found
   if len(operands) < 2 or len(operands[0][1]) < 3 or len(operands[1][1]) < 3:
     return None
   q, s = operands[0][1], operands[1][1][-3]
