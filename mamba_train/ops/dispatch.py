@@ -93,9 +93,8 @@ def take_rows(x, index, inverse, group: int = 1, zero: bool = True, zero_grad: b
   zero False: the rows of out-of-range indices are left as the clamped gather gives
   them (copies of x's last row), for a caller that never reads them; zero_grad False:
   the same for the gradient (a row of dx that takes any out-of-range inverse entry is
-  left unspecified). Zero fill is a
-  select after the gather that XLA:TPU cannot fuse into its SparseCore gathers, a pass
-  over the whole buffer (docs/bench/moe.md)."""
+  left unspecified). Zero fill is a select after the gather that XLA:TPU cannot fuse
+  into its SparseCore gathers, a pass over the whole buffer (docs/bench/moe.md)."""
   return _take(x, index // group, zero)
 
 

@@ -19,7 +19,7 @@ from mamba_train.data import mixture
 from mamba_train.errors import UserError
 from mamba_train.model import lora as lora_lib
 from mamba_train.model.config import FINETUNE_MAY_CHANGE, MOE, Mamba2Config
-from mamba_train.model.params import init_params, param_shapes, weight_names
+from mamba_train.model.params import param_shapes, weight_names
 from mamba_train.model.runtime import Runtime
 from mamba_train.parallel import sharding
 from mamba_train.parallel.mesh import TPU_MIN_GATHER_PIECE, gathered_weights, resolve_mesh_shape
@@ -116,12 +116,12 @@ _OPTIM_RANGES = (
 
 def _gather_split(mesh_cfg: Mapping, model: Mamba2Config | None, platform: str) -> dict:
   """`resolve_mesh_shape`'s split of data = fsdp = -1: on TPU, the model's large weights
-  and the smallest piece of them XLA:TPU gathers well (`mesh.TPU_MIN_GATHER_PIECE`); elsewhere none
-  (fsdp takes every device: no such rewrite is known on GPUs)."""
+  and the smallest piece of them XLA:TPU gathers well (`mesh.TPU_MIN_GATHER_PIECE`);
+  elsewhere none (fsdp takes every device: no such rewrite is known on GPUs)."""
   if platform != "tpu" or model is None or not (mesh_cfg.get("data") == mesh_cfg.get("fsdp") == -1):
     return {}
-  import jax  # the shapes only: nothing is computed
-  shapes = param_shapes(jax.eval_shape(init_params, model, jax.random.key(0)))
+  from mamba_train.train.state import param_shapes as abstract_params  # only for a TPU plan
+  shapes = param_shapes(abstract_params(model))  # the shapes only: no array is made
   return dict(gathered=gathered_weights(shapes), min_piece=TPU_MIN_GATHER_PIECE)
 
 
