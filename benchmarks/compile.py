@@ -33,9 +33,11 @@ from mamba_train.train.step import abstract_batch, build
 TPU = "v6e:1x1"
 
 
-def abstract_forward(cfg, rt, out_shardings=None):
-  """(jitted forward (params, ids) -> logits, abstract params) of `cfg` run by `rt`."""
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)))
+def abstract_forward(cfg, rt, out_shardings=None, inference: bool = False):
+  """(jitted forward (params, ids) -> logits, abstract params) of `cfg` run by `rt`;
+  with `inference`, over the weights a served model holds (`Mamba2LM.for_inference`)."""
+  make = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), runtime=rt)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: make().for_inference() if inference else make()))
   return jax.jit(lambda p, i: nnx.merge(graphdef, p)(i), out_shardings=out_shardings), params
 
 
@@ -90,9 +92,11 @@ def _on(sharding, tree):
   return with_shardings(tree, jax.tree.map(lambda _: sharding, tree))
 
 
-def compile_forward(model_cfg, runtime: Runtime, batch: int, seq_len: int, topology: str = TPU) -> dict:
+def compile_forward(model_cfg, runtime: Runtime, batch: int, seq_len: int, topology: str = TPU,
+                    inference: bool = True) -> dict:
   """Compile the model's forward (logits) for one slice, batch split over all its
-  devices, with `runtime` resolved for TPU: the lowering (tracing + StableHLO) and
+  devices, with `runtime` resolved for TPU, over the weights a served model holds
+  (`Mamba2LM.for_inference`; `inference=False`: the float32 training weights): the lowering (tracing + StableHLO) and
   compile (XLA's passes + libtpu's code generation) times, wall and this process's
   CPU seconds, XLA's memory and cost analyses, the model's FLOPs and the roofline
   time at the chip's datasheet peaks."""
@@ -104,7 +108,7 @@ def compile_forward(model_cfg, runtime: Runtime, batch: int, seq_len: int, topol
   # (b, l, 50277) result is positions-minor (the vocabulary is no multiple of
   # 128), and meeting it copies the logits once more (0.82e9 bytes at 2.7b l=4096).
   fwd, params = abstract_forward(model_cfg, rt, Format(Layout(major_to_minor=(0, 1, 2)),
-                                                       NamedSharding(mesh, P("data"))))
+                                                       NamedSharding(mesh, P("data"))), inference)
   ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=NamedSharding(mesh, P("data")))
   with metrics.Timer() as lt:
     lowered = fwd.lower(_on(NamedSharding(mesh, P()), params), ids)
@@ -177,7 +181,7 @@ def bench_compile_tpu(args):
       counts = scaled_forward_counts(cfg, rt, 1, 4096)
     rl = metrics.roofline_seconds(counts["flops"], counts["bytes accessed"], chip.peak_flops, chip.hbm_bandwidth)
     rows.append({"bench": "compile", "impl": f"ours ({impl} SSD)", "program": "forward 2.7b l4096 bf16",
-                 "target": "TPU v6e (AOT)", "n_layer": 64, "seq_len": 4096, "batch": 1,
+                 "target": "TPU v6e (AOT)", "weights": "for_inference", "n_layer": 64, "seq_len": 4096, "batch": 1,
                  "lower_s": r["lower_s"], "lower_cpu_s": r["lower_cpu_s"],
                  "compile_s": r["compile_s"], "compile_cpu_s": r["compile_cpu_s"], "count_cpu_s": t.cpu_seconds,
                  "one_layer_cpu_s": counts["one_layer_cpu_s"], "head_cpu_s": counts["head_cpu_s"],

@@ -96,7 +96,8 @@ def main(argv):
   if storage.is_remote(spec):  # the tokenizers library reads local files
     spec = storage.local_copy(spec)
   kw = {} if _PRECISION.value is None else {"matmul_precision": _PRECISION.value}
-  model, mesh = mamba_train.load_model(path, **kw), None
+  # The matmul weights cast to the compute dtype once, not in every forward: the same scores.
+  model, mesh = mamba_train.load_model(path, **kw).for_inference(), None
   if jax.device_count() > 1:  # data-parallel: the weights on every device, the rows split
     from mamba_train.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
     mesh = make_mesh({"data": -1})

@@ -85,7 +85,8 @@ def main(argv):
   with Timer() as t:
     try:
       kw = {} if _PRECISION.value is None else {"matmul_precision": _PRECISION.value}
-      model = mamba_train.load_model(_MODEL.value, **kw)
+      # The matmul weights cast to the compute dtype once, not in every forward: the same tokens.
+      model = mamba_train.load_model(_MODEL.value, **kw).for_inference()
     except (FileNotFoundError, ValueError) as e:  # a wrong path, not a model, a damaged step
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)

@@ -12,8 +12,9 @@ from helpers import packed_ids, rel
 
 
 def assert_model_matches_xla(cfg, kernels, xla, length: int = 40, tol: float = 1e-5):
-  """The logits and every parameter's gradient of `cfg` (random init) over packed
-  documents of `length`, run by the `kernels` runtime, within `tol` of the `xla` one."""
+  """The logits, the layers' states after the sequence and every parameter's gradient
+  of `cfg` (random init) over packed documents of `length`, run by the `kernels`
+  runtime, within `tol` of the `xla` one."""
   from flax import nnx
 
   from mamba_train import Mamba2LM
@@ -23,13 +24,18 @@ def assert_model_matches_xla(cfg, kernels, xla, length: int = 40, tol: float = 1
 
   def run(rt):
     def loss(p):
-      logits = Mamba2LM.from_params(cfg, p, rt)(ids, seq_idx=seq)
-      return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+      model = Mamba2LM.from_params(cfg, p, rt)
+      h, states = model.backbone(ids, seq_idx=seq)
+      logits = model.logits(h)
+      return jnp.mean(jax.nn.logsumexp(logits, -1)), (logits, states)
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
-  (_, l1), g1 = run(kernels)
-  (_, l2), g2 = run(xla)
+  (_, (l1, s1)), g1 = run(kernels)
+  (_, (l2, s2)), g2 = run(xla)
   assert rel(l1, l2) < tol
+  assert s1.keys() == s2.keys()
+  for name in s1:
+    assert rel(s1[name], s2[name]) < tol, name
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
     assert rel(a, b) < tol, path
 

@@ -156,6 +156,37 @@ def test_decode_weights_cast_once_equal_cast_every_step():
   np.testing.assert_array_equal(toks[0], toks[1])
 
 
+def test_inference_weights_give_the_same_logits_and_tokens():
+  """`for_inference` with bfloat16 matmuls: the matmul weights held in bfloat16 (z|x
+  joined as (L, d, 2i)), everything else float32, `params()` in the schema's shapes
+  and equal to the cast weights, the model it came from unchanged; the full
+  forward's logits and generate's tokens (prefill and the decode loop) equal the
+  float32-held model's bit for bit. An untied head is cast too; int8 matmuls keep
+  float32 weights (quantizing a cast weight gives other values)."""
+  base = small_model()
+  model = Mamba2LM.from_params(CFG, base.params(), runtime=Runtime(compute_dtype="bfloat16"))
+  held = model.for_inference()
+  d, i = CFG.d_model, CFG.d_inner
+  assert held.layers["in_proj_zx"].get_value().shape == (CFG.n_layer, d, 2 * i)
+  assert model.layers["in_proj_zx"].get_value().shape == (CFG.n_layer, d, 2, i)
+  want, got = model.params(), held.params()
+  assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want)
+  for name, a in got["layers"].items():
+    assert a.dtype == (jnp.bfloat16 if name in MATMUL_WEIGHTS else jnp.float32), name
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(want["layers"][name].astype(a.dtype)))
+    assert want["layers"][name].dtype == jnp.float32
+  assert got["embedding"].dtype == jnp.float32
+  ids = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 12)).astype(np.int32)
+  forward = lambda m: np.asarray(jax.jit(lambda p, x, g=nnx.graphdef(m): nnx.merge(g, p)(x))(nnx.state(m), ids))
+  np.testing.assert_array_equal(forward(held), forward(model))
+  np.testing.assert_array_equal(generate(held, ids[:, :9], 5), generate(model, ids[:, :9], 5))
+  untied = scaled_random_model(CFG.replace(tie_embeddings=False))
+  untied = Mamba2LM.from_params(untied.config, untied.params(), runtime=Runtime(compute_dtype="bfloat16"))
+  assert untied.for_inference().lm_head.get_value().dtype == jnp.bfloat16
+  int8 = Mamba2LM.from_params(CFG, base.params(), runtime=Runtime(compute_dtype="bfloat16", matmul_precision="int8"))
+  assert all(a.dtype == jnp.float32 for a in int8.for_inference().params()["layers"].values())
+
+
 def test_generate_with_fused_decode_step_is_greedy():
   """Greedy generate with the fused decoding step (interpreted), a left-padded batch
   of two prompts: every new token is the argmax of one full forward pass over the

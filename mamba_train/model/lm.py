@@ -137,7 +137,11 @@ class Mamba2LM(nnx.Module):
   def layer_params(self, kind: str = MAMBA) -> dict[str, Array]:
     """The stacked parameters of the layers of `kind` (default the Mamba-2 ones)."""
     stack = getattr(self, KIND_PARAMS[kind])
-    return {name: stack[name].get_value() for name in kind_axes(self.config, kind)}
+    out = {name: stack[name].get_value() for name in kind_axes(self.config, kind)}
+    if "in_proj_zx" in out and out["in_proj_zx"].ndim == 3:  # held joined (`for_inference`)
+      zx = out["in_proj_zx"]
+      out["in_proj_zx"] = zx.reshape(*zx.shape[:2], 2, -1)
+    return out
 
   def _compute_params(self, kind: str) -> dict[str, Array]:
     """`layer_params(kind)` with the matmul weights in the compute dtype: cast once
@@ -309,7 +313,10 @@ class Mamba2LM(nnx.Module):
     init = {}
     for kind, zero in ((MAMBA, zero_state), (MAMBA3, m3.zero_state)):
       if cfg.count(kind):
+        # A Mamba-2 layer starts from no state at all (`mamba2.mixer` makes its zeros
+        # where it needs them: the fused kernel on chip, not read from HBM).
         init[kind] = ({n: states[n] for n in state_keys(cfg, kind)} if states is not None else
+                      None if kind == MAMBA else
                       jax.vmap(lambda _, zero=zero: zero(cfg, b))(jnp.arange(cfg.count(kind))))
     ops = ops_for(cfg, self.runtime)
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(ops, seq_idx=seq_idx, mask=mask),
@@ -417,6 +424,42 @@ class Mamba2LM(nnx.Module):
     # An adapted tied head is no longer the embedding: the merged model unties it.
     cfg = self.config.replace(tie_embeddings=self.config.tie_embeddings and "lm_head" not in params)
     return Mamba2LM.from_params(cfg, params, self.runtime)
+
+  def for_inference(self) -> "Mamba2LM":
+    """This model (adapters merged) holding the weights it only multiplies by in the
+    compute dtype: the layer stacks' `MATMUL_WEIGHTS` and an untied LM head, which
+    every forward casts before its matmuls (`_compute_params`, `head_for_logits`), cast
+    once here. Logits, prefill and decoded tokens are the same bit for bit, bf16
+    weights take half the memory, and a forward reads each weight once in bf16 where
+    it read the float32 weight and wrote and read its cast (docs/bench/fused_layer.md,
+    "Inference weights"). With a quantized matmul_precision the weights stay float32:
+    quantizing a cast weight would give other values. Norms, conv, dt, A, D, the
+    router and the embedding stay float32 (a tied head too: XLA casts it inside the
+    head's GEMM, and a bf16 copy beside it counted no fewer bytes). in_proj's z|x
+    weight is held joined (see below); `params()` gives every weight in its schema's
+    shape. For inference only: training updates float32 weights."""
+    model = self.merged()
+    rt = model.runtime
+    cast = rt.matmul_precision == "default"
+    cd = jnp.dtype(rt.compute_dtype) if cast else F32
+    graphdef, state = nnx.split(model)
+    # New variables over the same arrays (a tree map rebuilds them): self is not changed.
+    model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    for kind in model._kinds():
+      stack = getattr(model, KIND_PARAMS[kind])
+      for name in kind_axes(model.config, kind):
+        if name in MATMUL_WEIGHTS:
+          stack[name].set_value(stack[name].get_value().astype(cd))
+      if "in_proj_zx" in stack:
+        # Held as (L, d, 2i), the GEMM's (d, 2i) operand: a (d, 2, i) weight's minor
+        # (2, i) pair is tiled (2, 128) on TPU, so each forward copied every layer's
+        # weight into the GEMM's layout. `layer_params` gives (L, d, 2, i) back by a
+        # reshape that XLA folds into the GEMM's own.
+        zx = stack["in_proj_zx"].get_value()
+        stack["in_proj_zx"].set_value(zx.reshape(*zx.shape[:2], -1))
+    if not model.config.tie_embeddings:
+      model.lm_head.set_value(model.lm_head.get_value().astype(cd))
+    return model
 
   @classmethod
   def from_params(cls, config: Mamba2Config, params: dict[str, Any], runtime: Runtime | None = None,

@@ -175,11 +175,11 @@ def mixer(p, u, cfg: Mamba2Config, rt: Runtime, *, seq_idx=None, mask=None, stat
   ops = ops_for(cfg, rt) if ops is None else ops
   b, l, _ = u.shape
   cd = jnp.dtype(rt.compute_dtype)
-  if state is None:
-    state = zero_state(cfg, b)
   if ops.mixer is not None and mask is None:
     # The layer between the matmuls as one op (an unpadded sequence).
     return _mixer_fused(p, *_project_in_fused(p, u, rt), cfg, rt, ops, state, seq_idx)
+  if state is None:
+    state = zero_state(cfg, b)
   z, xr, bc, dt_raw = _project_in(p, u, rt, ops.split_in_proj, ops.norm_gate_joined and ops.mixer is None)
   if mask is not None:
     xr = jnp.where(mask[..., None], xr, 0.0)
@@ -236,9 +236,11 @@ def _mixer_fused(p, zx, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, st
   # The kernels read z|x and write the gated y (and in the backward read its
   # cotangent and write dz|dx) row-major, as the GEMMs write and read them: no layout
   # constraint, no relayout copies (ops/layer_fused_tpu.py).
+  # No state given: the op starts from zeros it need not read (the kernel makes them on chip).
+  front_x, front_bc, initial = (None,) * 3 if state is None else (state["conv_x"], state["conv_bc"], state["ssm"])
   gated, ssq, ssm = ops.mixer(zx, bc, dt_raw, {name: p[name] for name in _MIXER_WEIGHTS}, ops.ssd_chunk,
-                              ngroups=g, dt_limit=cfg.dt_limit, front_x=state["conv_x"],
-                              front_bc=state["conv_bc"], initial_state=state["ssm"], seq_idx=seq_idx)
+                              ngroups=g, dt_limit=cfg.dt_limit, front_x=front_x,
+                              front_bc=front_bc, initial_state=initial, seq_idx=seq_idx)
   rstd = jax.lax.rsqrt(ssq / (i // g) + cfg.norm_eps)  # (b, l, g) float32
   cd, prec = rt.compute_dtype, rt.matmul_precision
   adapter = mm.adapter_of(p, "out_proj")
@@ -251,8 +253,10 @@ def _mixer_fused(p, zx, bc, dt_raw, cfg: Mamba2Config, rt: Runtime, ops: Ops, st
     y = (gated.astype(F32).reshape(b, l, g, i // g) * rstd[..., None]).reshape(b, l, i)
     out = mm.linear(y, p["out_proj"] * p["gate_norm"][:, None], cd, prec)
   # The conv states after the sequence: its last k - 1 inputs (the front's where it is shorter).
-  tail = lambda v, front: jnp.concatenate([front.astype(v.dtype), v], 1)[:, -(k - 1):].astype(F32)
-  return out, {"conv_x": tail(zx[..., i:], state["conv_x"]), "conv_bc": tail(bc, state["conv_bc"]), "ssm": ssm}
+  def tail(v, front):
+    front = jnp.zeros((b, k - 1, *v.shape[2:]), v.dtype) if front is None else front.astype(v.dtype)
+    return jnp.concatenate([front, v], 1)[:, -(k - 1):].astype(F32)
+  return out, {"conv_x": tail(zx[..., i:], front_x), "conv_bc": tail(bc, front_bc), "ssm": ssm}
 
 
 def fused_decode_weights(p, rt: Runtime, ops: Ops, lead: int = 0) -> dict[str, Array]:

@@ -114,13 +114,15 @@ def _heads_out(heads, dtype):
   return jnp.concatenate(heads, axis=0).T.astype(dtype)
 
 
-def _kernel(*refs, hb, k, seq, length, dt_limit, save):
-  n_in = 24 if seq else 18
+def _kernel(*refs, hb, k, seq, length, dt_limit, save, zero_start):
+  base = 14 if zero_start else 18
+  n_in = base + 6 if seq else base
   ins, outs = refs[:n_in], refs[n_in:]
   (x_ref, z_ref, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref,
-   dtb_ref, a_ref, d_ref, init_ref, fx_ref, fb_ref, fc_ref) = ins[:18]
+   dtb_ref, a_ref, d_ref) = ins[:14]
+  init_ref, fx_ref, fb_ref, fc_ref = (None,) * 4 if zero_start else ins[14:18]
   # The SSD's document masks, then the conv taps' (tap s: position t - s in t's document).
-  row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[18:] if seq else (None,) * 6
+  row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[base:] if seq else (None,) * 6
   g_ref, ssq_ref, final_ref = outs[:3]
   st_ref = outs[3] if save else None
   h_scr, px_scr, pb_scr, pc_scr = outs[3 + save:]
@@ -131,11 +133,10 @@ def _kernel(*refs, hb, k, seq, length, dt_limit, save):
 
   @pl.when(zi == 0)
   def _():
-    h_scr[...] = init_ref[...]
-    # The conv's front (the inputs before position 0) as the previous chunk's last positions.
-    px_scr[...] = fx_ref[...]
-    pb_scr[...] = fb_ref[...]
-    pc_scr[...] = fc_ref[...]
+    # The entering state, and the conv's front (the inputs before position 0) as the
+    # previous chunk's last positions; zeros made on chip where the caller gave none.
+    for scr, ref in ((h_scr, init_ref), (px_scr, fx_ref), (pb_scr, fb_ref), (pc_scr, fc_ref)):
+      scr[...] = jnp.zeros(scr.shape, scr.dtype) if zero_start else ref[...]
 
   if save:  # the entering states, the backward kernel's residual (one float32 write)
     st_ref[...] = h_scr[...]
@@ -310,16 +311,20 @@ def _flops(d, per_head, per_block):
   return int(d.c * d.b * (d.h * per_head + d.g * d.nblk * per_block))
 
 
-def _call(d, args, dt_limit, interpret, save=False):
+def _call(d, args, dt_limit, interpret, save=False, zero_start=False):
   """The forward kernel: the gated y (b, l, i) row-major, the per-head sums of squares
   (c, b, g, r, q), the final state (b, g, r, p, n); with `save` the states entering
-  each chunk (b, g, r, c, p, n) float32 as well (the backward kernel's residual)."""
+  each chunk (b, g, r, c, p, n) float32 as well (the backward kernel's residual).
+  zero_start: the initial state and the conv's fronts are zeros (the caller gave
+  none), made in VMEM rather than read: `args`' four such operands are left out."""
   b, g, r, p, n, k, q, c, hb, nblk = d.b, d.g, d.r, d.p, d.n, d.k, d.q, d.c, d.hb, d.nblk
   zx, dtc, init, fx = args[0], args[2], args[14], args[15]
   bsize = b * c * q * g * n  # B's (or C's) elements, padded
   seq = len(args) > 18
   cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
+  # The entering state and the fronts, read once per sequence and head block.
+  start_bytes = 0 if zero_start else init.size * 4 + fx.size * isz + 2 * b * g * q * n * isz * nblk
   rows = jax.ShapeDtypeStruct((b, c * q, d.i), cdt)  # an (l, i)-sized activation, padded
   cost = pl.CostEstimate(
       # The one-pass SSD's count (ssd_tpu._one_pass_call) plus the prologue (the
@@ -329,8 +334,8 @@ def _call(d, args, dt_limit, interpret, save=False):
       transcendentals=int(c * b * d.h * (q * q + 2 * q + 3 * p * q) + c * b * g * nblk * 2 * q * n),
       # x, z read and the gated y written once; dt raw read, sums of squares written;
       # B and C once per head block; the states; the small weights per head block.
-      bytes_accessed=int(3 * rows.size * isz + dtc.size * 4 * 2 + 2 * bsize * isz * nblk + 2 * init.size * 4
-                         + fx.size * isz + 2 * b * g * q * n * isz * nblk
+      bytes_accessed=int(3 * rows.size * isz + dtc.size * 4 * 2 + 2 * bsize * isz * nblk + init.size * 4
+                         + start_bytes
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b + 2 * g * (k + 1) * n * 4 * b * nblk
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)
                          + (c * init.size * 4 if save else 0)))
@@ -345,9 +350,13 @@ def _call(d, args, dt_limit, interpret, save=False):
     out_specs.append(spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, zi, 0, 0)))
   scratch = [pltpu.VMEM((hb, p, n), _F32), pltpu.VMEM((hb, p, q), cdt), pltpu.VMEM((q, n), cdt),
              pltpu.VMEM((q, n), cdt)]
-  kernel = functools.partial(_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit), save=save)
+  kernel = functools.partial(_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit), save=save,
+                             zero_start=zero_start)
+  in_specs = _specs(d, lambda zi: zi, seq)
+  if zero_start:
+    args, in_specs = args[:14] + args[18:], in_specs[:14] + in_specs[18:]
   return pl.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, c), in_specs=_specs(d, lambda zi: zi, seq),
+      kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, c), in_specs=in_specs,
       out_specs=tuple(out_specs), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       cost_estimate=cost, interpret=interpret, name="mixer_fused_save" if save else "mixer_fused")(*args)

@@ -96,19 +96,23 @@ def _outputs(d, gated, ssq, final):
   return gated, ssq, final.reshape(b, d.h, d.p, d.n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 11))
-def _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+# zero_start: the caller gave no initial state and no fronts (the zeros passed for them
+# are what the backward kernel reads); the forward kernel makes them on chip.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 11, 12))
+def _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret,
+           zero_start):
   d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
-  return _outputs(d, *_call(d, args, dt_limit, interpret))
+  return _outputs(d, *_call(d, args, dt_limit, interpret, zero_start=zero_start))
 
 
-def _fused_fwd(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret):
+def _fused_fwd(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret,
+               zero_start):
   d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
-  gated, ssq, final, states = _call(d, args, dt_limit, interpret, save=True)
+  gated, ssq, final, states = _call(d, args, dt_limit, interpret, save=True, zero_start=zero_start)
   return _outputs(d, gated, ssq, final), (zx, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states)
 
 
-def _fused_bwd(chunk, ngroups, dt_limit, interpret, res, ct):
+def _fused_bwd(chunk, ngroups, dt_limit, interpret, zero_start, res, ct):  # pylint: disable=unused-argument
   zx, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states = res
   d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
   b, l, c, q, g, r, k, n = d.b, d.l, d.c, d.q, d.g, d.r, d.k, d.n
@@ -162,9 +166,10 @@ def mixer_core_tpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0
     ssd = functools.partial(ssd_tpu.ssd_fused, interpret=False)
     return layer_math.mixer_core(zx, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
                                  front_bc=front_bc, initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
+  zero_start = initial_state is None and front_x is None and front_bc is None
   if initial_state is None:
     initial_state = jnp.zeros((b, h, i // h, bc.shape[-1] // ngroups), _F32)
   front_x = jnp.zeros((b, k - 1, i), _F32) if front_x is None else front_x
   front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), _F32) if front_bc is None else front_bc
   return _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx,
-                interpret)
+                interpret, zero_start)
