@@ -438,13 +438,12 @@ class Mamba2LM(nnx.Module):
     head's GEMM, and a bf16 copy beside it counted no fewer bytes). in_proj's z|x
     weight is held joined (see below); `params()` gives every weight in its schema's
     shape. For inference only: training updates float32 weights."""
-    model = self.merged()
-    rt = model.runtime
-    cast = rt.matmul_precision == "default"
-    cd = jnp.dtype(rt.compute_dtype) if cast else F32
-    graphdef, state = nnx.split(model)
-    # New variables over the same arrays (a tree map rebuilds them): self is not changed.
-    model = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    merged = self.merged()
+    rt = merged.runtime
+    cd = jnp.dtype(rt.compute_dtype) if rt.matmul_precision == "default" else F32
+    # A new module over the same arrays (`from_params` makes its own variables), so
+    # that setting its weights leaves self as it was.
+    model = Mamba2LM.from_params(merged.config, merged.params(), rt)
     for kind in model._kinds():
       stack = getattr(model, KIND_PARAMS[kind])
       for name in kind_axes(model.config, kind):
