@@ -95,13 +95,15 @@ def _project_in(p, u, rt, split: bool = False, joined_z: bool = False):
 
 
 def _project_in_fused(p, u, rt):
-  """in_proj for the fused layer (`ops.mixer`): z|x (b, l, 2i) as one GEMM writes them,
-  on in_proj_zx's (d, 2, i) weight read as (d, 2i), and B|C (b, l, 2, g n) as a second
-  (both in the compute dtype), dt (b, l, h) float32. The kernels read z's and x's
-  blocks out of z|x in place, and write their gradients back into one joined cotangent,
-  so in_proj's forward, weight-gradient and input-gradient GEMMs are one each for z|x
-  (docs/bench/fused_layer.md, "One z|x"). B|C is not joined to it: that would copy the
-  weights into one (d, 2i + 2gn) matrix every step, for a GEMM reading u once less."""
+  """in_proj for the fused layer (`ops.mixer`): z|x (b, l, 2i) as one GEMM writes them
+  (compute dtype), on in_proj_zx's (d, 2, i) weight read as (d, 2i); B|C (b, l, 2, g n)
+  (compute dtype) and dt (b, l, h) (float32) sliced from a second GEMM's float32
+  result. The kernels read z's and x's blocks out of z|x in place, and write their
+  gradients back into one joined cotangent, so in_proj's forward, weight-gradient and
+  input-gradient GEMMs are one each for z|x (docs/bench/fused_layer.md, "One z|x").
+  B|C is not joined to z|x: that would copy the weights into one (d, 2i + 2gn) matrix
+  every step, for a GEMM reading u once less. Joined to dt's small weight instead, it
+  makes the second and third GEMMs one, in both passes ("B|C with dt")."""
   cd, prec = jnp.dtype(rt.compute_dtype), rt.matmul_precision
   zxw, bcw, dtw = p["in_proj_zx"], p["in_proj_bc"], p["in_proj_dt"]
   d, i = zxw.shape[0], zxw.shape[2]
@@ -109,9 +111,13 @@ def _project_in_fused(p, u, rt):
   if adapter is not None:  # the adapter's B spans all five pieces: one float32 dot, sliced
     z, x, bc, dt_raw = _project_in(p, u, rt)
     return checkpoint_name(jnp.concatenate([z, x], -1), IN_PROJ_NAMES[0]), bc, dt_raw
-  proj = lambda w: checkpoint_name(mm.linear(u, w.astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
-  dt_raw = checkpoint_name(mm.linear(u, dtw.astype(cd), cd, prec), IN_PROJ_NAMES[1])
-  return proj(zxw.reshape(d, 2 * i)), proj(bcw), dt_raw
+  zx = checkpoint_name(mm.linear(u, zxw.reshape(d, 2 * i).astype(cd), cd, prec, out_dtype=cd), IN_PROJ_NAMES[0])
+  # B|C and dt as one GEMM with a float32 result (u read once for both): B|C rounded
+  # to the compute dtype after it is what a GEMM writing it so gives.
+  gn2 = 2 * bcw.shape[-1]
+  r = mm.linear(u, jnp.concatenate([bcw.reshape(d, gn2).astype(cd), dtw.astype(cd)], 1), cd, prec)
+  bc = checkpoint_name(r[..., :gn2].astype(cd).reshape(*r.shape[:-1], 2, gn2 // 2), IN_PROJ_NAMES[0])
+  return zx, bc, checkpoint_name(r[..., gn2:], IN_PROJ_NAMES[1])
 
 
 def _project_in_step(p, u, rt):
