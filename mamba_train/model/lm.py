@@ -40,7 +40,6 @@ from mamba_train.model.mamba2 import (
   fused_decode_weights,
   residual,
   rms_norm,
-  zero_state,
 )
 from mamba_train.model.params import (
   ADAPTERS,
@@ -310,14 +309,15 @@ class Mamba2LM(nnx.Module):
     if states is not None and cfg.ssd_window:
       raise ValueError(f"backbone cannot continue a windowed model (ssd_window={cfg.ssd_window}) "
                        "from earlier states: run the whole prefix, or decode with `step`")
+    given = lambda kind: {n: states[n] for n in state_keys(cfg, kind)}
     init = {}
-    for kind, zero in ((MAMBA, zero_state), (MAMBA3, m3.zero_state)):
-      if cfg.count(kind):
-        # A Mamba-2 layer starts from no state at all (`mamba2.mixer` makes its zeros
-        # where it needs them: the fused kernel on chip, not read from HBM).
-        init[kind] = ({n: states[n] for n in state_keys(cfg, kind)} if states is not None else
-                      None if kind == MAMBA else
-                      jax.vmap(lambda _, zero=zero: zero(cfg, b))(jnp.arange(cfg.count(kind))))
+    if cfg.count(MAMBA):
+      # Without states a Mamba-2 layer starts from none (`mamba2.mixer` makes its zeros
+      # where it needs them: the fused kernel on chip, not read from HBM).
+      init[MAMBA] = None if states is None else given(MAMBA)
+    if cfg.count(MAMBA3):
+      init[MAMBA3] = (given(MAMBA3) if states is not None else
+                      jax.vmap(lambda _: m3.zero_state(cfg, b))(jnp.arange(cfg.count(MAMBA3))))
     ops = ops_for(cfg, self.runtime)
     h, new = pattern_lib.run(pattern_lib.plan(cfg.pattern), self._layer_fns(ops, seq_idx=seq_idx, mask=mask),
                              {k: self._compute_params(k) for k in self._kinds()}, init, h,
