@@ -6,15 +6,18 @@ float32 outputs and every gradient at 1e-5 over
 packed documents whose boundaries sit inside the conv's reach across a chunk
 boundary, initial states (SSM and conv), a ragged length over several chunks, 3 groups of two
 head blocks of 16; the model with `layer_impl='fused'` against the XLA model (1e-6); and the
-kernels compiled through libtpu (no TPU needed): forward and backward for v6e, the
-forward for TPU7x."""
+kernels compiled through libtpu (no TPU needed): forward and backward for v6e and
+TPU7x."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
-from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
+from mamba_train.ops import layer_fused_bwd_tpu
+from mamba_train.ops.layer_fused_tpu import SAVE_NAMES, mixer_core_tpu
 from mamba_train.ops.layer_math import mixer_core
 from mamba_train.ops.ssd import ssd_chunked
 
@@ -53,7 +56,8 @@ def _run(fn, args, seq, chunk, g, dt_limit, grads):
   return out, jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*inputs)
 
 
-def test_fused_mixer_matches_plain_form_with_documents_and_groups():
+@pytest.mark.parametrize("merged", [True, False], ids=["states_in_vmem", "states_saved"])
+def test_fused_mixer_matches_plain_form_with_documents_and_groups(merged, monkeypatch):
   """3 groups of 32 heads, two blocks of 16 a group (B and C read at each group's
   lanes; the backward kernel's per-block partials of their gradients, summed outside),
   40 positions in chunks of 16 (the last ragged); documents change at 14 and 17, so
@@ -61,7 +65,11 @@ def test_fused_mixer_matches_plain_form_with_documents_and_groups():
   document; initial states (the SSM's, the conv's fronts of earlier inputs, which the
   first chunk's taps read); dt clamped. Outputs (the gated y, the sums of squares, the
   final state) and every gradient. (One test: the interpreter's compile of the 16-head
-  kernels is most of its time.)"""
+  kernels is most of its time.) Both backward kernels: the one that passes the states
+  itself in VMEM (what fits: here, and at l 2048 at the released sizes) and the one
+  that reads the forward kernel's saved states (longer sequences)."""
+  if not merged:
+    monkeypatch.setattr(layer_fused_bwd_tpu, "MERGED_STATES_VMEM", 0)
   b, l, h, p, g, n = 2, 40, 96, 2, 3, 8
   args = _inputs(b, l, h, p, g, n)
   seq = jnp.array([[0] * 14 + [1] * 3 + [2] * 23, [0] * 40], jnp.int32)
@@ -97,12 +105,18 @@ def test_model_with_fused_layer_matches_xla_model():
   ids = jnp.zeros((1, 40), jnp.int32)
   assert "mixer_fused" in str(jax.make_jaxpr(lambda ids: model(ids))(ids))
   grad = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(Mamba2LM.from_params(cfg, p, rt)(ids))))(model.params())
-  assert "mixer_fused_bwd" in str(grad)  # the backward kernel, under remat after the forward's rerun
-  # Under remat the forward pass runs the kernel that saves no states (they would be
-  # dropped): only the backward's rerun writes them (optimize_remat).
-  names = re.findall(r"name=(mixer_fused\w*)", str(grad))
-  assert sorted(names) == ["mixer_fused", "mixer_fused_bwd", "mixer_fused_save"], names
-  assert_model_matches_xla(cfg, rt, Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel"), tol=1e-6)
+  # The kernels: no states saved (the backward kernel passes them itself, in VMEM).
+  # Under save_in_proj the backward pass reruns the forward kernel for the gated y and
+  # its squares, which the norm's and out_proj's backward read; save_in_proj_ssd keeps
+  # them, and no forward kernel runs again.
+  kernels = lambda jaxpr: sorted(n for n in re.findall(r"name=(mixer_fused\w*)", str(jaxpr)) if n not in SAVE_NAMES)
+  assert kernels(grad) == ["mixer_fused", "mixer_fused", "mixer_fused_bwd"], kernels(grad)
+  rt_ssd = dataclasses.replace(rt, remat="save_in_proj_ssd")
+  grad_ssd = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(Mamba2LM.from_params(cfg, p, rt_ssd)(ids))))(model.params())
+  assert kernels(grad_ssd) == ["mixer_fused", "mixer_fused_bwd"], kernels(grad_ssd)
+  xla = Runtime(ssd_impl="xla", layer_impl="xla", ssd_form="parallel")
+  assert_model_matches_xla(cfg, rt, xla, tol=1e-6)
+  assert_model_matches_xla(cfg, rt_ssd, xla, tol=1e-6)
 
 
 def test_table_runs_the_kernel_only_on_whole_groups():
@@ -131,13 +145,14 @@ _AOT = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mamba_train.parallel.topology import tpu_devices
-from mamba_train.ops.layer_fused_tpu import mixer_core_tpu
+from mamba_train.ops.layer_fused_tpu import SAVE_NAMES, mixer_core_tpu
 # The released models' head and state sizes (p 64, n 128), two groups of two head
 # blocks of 16 (B's and C's (q, n) blocks read in place from B|C at the group's lanes), chunk
-# 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations. On
-# v6e the gradient (the forward kernel saving its states, the backward kernel), on
-# TPU7x the forward.
-b, l, h, p, g, n, k, q = 1, 256, 64, 64, 2, 128, 4, 128
+# 128 (TPU's), documents: Mosaic's tiling rules, the lane and sublane rotations. The
+# gradient: the forward kernel, and the backward kernel passing the states itself in
+# VMEM at the training length (16 chunks' states, and the VMEM it asks for, within
+# each chip's).
+b, l, h, p, g, n, k, q = 1, 2048, 64, 64, 2, 128, 4, 128
 i = h * p
 for topo in sys.argv[1:]:
   rep = NamedSharding(Mesh(np.array(tpu_devices(topo)[2][:1]), ("d",)), P())
@@ -145,14 +160,12 @@ for topo in sys.argv[1:]:
   w = dict(conv_x=S((k, i)), conv_x_bias=S((i,)), conv_bc=S((k, 2, g * n)), conv_bc_bias=S((2, g * n)),
            dt_bias=S((h,)), A_log=S((h,)), D=S((h,)))
   fwd = lambda zx, bc, dt, w, s: mixer_core_tpu(zx, bc, dt, w, q, ngroups=g, seq_idx=s)
-  f, names = fwd, ["mixer_fused"]
-  if topo.startswith("v6e"):
-    loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in fwd(*a))
-    f, names = jax.grad(loss, argnums=(0, 1, 2, 3)), ["mixer_fused_save", "mixer_fused_bwd"]
+  loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in fwd(*a))
+  f, names = jax.grad(loss, argnums=(0, 1, 2, 3)), ["mixer_fused", "mixer_fused_bwd"]
   bf = jnp.bfloat16
   hlo = jax.jit(f).lower(S((b, l, 2 * i), bf), S((b, l, 2, g * n), bf), S((b, l, h)), w,
                          S((b, l), jnp.int32)).compile().as_text()
-  assert all(name in hlo for name in names), names
+  assert all(name in hlo for name in names) and "mixer_fused_save" not in hlo, names
   print("compiled", topo)
 # A head block's channels that fill no whole vreg of lanes (2 groups of 3 heads of 64:
 # 192 of 384): the plain form over the SSD kernel, not a Mosaic error.

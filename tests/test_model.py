@@ -171,6 +171,12 @@ def test_remat_auto_resolves_per_backend_and_names_the_choices():
   assert {b: Runtime(remat="auto").resolve(b).remat for b in ("cpu", "gpu", "tpu")} == {
       "cpu": "full", "gpu": "save_matmuls", "tpu": REMAT_TPU}
   assert Runtime(remat="save_in_proj").resolve("tpu").remat == "save_in_proj"
+  # The fused layer (v6e, TPU7x) with the layers unrolled keeps its gated y as well;
+  # in a layer scan, or with XLA's layer, it does not.
+  for kind in ("TPU v6 lite", "TPU7x"):
+    assert Runtime(remat="auto", unroll_layers=True).resolve("tpu", kind).remat == "save_in_proj_ssd"
+    assert Runtime(remat="auto").resolve("tpu", kind).remat == REMAT_TPU
+  assert Runtime(remat="auto", unroll_layers=True).resolve("tpu", "TPU v5").remat == REMAT_TPU
   with pytest.raises(ValueError, match=r"remat must be one of \(.*'save_in_proj_ssd'\), got 'some'"):
     Runtime(remat="some")
 

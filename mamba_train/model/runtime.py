@@ -130,13 +130,17 @@ def default_decode_impl(backend: str) -> str:
   return "mosaic" if backend == "tpu" else "xla"
 
 
-def default_remat(backend: str) -> str:
+def default_remat(backend: str, layer_impl: str = "xla", unrolled: bool = False) -> str:
   """The remat that, of those that fit, moves the fewest bytes a chip in XLA's counts
-  of the 1.3b and 2.7b train steps (docs/bench/tpu_ssd.md, docs/bench/gpu.md):
-  REMAT_TPU on TPUs, 'save_matmuls' on NVIDIA GPUs; 'full' on CPUs, where nothing was
-  counted and memory, not bytes, is what a large model runs out of first."""
+  of the 1.3b and 2.7b train steps (docs/bench/tpu_ssd.md, docs/bench/gpu.md,
+  docs/bench/fused_layer.md): REMAT_TPU on TPUs, 'save_in_proj_ssd' with the fused
+  layer and the layers unrolled; 'save_matmuls' on NVIDIA GPUs; 'full' on CPUs, where
+  nothing was counted and memory, not bytes, is what a large model runs out of first."""
   if backend == "tpu":
-    return REMAT_TPU
+    # The fused layer's gated y kept (its backward kernel passes the states itself):
+    # unrolled, the backward pass runs no forward kernel again; in a layer scan the
+    # scan's stack of the kept y costs more than the rerun.
+    return "save_in_proj_ssd" if layer_impl == "fused" and unrolled else REMAT_TPU
   return "save_matmuls" if backend in ("gpu", "cuda") else "full"
 
 
@@ -251,13 +255,14 @@ class Runtime(FrozenFields):
       import jax  # only here: choosing for the host is the one place that asks it
       backend = jax.default_backend()
       device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    layer_impl = default_layer_impl(backend, device_kind or "") if self.layer_impl == "auto" else self.layer_impl
     return self.replace(
         ssd_form=default_form(backend) if self.ssd_form == "auto" else self.ssd_form,
         ssd_impl=default_impl(backend) if self.ssd_impl == "auto" else self.ssd_impl,
-        layer_impl=default_layer_impl(backend, device_kind or "") if self.layer_impl == "auto" else self.layer_impl,
+        layer_impl=layer_impl,
         moe_impl=default_moe_impl(backend) if self.moe_impl == "auto" else self.moe_impl,
         decode_impl=default_decode_impl(backend) if self.decode_impl == "auto" else self.decode_impl,
-        remat=default_remat(backend) if self.remat == "auto" else self.remat,
+        remat=default_remat(backend, layer_impl, self.unroll_layers) if self.remat == "auto" else self.remat,
         attention=(default_attention(backend, self.compute_dtype) if self.attention == "auto"
                    else self.attention),
         decode_layers=(DEFAULT_DECODE_LAYERS if self.decode_layers == "auto" else self.decode_layers))

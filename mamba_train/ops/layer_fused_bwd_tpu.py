@@ -26,6 +26,7 @@ from mamba_train.ops.layer_fused_fwd_tpu import (
   _masks,
   _rows,
   _sigmoid,
+  _silu,
   _specs,
   _ssd_head,
   _Value,
@@ -57,14 +58,14 @@ def _conv_bwd(dpre, nxt, cur, taps, w_at, k, axis, mask, next_mask):
   return din, dw, red(dpre), dfront
 
 
-def _joined_writes(dzx_hbm, out_scr, sems, cols, zi, ci, q):
+def _joined_writes(dzx_hbm, out_scr, sems, cols, zi, ci, q, bi):
   """dz's and dx's blocks into the joined (b, l, 2i) cotangent in HBM, as in_proj's
   GEMMs read it: one BlockSpec writes one block a step, and these are two, i columns
   apart, so the kernel copies them itself. Each step's two copies run while the next
   step computes (two slots, waited a step later; the chunk walk's last step waits its
-  own). cols: the blocks' first columns (z's, x's). Returns (start, wait_previous,
-  wait_own)."""
-  bi, width = pl.program_id(0), out_scr.shape[-1]
+  own). cols: the blocks' first columns (z's, x's); bi: the sequence. Returns (start,
+  wait_previous, wait_own)."""
+  width = out_scr.shape[-1]
   slot = zi % 2
 
   def copy(s, j, chunk):
@@ -86,22 +87,88 @@ def _joined_writes(dzx_hbm, out_scr, sems, cols, zi, ci, q):
   return start, wait_previous, wait_own
 
 
-def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
+def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol, c, merged):
   n_in = 30 if seq else 24
   ins, outs = refs[:n_in], refs[n_in:]
   (x_ref, z_ref, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref, dtb_ref, a_ref, d_ref,
    st_ref, fx_ref, fb_ref, fc_ref, dg_ref, dssq_ref, dfin_ref, xp_ref, bp_ref, cp_ref) = ins[:24]
   row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[24:] if seq else (None,) * 6
+  outs, carried = (outs[:-5], outs[-5:]) if merged else (outs, None)
+  # The grid's indices, read here: Pallas' interpreter reads none under a `pl.when`.
+  step = pl.program_id(3)
+  at = (pl.program_id(0), pl.program_id(1) * pl.num_programs(2) + pl.program_id(2))  # sequence, head block
+  if not merged:  # the entering states were written by the forward kernel (st_ref)
+    _bwd_step(ins, outs, step, at, lambda ci, i: st_ref[i], hb=hb, k=k, seq=seq,
+              length=length, dt_limit=dt_limit, xcol=xcol, c=c)
+    return
+  hs_scr = carried[0]
+
+  @pl.when(step < c)
+  def _():  # the first c steps: the forward's state passing, each chunk's entering state kept in VMEM
+    _states_step(ins, carried, step, hb=hb, k=k, seq=seq, length=length, dt_limit=dt_limit)
+
+  @pl.when(step >= c)
+  def _():  # then the backward's reverse walk, reading them there
+    _bwd_step(ins, outs, step - c, at, lambda ci, i: hs_scr[ci, i], hb=hb, k=k, seq=seq, length=length,
+              dt_limit=dt_limit, xcol=xcol, c=c)
+
+
+def _states_step(ins, carried, ci, *, hb, k, seq, length, dt_limit):
+  """The merged backward's first pass, chunk ci in order: the forward kernel's state
+  passing (`layer_fused_fwd_tpu._kernel`'s conv, dt and state update, the same
+  operations in the same order, so the states are the ones it would have saved), each
+  chunk's entering state written to VMEM (hs_scr) rather than to HBM and back."""
+  (x_ref, _, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref, dtb_ref, a_ref, _,
+   st_ref, fx_ref, fb_ref, fc_ref) = ins[:18]
+  row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[24:] if seq else (None,) * 6
+  hs_scr, h_scr, px_scr, pb_scr, pc_scr = carried
+  cdt = x_ref.dtype
+  row_mask, col_mask = _masks(seq, tap_row, tap_col)
+
+  @pl.when(ci == 0)
+  def _():  # the initial state and the conv's fronts (the previous chunk of the first)
+    for scr, ref in ((h_scr, st_ref), (px_scr, fx_ref), (pb_scr, fb_ref), (pc_scr, fc_ref)):
+      scr[...] = ref[...].astype(scr.dtype)
+
+  def conv_bc(raw_ref, prev_scr, w_ref, bias_ref):
+    acc, _ = _conv(raw_ref[...].astype(_F32), prev_scr[...].astype(_F32), lambda j: w_ref[j:j + 1, :],
+                   bias_ref[...], k, 0, col_mask)
+    prev_scr[...] = raw_ref[...]
+    return _silu(acc).astype(cdt)
+
+  bmat = conv_bc(b_ref, pb_scr, wb_ref, bb_ref)
+  cmat = conv_bc(c_ref, pc_scr, wc_ref, bcb_ref)
+  dt, _, _ = _dt(dtr_ref, dtb_ref, ci, length, dt_limit)
+  a = dt * a_ref[...]
+  *_, through, w = ssd_tpu._chunk_terms(_Value(a), _Value(bmat), _Value(cmat), row_ref, col_ref, in_ref, end_ref)
+  xs = _heads_in(x_ref, hb)
+  for i in range(hb):
+    acc, _ = _conv(xs[i], px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
+    px_scr[i] = xs[i].astype(cdt)
+    xf = _silu(acc).astype(cdt).astype(_F32)
+    state = h_scr[i]
+    hs_scr[ci, i] = state
+    own = jax.lax.dot((xf * dt[i:i + 1, :] * w[i:i + 1, :]).astype(cdt), bmat, preferred_element_type=_F32)
+    h_scr[i] = state * through[i:i + 1, :] + own
+
+
+def _bwd_step(ins, outs, zi, at, state_at, *, hb, k, seq, length, dt_limit, xcol, c):
+  """One step of the reverse walk (zi counts from 0 at the last chunk); at: the
+  program's sequence and head block (among all groups'); state_at(ci, i): head i's
+  state entering chunk ci."""
+  (x_ref, z_ref, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref, dtb_ref, a_ref, d_ref,
+   _, fx_ref, fb_ref, fc_ref, dg_ref, dssq_ref, dfin_ref, xp_ref, bp_ref, cp_ref) = ins[:24]
+  row_ref, col_ref, in_ref, end_ref, tap_row, tap_col = ins[24:] if seq else (None,) * 6
   (dzx_hbm, dbp_ref, dcp_ref, ddtr_ref, da_ref, dd_ref, dinit_ref, dwx_ref, dbx_ref, dwb_ref, dbb_ref,
    dwc_ref, dbcb_ref, dfx_ref, dfb_ref, dfc_ref,
    dh_scr, nx_scr, nb_scr, nc_scr, ntr_scr, ntc_scr, ddt_scr, dar_scr, dcs_scr, dte_scr, out_scr, sems) = outs
-  zi = pl.program_id(3)
-  ci = pl.num_programs(3) - 1 - zi  # the chunk of this step: the walk is in reverse
+  ci = c - 1 - zi  # the chunk of this step: the walk is in reverse
   q = dtr_ref.shape[-1]
   # dz's and dx's blocks: this head block's columns of z and of x in the joined z|x.
   width = out_scr.shape[-1]
-  zcol = (pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) * width
-  start, wait_previous, wait_own = _joined_writes(dzx_hbm, out_scr, sems, (zcol, zcol + xcol * width), zi, ci, q)
+  zcol = at[1] * width
+  start, wait_previous, wait_own = _joined_writes(dzx_hbm, out_scr, sems, (zcol, zcol + xcol * width), zi, ci, q,
+                                                  at[0])
 
   @pl.when(zi > 0)
   def _():  # the previous step's copies, before their slot is written again
@@ -154,7 +221,7 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
     xf = (acc * sig).astype(cdt).astype(_F32)
     dt_i, d_i = dt[i:i + 1, :], d_ref[row, :]
     lmat = ssd_tpu._decay(a[i:i + 1, :], upto, after, keep)
-    state, dout = st_ref[i], dh_scr[i]  # the entering state, the leaving one's cotangent
+    state, dout = state_at(ci, i), dh_scr[i]  # the entering state, the leaving one's cotangent
     y = _ssd_head(xf, dt_i, d_i, cb, lmat, state, cmat, decay_in[i:i + 1, :], cdt)
     # The gate's backward: the gated y's cotangent plus its sum of squares' (2 gated dssq).
     yr = y.astype(cdt).astype(_F32)
@@ -225,15 +292,34 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol):
     ntr_scr[...] = tap_row[...]
     ntc_scr[...] = tap_col[...]
 
-  @pl.when(zi == pl.num_programs(3) - 1)
+  @pl.when(zi == c - 1)
   def _():
     dinit_ref[...] = dh_scr[...]
     wait_own()
 
 
+# The merged backward keeps every chunk's entering state of a head block in VMEM, (c,
+# hb, p, n) float32: at most this much (8 MiB at TPU's chunk 128, 16 heads of 64 x 128
+# and l 2048; 16 at l 4096); longer sequences take the states from the forward kernel
+# through HBM (`mixer_fused_save`).
+MERGED_STATES_VMEM = 16 * 1024 * 1024
+# What the merged kernel asks of VMEM: the states, and the unmerged kernel's blocks and
+# scratch (within Mosaic's 16 MiB default at the 16-head blocks) beside them.
+_MERGED_VMEM_BASE = 24 * 1024 * 1024
+
+
+def merged(d) -> bool:
+  """Whether the backward kernel runs the forward's state passing itself (`_bwd_call`
+  without states): every chunk's entering state of a head block fits VMEM."""
+  return d.c * d.hb * d.p * d.n * 4 <= MERGED_STATES_VMEM
+
+
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   """The backward kernel on the forward's grid, the chunks in reverse (see the module
-  doc). Returns, in the kernels' layouts: dz|dx joined as z|x, (b, l, 2i) row-major, B's and
+  doc). states: the states entering each chunk (`mixer_fused_save`'s), or None where
+  `merged(d)`: the kernel then walks each head block's chunks twice, in order to pass
+  the states as the forward does, keeping them in VMEM, then in reverse. Returns, in
+  the kernels' layouts: dz|dx joined as z|x, (b, l, 2i) row-major, B's and
   C's raw gradients per head block (b, head blocks, l, g n) float32, dt_raw's (c,
   b, g, r, q), the rows of d A (times A: A_log's) and d D to sum, the initial state's,
   the conv weights' and biases' per sequence (and head block for B, C), and the
@@ -242,20 +328,31 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
   zx, dtc, init = args[0], args[2], args[14]
   bsize = b * c * q * g * n  # B's (or C's) elements, padded
   seq = len(args) > 18
+  fuse = states is None
   cdt = zx.dtype
   isz = jnp.dtype(cdt).itemsize
   xsize = b * c * q * d.i  # an (l, i)-sized activation's elements, padded
-  rev = lambda zi: c - 1 - zi
-  earlier = lambda zi: jnp.maximum(c - 2 - zi, 0)  # the previous chunk (the conv's reach back)
+  if fuse:
+    # Steps 0..c-1 pass the states over chunks 0..c-1, steps c..2c-1 walk c-1..0.
+    # Operands only the reverse walk reads (late) stay on its first block during the
+    # first pass, so the pipeline fetches them once; its per-chunk outputs likewise
+    # (written back once the walk moves off them, after it has written them).
+    both = lambda zi: jnp.where(zi < c, zi, 2 * c - 1 - zi)
+    late = lambda zi: jnp.minimum(2 * c - 1 - zi, c - 1)
+  else:
+    both = late = lambda zi: c - 1 - zi
+  earlier = lambda zi: jnp.maximum(late(zi) - 1, 0)  # the previous chunk (the conv's reach back)
   spec = pl.BlockSpec
-  common = _specs(d, rev, seq)
-  in_specs = (common[:14] + [spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, rev(zi), 0, 0))]
-              + common[15:18]
-              + [_rows(d, rev), spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (rev(zi), bi, gi, 0, 0)),
+  common, walk = _specs(d, both, seq), _specs(d, late, seq)
+  state_spec = (common[14] if fuse else
+                spec((None, None, hb, None, p, n), lambda bi, gi, ri, zi: (bi, gi, ri, late(zi), 0, 0)))
+  in_specs = (common[:1] + walk[1:2] + common[2:14] + [state_spec] + common[15:18]
+              + [_rows(d, late), spec((None, None, None, 1, q), lambda bi, gi, ri, zi: (late(zi), bi, gi, 0, 0)),
                  common[14], _rows(d, earlier, d.xcol),
                  _bc_rows(d, earlier, 0), _bc_rows(d, earlier, 1)]
               + common[18:])
-  ins = args[:14] + [states] + args[15:18] + [dg, dssq, dfinal, args[0], args[3], args[4]] + args[18:]
+  ins = (args[:14] + [init if fuse else states] + args[15:18] + [dg, dssq, dfinal, args[0], args[3], args[4]]
+         + args[18:])
   f32 = lambda s: jax.ShapeDtypeStruct(s, _F32)
   part = (b, nblk, c * q, g * n)  # B's (C's) gradient per head block, laid out as B|C's planes
   out_shape = [jax.ShapeDtypeStruct(zx.shape, cdt), f32(part), f32(part),
@@ -263,8 +360,8 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
                f32((b, g, r, p, 1)), f32((b, g, nblk, k, n)), f32((b, g, nblk, 1, n)), f32((b, g, nblk, k, n)),
                f32((b, g, nblk, 1, n)), f32((b, g, r, p, q)), f32((b, g, nblk, q, n)), f32((b, g, nblk, q, n))]
   blk = lambda bi, gi, ri, zi: (bi, gi, ri, 0, 0)
-  partial = spec((None, None, q, n), lambda bi, gi, ri, zi: (bi, ri, rev(zi), gi))
-  out_specs = [spec(memory_space=pl.ANY), partial, partial, common[2], common[2], common[2], common[14],
+  partial = spec((None, None, q, n), lambda bi, gi, ri, zi: (bi, ri, late(zi), gi))
+  out_specs = [spec(memory_space=pl.ANY), partial, partial, walk[2], walk[2], walk[2], common[14],
                spec((None, k, None, hb, p, 1), lambda bi, gi, ri, zi: (bi, 0, gi, ri, 0, 0)),
                spec((None, None, hb, p, 1), blk), spec((None, None, None, k, n), blk),
                spec((None, None, None, 1, n), blk), spec((None, None, None, k, n), blk),
@@ -274,24 +371,37 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
              pltpu.VMEM((q, n), _F32), pltpu.VMEM((k - 1, q), _F32), pltpu.VMEM((q, k - 1), _F32)]
   scratch += [pltpu.VMEM((hb, q), _F32)] * 4  # d dt, d a (segment sums'), d cs, d to_end rows
   scratch += [pltpu.VMEM((2, 2, q, hb * p), cdt), pltpu.SemaphoreType.DMA((2, 2))]  # dz, dx blocks in flight
+  if fuse:  # the states entering each chunk; the state passed on, the previous raw x, B, C blocks
+    scratch += [pltpu.VMEM((c, hb, p, n), _F32), pltpu.VMEM((hb, p, n), _F32), pltpu.VMEM((hb, p, q), cdt),
+                pltpu.VMEM((q, n), cdt), pltpu.VMEM((q, n), cdt)]
   rows = c * b * d.h * q * 4  # one (.., q) float32 row per head and chunk
   cost = pl.CostEstimate(
       # The SSD's backward (ssd_tpu._one_pass_bwd_call's count) and its forward's
-      # outputs again (the gate needs y), the conv's forward and backward for x, B, C.
+      # outputs again (the gate needs y), the conv's forward and backward for x, B, C;
+      # merged, the forward's state passing too (the conv's, C B^T and the states').
       flops=_flops(d, 4 * q ** 3 + 10 * p * q * n + 4 * p * q * q + 16 * q * q + 24 * p * q + 6 * p * n
-                   + 2 * q * q * p + 2 * q * n * p + 14 * q * q + (12 * k + 30) * q * p,
-                   6 * q * q * n + 8 * hb * q * q + 2 * 2 * (12 * k + 12) * q * n),
-      transcendentals=int(c * b * d.h * (q * q + 3 * q + 3 * p * q) + c * b * g * nblk * 2 * q * n),
+                   + 2 * q * q * p + 2 * q * n * p + 14 * q * q + (12 * k + 30) * q * p
+                   + ((4 * k + 12) * q * p + 2 * q * n * p + 4 * q * q if fuse else 0),
+                   6 * q * q * n + 8 * hb * q * q + 2 * 2 * (12 * k + 12) * q * n
+                   + (2 * q * q * n + 2 * (4 * k + 8) * q * n if fuse else 0)),
+      transcendentals=int(c * b * d.h * (q * q + 3 * q + 3 * p * q) + c * b * g * nblk * 2 * q * n
+                          + (c * b * d.h * (2 * q + p * q) + c * b * g * nblk * 2 * q * n if fuse else 0)),
       # x, z, dg and the previous chunk's x read, dx and dz written; dt_raw read and
       # three rows written; B and C (and the previous chunk's) read per head block and
-      # their float32 partials written; the entering states read.
+      # their float32 partials written; the entering states read (merged: x, B, C and
+      # dt_raw read once more by the first pass, and the initial state).
       bytes_accessed=int(6 * xsize * isz + 4 * rows + 4 * bsize * isz * nblk + 2 * bsize * 4 * nblk
-                         + c * init.size * 4 + 2 * init.size * 4 + c * b * g * q * 4 * nblk
+                         + (xsize * isz + rows + 2 * bsize * isz * nblk + init.size * 4 if fuse
+                            else c * init.size * 4)
+                         + 2 * init.size * 4 + c * b * g * q * 4 * nblk
                          + (d.i * (k + 1) + 3 * d.h) * 4 * b * 2 + 2 * g * (k + 1) * n * 4 * b * nblk * 2
                          + (c * b * q * 4 * (4 + 2 * (k - 1)) * g * nblk if seq else 0)))
-  kernel = functools.partial(_bwd_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit), xcol=d.xcol)
+  kernel = functools.partial(_bwd_kernel, hb=hb, k=k, seq=seq, length=d.l, dt_limit=tuple(dt_limit), xcol=d.xcol,
+                             c=c, merged=fuse)
+  params = dict(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+  if fuse:
+    params["vmem_limit_bytes"] = _MERGED_VMEM_BASE + c * hb * p * n * 4
   return pl.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, c), in_specs=in_specs, out_specs=tuple(out_specs),
-      scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, 2 * c if fuse else c), in_specs=in_specs,
+      out_specs=tuple(out_specs), scratch_shapes=scratch, compiler_params=pltpu.CompilerParams(**params),
       cost_estimate=cost, interpret=interpret, name="mixer_fused_bwd")(*ins)

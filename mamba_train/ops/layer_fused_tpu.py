@@ -37,11 +37,16 @@ being a whole number of blocks only then; where they are not, `mixer_core_tpu` r
 the plain form over the SSD kernel (`joins`).
 
 The backward (the forward's `jax.custom_vjp`) is one kernel too, `_bwd_call`, on the
-forward's grid with the chunks innermost, sequential and in reverse. Under
-differentiation the forward kernel also writes each chunk's entering state
-(b, g, r, c, p, n) float32 (`mixer_fused_save`, as `ssd_tpu`'s one-pass kernel does);
-under remat, where the forward pass would drop them, it runs the kernel that writes
-none (`optimize_remat`), and only the backward pass's rerun writes them.
+forward's grid with the chunks innermost, sequential and in reverse. It needs each
+chunk's entering state. Where a head block's states fit VMEM (`merged`: l 2048 and
+4096 at the released sizes), the kernel first walks the chunks in order and passes
+the states as the forward kernel does, keeping them in VMEM, then walks back: no
+states cross HBM, and nothing of the forward is saved but its outputs. Else the
+forward kernel writes them, (b, g, r, c, p, n) float32 (`mixer_fused_save`, as
+`ssd_tpu`'s one-pass kernel does; under remat only the backward pass's rerun,
+`optimize_remat`). The norm's and out_proj's backward read the gated y and its
+squares (`SAVE_NAMES`): `save_in_proj_ssd` keeps them, so the backward pass runs no
+forward kernel again; `save_in_proj` reruns the forward kernel for them.
 Per chunk and head block the backward kernel recomputes, from in_proj's raw outputs,
 the conv + SiLU of x, B and C (reading the previous chunk's raw block, or the front,
 for the conv's reach back), dt, the chunk's SSD output and the gate; then takes the
@@ -81,9 +86,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mamba_train.ops import layer_math, ssd_tpu
-from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call
+from mamba_train.ops.layer_fused_bwd_tpu import _bwd_call, merged
 from mamba_train.ops.layer_fused_fwd_tpu import _F32, _call, _chunks, _prep, head_block
 
 
@@ -108,7 +114,11 @@ def _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initi
 def _fused_fwd(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, dt_limit, initial_state, seq_idx, interpret,
                zero_start):
   d, args = _prep(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, initial_state, seq_idx)
-  gated, ssq, final, states = _call(d, args, dt_limit, interpret, save=True, zero_start=zero_start)
+  if merged(d):  # the backward kernel passes the states itself, in VMEM: none saved
+    gated, ssq, final = _call(d, args, dt_limit, interpret, zero_start=zero_start)
+    states = None
+  else:
+    gated, ssq, final, states = _call(d, args, dt_limit, interpret, save=True, zero_start=zero_start)
   return _outputs(d, gated, ssq, final), (zx, bc, dt_raw, w, front_x, front_bc, initial_state, seq_idx, states)
 
 
@@ -144,6 +154,12 @@ def _fused_bwd(chunk, ngroups, dt_limit, interpret, zero_start, res, ct):  # pyl
 _fused.defvjp(_fused_fwd, _fused_bwd, optimize_remat=True)
 
 
+# The forward's results the norm and out_proj's backward read, named for the remat
+# policies (`save_in_proj_ssd` keeps them: then the backward pass runs no forward
+# kernel again where the backward kernel passes the states itself, `merged`).
+SAVE_NAMES = ("mixer_fused_gated", "mixer_fused_ssq")
+
+
 def joins(d_inner: int, nheads: int, ngroups: int, d_state: int) -> bool:
   """Whether the kernels take this layer (per device's heads): a head block's channels
   (hb p: 16 or 8 heads, or all of a group's) fill whole 128-lane vregs, as Mosaic's blocks
@@ -171,5 +187,6 @@ def mixer_core_tpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0
     initial_state = jnp.zeros((b, h, i // h, bc.shape[-1] // ngroups), _F32)
   front_x = jnp.zeros((b, k - 1, i), _F32) if front_x is None else front_x
   front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), _F32) if front_bc is None else front_bc
-  return _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state, seq_idx,
-                interpret, zero_start)
+  gated, ssq, final = _fused(zx, bc, dt_raw, w, front_x, front_bc, chunk, ngroups, tuple(dt_limit), initial_state,
+                             seq_idx, interpret, zero_start)
+  return checkpoint_name(gated, SAVE_NAMES[0]), checkpoint_name(ssq, SAVE_NAMES[1]), final

@@ -314,6 +314,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
                          SPLIT_GROUPS: bool(split_groups) and "group split over devices (ngroups % heads' devices)"})
     if m != "xla":
       mixer = _kernel("mixer", m, runtime)
+      save_names = (*save_names, *_module("mixer", m).SAVE_NAMES)
       if mesh.heads is not None:
         mixer = functools.partial(mesh.heads.mixer, mixer)
 
