@@ -1,6 +1,8 @@
-"""The fused Mamba-2 layer's backward kernel (`mixer_fused_bwd`): one reverse walk over
+"""The fused Mamba-2 layer's backward kernel (`mixer_fused_bwd`): a reverse walk over
 each head block's chunks, recomputing the forward's chunk on chip and writing the
-gradients of in_proj's outputs and the small parameter gradients. The design:
+gradients of in_proj's outputs and the small parameter gradients; where the chunks'
+entering states fit VMEM (`merged`), after a walk in order that passes them as the
+forward kernel does, so none is written to HBM or read back. The design:
 `layer_fused_tpu`'s module doc; the shared helpers and layouts: `layer_fused_fwd_tpu`.
 """
 
