@@ -21,14 +21,16 @@ from mamba_train.ops.layer_fused_fwd_tpu import (
   _NT,
   _bc_rows,
   _conv,
+  _conv_silu_bc,
+  _conv_silu_x,
   _dt,
   _flops,
   _heads_in,
   _heads_out,
   _masks,
+  _pass_state,
   _rows,
   _sigmoid,
-  _silu,
   _specs,
   _ssd_head,
   _Value,
@@ -117,8 +119,8 @@ def _bwd_kernel(*refs, hb, k, seq, length, dt_limit, xcol, c, merged):
 
 def _states_step(ins, carried, ci, *, hb, k, seq, length, dt_limit):
   """The merged backward's first pass, chunk ci in order: the forward kernel's state
-  passing (`layer_fused_fwd_tpu._kernel`'s conv, dt and state update, the same
-  operations in the same order, so the states are the ones it would have saved), each
+  passing (`layer_fused_fwd_tpu._kernel`'s conv, dt and state update, through the same
+  helpers, so the states are the ones it would have saved), each
   chunk's entering state written to VMEM (hs_scr) rather than to HBM and back."""
   (x_ref, _, dtr_ref, b_ref, c_ref, wx_ref, bx_ref, wb_ref, bb_ref, wc_ref, bcb_ref, dtb_ref, a_ref, _,
    st_ref, fx_ref, fb_ref, fc_ref) = ins[:18]
@@ -132,26 +134,15 @@ def _states_step(ins, carried, ci, *, hb, k, seq, length, dt_limit):
     for scr, ref in ((h_scr, st_ref), (px_scr, fx_ref), (pb_scr, fb_ref), (pc_scr, fc_ref)):
       scr[...] = ref[...].astype(scr.dtype)
 
-  def conv_bc(raw_ref, prev_scr, w_ref, bias_ref):
-    acc, _ = _conv(raw_ref[...].astype(_F32), prev_scr[...].astype(_F32), lambda j: w_ref[j:j + 1, :],
-                   bias_ref[...], k, 0, col_mask)
-    prev_scr[...] = raw_ref[...]
-    return _silu(acc).astype(cdt)
-
-  bmat = conv_bc(b_ref, pb_scr, wb_ref, bb_ref)
-  cmat = conv_bc(c_ref, pc_scr, wc_ref, bcb_ref)
+  bmat = _conv_silu_bc(b_ref, pb_scr, wb_ref, bb_ref, k, col_mask, cdt)
+  cmat = _conv_silu_bc(c_ref, pc_scr, wc_ref, bcb_ref, k, col_mask, cdt)
   dt, _, _ = _dt(dtr_ref, dtb_ref, ci, length, dt_limit)
   a = dt * a_ref[...]
   *_, through, w = ssd_tpu._chunk_terms(_Value(a), _Value(bmat), _Value(cmat), row_ref, col_ref, in_ref, end_ref)
   xs = _heads_in(x_ref, hb)
   for i in range(hb):
-    acc, _ = _conv(xs[i], px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
-    px_scr[i] = xs[i].astype(cdt)
-    xf = _silu(acc).astype(cdt).astype(_F32)
-    state = h_scr[i]
-    hs_scr[ci, i] = state
-    own = jax.lax.dot((xf * dt[i:i + 1, :] * w[i:i + 1, :]).astype(cdt), bmat, preferred_element_type=_F32)
-    h_scr[i] = state * through[i:i + 1, :] + own
+    xf = _conv_silu_x(xs[i], px_scr, i, wx_ref, bx_ref, k, row_mask, cdt)
+    hs_scr[ci, i] = _pass_state(h_scr, i, xf, dt[i:i + 1, :], w[i:i + 1, :], through[i:i + 1, :], bmat, cdt)
 
 
 def _bwd_step(ins, outs, zi, at, state_at, *, hb, k, seq, length, dt_limit, xcol, c):

@@ -94,6 +94,34 @@ def _ssd_head(xf, dt_i, d_i, cb, lmat, state, cmat, decay_row, cdt):
   return y + xf * d_i
 
 
+def _conv_silu_bc(raw_ref, prev_scr, w_ref, bias_ref, k, col_mask, cdt):
+  """silu(conv) of B or C, (q, n), positions on sublanes, from raw inputs, in the
+  compute dtype (as the SSD takes them); the raw block kept as the next chunk's
+  previous one (the forward kernel's, and the backward kernel's first walk)."""
+  acc, _ = _conv(raw_ref[...].astype(_F32), prev_scr[...].astype(_F32), lambda j: w_ref[j:j + 1, :],
+                 bias_ref[...], k, 0, col_mask)
+  prev_scr[...] = raw_ref[...]
+  return _silu(acc).astype(cdt)
+
+
+def _conv_silu_x(x_i, px_scr, i, wx_ref, bx_ref, k, row_mask, cdt):
+  """x's conv + SiLU for head i, (p, q) with positions on lanes, as the SSD reads it
+  (rounded to the compute dtype, in float32); the raw block kept (exact: x arrived in
+  the compute dtype)."""
+  acc, _ = _conv(x_i, px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
+  px_scr[i] = x_i.astype(cdt)
+  return _silu(acc).astype(cdt).astype(_F32)
+
+
+def _pass_state(h_scr, i, xf, dt_i, w_i, through_i, bmat, cdt):
+  """Head i's state past the chunk (decayed through it, plus the chunk's inputs);
+  returns the state entering it."""
+  state = h_scr[i]
+  own = jax.lax.dot((xf * dt_i * w_i).astype(cdt), bmat, preferred_element_type=_F32)
+  h_scr[i] = state * through_i + own
+  return state
+
+
 def _masks(seq, tap_row, tap_col):
   """Tap s's document masks: along lanes (x, (1, q)) and sublanes (B, C, (q, 1))."""
   if not seq:
@@ -141,33 +169,21 @@ def _kernel(*refs, hb, k, seq, length, dt_limit, save, zero_start):
   if save:  # the entering states, the backward kernel's residual (one float32 write)
     st_ref[...] = h_scr[...]
 
-  def conv_bc(raw_ref, prev_scr, w_ref, bias_ref):
-    """silu(conv) of B or C, (q, n), positions on sublanes, from raw inputs."""
-    acc, _ = _conv(raw_ref[...].astype(_F32), prev_scr[...].astype(_F32), lambda j: w_ref[j:j + 1, :],
-                   bias_ref[...], k, 0, col_mask)
-    prev_scr[...] = raw_ref[...]
-    return _silu(acc).astype(cdt)
-
   # B and C as the SSD takes them (the compute dtype), then the chunk's shared terms.
-  bmat = conv_bc(b_ref, pb_scr, wb_ref, bb_ref)
-  cmat = conv_bc(c_ref, pc_scr, wc_ref, bcb_ref)
+  bmat = _conv_silu_bc(b_ref, pb_scr, wb_ref, bb_ref, k, col_mask, cdt)
+  cmat = _conv_silu_bc(c_ref, pc_scr, wc_ref, bcb_ref, k, col_mask, cdt)
   dt, _, _ = _dt(dtr_ref, dtb_ref, zi, length, dt_limit)
   a = dt * a_ref[...]
   after, upto, keep, cb, a, decay_in, through, w = ssd_tpu._chunk_terms(
       _Value(a), _Value(bmat), _Value(cmat), row_ref, col_ref, in_ref, end_ref)
   gates = []
   for i in range(hb):
-    # Prologue: x's conv + SiLU for head i, (p, q) with positions on lanes.
-    acc, _ = _conv(xs[i], px_scr[i].astype(_F32), lambda j: wx_ref[j, i], bx_ref[i], k, 1, row_mask)
-    px_scr[i] = xs[i].astype(cdt)  # exact: x arrived in the compute dtype
-    xf = _silu(acc).astype(cdt).astype(_F32)  # x as the SSD reads it (compute dtype)
+    xf = _conv_silu_x(xs[i], px_scr, i, wx_ref, bx_ref, k, row_mask, cdt)  # the prologue
     # The one-pass SSD's chunk for head i (ssd_tpu._one_pass_kernel).
     dt_i = dt[i:i + 1, :]
-    state = h_scr[i]
+    state = _pass_state(h_scr, i, xf, dt_i, w[i:i + 1, :], through[i:i + 1, :], bmat, cdt)
     y = _ssd_head(xf, dt_i, d_ref[pl.ds(i, 1), :], cb, ssd_tpu._decay(a[i:i + 1, :], upto, after, keep), state,
                   cmat, decay_in[i:i + 1, :], cdt)
-    own = jax.lax.dot((xf * dt_i * w[i:i + 1, :]).astype(cdt), bmat, preferred_element_type=_F32)
-    h_scr[i] = state * through[i:i + 1, :] + own
     # Epilogue: the gate, and the sum of squares over this head's p channels.
     gated = y.astype(cdt).astype(_F32) * _silu(zs[i])
     gates.append(gated)
