@@ -177,7 +177,7 @@ class Ops:
   ssd3_step: Callable  # ssd3_step's
   ssd_chunk_major: bool  # the kernel reads x, and writes y, chunk-major with positions minor (whole chunks)
   ssd_y_positions_minor: bool  # the kernel writes y positions-minor (the gate reads it channels-minor)
-  ssd_save_names: tuple[str, ...]  # what `save_in_proj_ssd` keeps of the SSD kernel
+  ssd_save_names: tuple[str, ...]  # what `save_in_proj_ssd` keeps of the SSD kernel and of the fused layer
   ssd_saved_with_matmuls: tuple[str, ...]  # what `save_matmuls` keeps of it and of the GPU layer kernels
   conv: Callable  # causal_conv_silu's
   norm: Callable  # gated_rms_norm's
