@@ -173,8 +173,9 @@ class Runtime(FrozenFields):
   # dots, forward and backward, in training; weights quantized once in decoding.
   matmul_precision: str = "default"
   # What the backward pass recomputes (REMAT): nothing, everything, all but the
-  # matmuls, all but the in_proj results (and the SSD kernels' output and states),
-  # or 'auto' (`default_remat` of the backend the runtime is resolved for).
+  # matmuls, all but the in_proj results (and the SSD kernels' output and states, or
+  # the fused layer's output), or 'auto' (`default_remat` of the backend the runtime
+  # is resolved for, its layer kernel and `unroll_layers`).
   remat: str = "none"
   # How the SSD combines chunks (`ssd.ssd_chunked`): 'parallel', 'scan', or 'auto'
   # (`default_form` of the backend the runtime is resolved for).
