@@ -301,10 +301,15 @@ MERGED_STATES_VMEM = 16 * 1024 * 1024
 _MERGED_VMEM_BASE = 24 * 1024 * 1024
 
 
+def _states_vmem(d) -> int:
+  """Bytes of a head block's entering states, every chunk's, float32 (the merged kernel's scratch)."""
+  return d.c * d.hb * d.p * d.n * 4
+
+
 def merged(d) -> bool:
   """Whether the backward kernel runs the forward's state passing itself (`_bwd_call`
   without states): every chunk's entering state of a head block fits VMEM."""
-  return d.c * d.hb * d.p * d.n * 4 <= MERGED_STATES_VMEM
+  return _states_vmem(d) <= MERGED_STATES_VMEM
 
 
 def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
@@ -393,7 +398,7 @@ def _bwd_call(d, args, states, dg, dssq, dfinal, dt_limit, interpret):
                              c=c, merged=fuse)
   params = dict(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
   if fuse:
-    params["vmem_limit_bytes"] = _MERGED_VMEM_BASE + c * hb * p * n * 4
+    params["vmem_limit_bytes"] = _MERGED_VMEM_BASE + _states_vmem(d)
   return pl.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(b, g, nblk, 2 * c if fuse else c), in_specs=in_specs,
       out_specs=tuple(out_specs), scratch_shapes=scratch, compiler_params=pltpu.CompilerParams(**params),
