@@ -240,7 +240,9 @@ class Mamba2LM(nnx.Module):
 
   def embed(self, input_ids):
     """The embedding rows of input_ids (..., d) float32, times embedding_multiplier (Granite)."""
-    h = jnp.take(self.embedding.get_value(), input_ids, axis=0)
+    table = self.embedding.get_value()
+    split = sharding.embedding_split(table.shape, input_ids.shape)
+    h = split.lookup(table, input_ids) if split else jnp.take(table, input_ids, axis=0)
     m = self.config.embedding_multiplier
     return h if m == 1.0 else h * m
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mamba_train.parallel.embedding import EmbeddingSplit
 from mamba_train.parallel.experts import ExpertSplit
 from mamba_train.parallel.heads import HeadSplit
 from mamba_train.parallel.sequence import SequenceSplit
@@ -185,6 +186,23 @@ def expert_split() -> ExpertSplit | None:
     expert = expert[0] if expert else None
   return ExpertSplit(mesh, batch, length, expert if axes_size(mesh, expert) > 1 else None,
                      hidden if axes_size(mesh, hidden) > 1 else None)
+
+
+def embedding_split(table_shape: tuple[int, ...], ids_shape: tuple[int, ...]) -> EmbeddingSplit | None:
+  """How the active rules look a table of `table_shape` (logical axes vocab, embed) up
+  at token ids of `ids_shape` (batch, act_length; or batch alone): an `EmbeddingSplit`
+  (parallel/embedding.py) where the table's columns are split, else None (outside
+  `use_rules`, or a table whole on each device: XLA's own lookup reads it locally)."""
+  if not _ACTIVE:
+    return None
+  mesh, rules = _ACTIVE[-1]
+  vocab, columns = fit_spec(logical_to_spec(("vocab", "embed"), rules), table_shape, mesh)
+  tokens = tuple(fit_spec(logical_to_spec(("batch", "act_length")[:len(ids_shape)], rules), ids_shape, mesh))
+  token_axes = {a for t in tokens for a in _axis_names(t)}
+  # The rows' parts are summed over the vocabulary's axes: they must hold the same tokens.
+  if axes_size(mesh, columns) == 1 or token_axes & set(_axis_names(vocab)):
+    return None
+  return EmbeddingSplit(mesh, vocab if axes_size(mesh, vocab) > 1 else None, columns, tokens)
 
 
 def kv_head_map():
