@@ -76,3 +76,10 @@ def test_hlo_op_bytes():
       "  ROOT %t = (f32[4]{0}, f32[8]{0}) tuple(%f, %c)",
       "}"])
   assert [(op.name, op.kind, op.bytes) for op in hlo.ops(text)] == [("f", "fusion", 32), ("c", "convert", 48)]
+  # A fusion nested in a fusion (XLA:TPU's `%copy_fusion` inside a GEMM's fusion): its
+  # body is the outer fusion's too, whatever the computation's name.
+  nested = text.replace("  ROOT %e = f32[4]{0} exponential(%p)",
+                        "  ROOT %e = f32[4]{0} fusion(%p), kind=kLoop, calls=%copy_fusion")
+  nested = "\n".join(["%copy_fusion (q: f32[4]) -> f32[4] {", "  %q = f32[4]{0:T(8)} parameter(0)",
+                      "  ROOT %k = f32[4]{0:T(16)} copy(%q)", "}", nested])
+  assert [(op.name, op.kind, op.bytes) for op in hlo.ops(nested)] == [("f", "fusion", 32), ("c", "convert", 48)]

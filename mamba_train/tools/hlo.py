@@ -34,6 +34,8 @@ MOVES_NOTHING = frozenset({"parameter", "get-tuple-element", "bitcast", "tuple",
                            "conditional", "copy-done", "async-done", "after-all", "partition-id",
                            "replica-id"})
 _FUSED = ("fused", "horizontally_fused", "wrapped")
+# The computation a fusion instruction runs: `... fusion(...), kind=kLoop, calls=%name`.
+_FUSION_CALLS = re.compile(r"\sfusion\(.*?\bcalls=%([\w.\-]+)")
 _TOKEN = re.compile(r"[A-Za-z_]\w*")
 # The estimate a TPU Pallas (Mosaic) custom call carries: XLA:TPU counts the kernel by it.
 _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
@@ -65,13 +67,17 @@ def body_lines(hlo: str) -> Iterator[tuple[str, bool]]:
 
 
 def body_lines_named(hlo: str) -> Iterator[tuple[tuple[str | None, str], bool]]:
-  """`body_lines` with each line's computation name: ((computation, line), fused)."""
+  """`body_lines` with each line's computation name: ((computation, line), fused).
+  A fusion's body is any computation a fusion calls, whatever its name: XLA:TPU nests
+  fusions in fusions (`%copy_fusion`, `%bitcast_fusion.12` inside a GEMM's fusion), and
+  the ops in them are the outer fusion's, not launched (or counted) on their own."""
+  called = set(_FUSION_CALLS.findall(hlo))
   fused, comp = False, None
   for line in hlo.splitlines():
     if line and not line[0].isspace():  # a computation's header
       m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)", line)
       comp = m.group(1) if m else None
-      fused = line.lstrip("%").startswith(_FUSED)
+      fused = comp in called or line.lstrip("%").startswith(_FUSED)
       continue
     yield (comp, line), fused
 
