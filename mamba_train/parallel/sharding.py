@@ -192,10 +192,14 @@ def embedding_split(table_shape: tuple[int, ...], ids_shape: tuple[int, ...]) ->
   """How the active rules look a table of `table_shape` (logical axes vocab, embed) up
   at token ids of `ids_shape` (batch, act_length; or batch alone): an `EmbeddingSplit`
   (parallel/embedding.py) where the table's columns are split, else None (outside
-  `use_rules`, or a table whole on each device: XLA's own lookup reads it locally)."""
+  `use_rules`, or a table whole on each device: XLA's own lookup reads it locally; and
+  on GPUs, where XLA's partitioner already trades the rows by all-to-all, and with one
+  transpose fewer: docs/bench/fused_layer.md, "The embedding's lookup by columns")."""
   if not _ACTIVE:
     return None
   mesh, rules = _ACTIVE[-1]
+  if mesh.devices.flat[0].platform == "gpu":
+    return None
   vocab, columns = fit_spec(logical_to_spec(("vocab", "embed"), rules), table_shape, mesh)
   tokens = tuple(fit_spec(logical_to_spec(("batch", "act_length")[:len(ids_shape)], rules), ids_shape, mesh))
   token_axes = {a for t in tokens for a in _axis_names(t)}
