@@ -47,12 +47,14 @@ class EmbeddingSplit:
     def local(t, i):
       shape = i.shape
       i = jax.lax.all_gather(i.reshape(-1), columns, tiled=True)
+      # mode clip: no select of NaN rows for ids past the table (take's default), which
+      # XLA writes as one more pass over the rows; a valid id reads the same row.
       if vocab is None:
-        rows = jnp.take(t, i, axis=0)
+        rows = jnp.take(t, i, axis=0, mode="clip")
       else:
         j = i - jax.lax.axis_index(vocab) * t.shape[0]
         mine = (j >= 0) & (j < t.shape[0])
-        rows = jnp.where(mine[:, None], jnp.take(t, jnp.where(mine, j, 0), axis=0), 0)
+        rows = jnp.where(mine[:, None], jnp.take(t, jnp.where(mine, j, 0), axis=0, mode="clip"), 0)
         rows = jax.lax.psum(rows, vocab)
       rows = jax.lax.all_to_all(rows, columns, 0, 1, tiled=True)
       return rows.reshape(*shape, -1)

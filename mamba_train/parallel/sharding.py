@@ -191,20 +191,23 @@ def expert_split() -> ExpertSplit | None:
 def embedding_split(table_shape: tuple[int, ...], ids_shape: tuple[int, ...]) -> EmbeddingSplit | None:
   """How the active rules look a table of `table_shape` (logical axes vocab, embed) up
   at token ids of `ids_shape` (batch, act_length; or batch alone): an `EmbeddingSplit`
-  (parallel/embedding.py) where the table's columns are split, else None (outside
-  `use_rules`, or a table whole on each device: XLA's own lookup reads it locally; and
-  on GPUs, where XLA's partitioner already trades the rows by all-to-all, and with one
-  transpose fewer: docs/bench/fused_layer.md, "The embedding's lookup by columns")."""
+  (parallel/embedding.py) where the table's columns are split and the tokens are not
+  split over exactly the same devices; else None, and XLA's own lookup runs: outside
+  `use_rules`, a table whole on each device, or tokens split over just the columns' axes
+  (plain FSDP), which XLA partitions by the same exchange itself (fewer transposes:
+  docs/bench/fused_layer.md, "The embedding's lookup by columns"). Where the tokens are
+  split over more axes (data x fsdp), or fewer (a batch the devices do not divide), XLA
+  gathers the whole table on every device instead."""
   if not _ACTIVE:
     return None
   mesh, rules = _ACTIVE[-1]
-  if mesh.devices.flat[0].platform == "gpu":
-    return None
   vocab, columns = fit_spec(logical_to_spec(("vocab", "embed"), rules), table_shape, mesh)
   tokens = tuple(fit_spec(logical_to_spec(("batch", "act_length")[:len(ids_shape)], rules), ids_shape, mesh))
-  token_axes = {a for t in tokens for a in _axis_names(t)}
+  split = lambda axes: {a for a in axes if mesh.shape[a] > 1}
+  token_axes = split(a for t in tokens for a in _axis_names(t))
+  column_axes = split(_axis_names(columns))
   # The rows' parts are summed over the vocabulary's axes: they must hold the same tokens.
-  if axes_size(mesh, columns) == 1 or token_axes & set(_axis_names(vocab)):
+  if not column_axes or token_axes == column_axes or token_axes & split(_axis_names(vocab)):
     return None
   return EmbeddingSplit(mesh, vocab if axes_size(mesh, vocab) > 1 else None, columns, tokens)
 
