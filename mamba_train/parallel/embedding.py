@@ -1,13 +1,14 @@
 """The embedding's lookup under a mesh: each device reads its own columns of the table.
 
 The table (vocab, d) is split on d over the fsdp axes (and on its rows over tensor),
-and the tokens over the batch's axes. Left to itself, XLA partitions `take` by
-gathering the whole float32 table on every device (at 1.3b 412 MB a step), and its
-gradient is a scatter into a whole table of zeros, reduced whole over every device
-(docs/bench/fused_layer.md, "The embedding's lookup by columns"). Instead each device:
+and the tokens over the batch's axes. Where the tokens are split over other devices
+than the columns (data x fsdp), XLA partitions `take` by gathering the whole float32
+table on every device (at 1.3b 412 MB a step), and its gradient is a scatter into a
+whole table of zeros, reduced whole over every device (docs/bench/fused_layer.md, "The
+embedding's lookup by columns"). Instead each device:
 
-- gathers the token ids of the devices that share its d columns (ids are 4 bytes a
-  token; the rows they select are d x 4),
+- gathers the token ids of the devices that share its d columns (4 bytes a token,
+  against d x 4 for the row each selects),
 - looks those tokens up in its own columns (a row outside its share of the vocabulary,
   under tensor, reads zeros, and the tensor axis sums the parts),
 - and trades the rows back by all-to-all, so it holds every column of its own tokens.
