@@ -203,11 +203,11 @@ def embedding_split(table_shape: tuple[int, ...], ids_shape: tuple[int, ...]) ->
   mesh, rules = _ACTIVE[-1]
   vocab, columns = fit_spec(logical_to_spec(("vocab", "embed"), rules), table_shape, mesh)
   tokens = tuple(fit_spec(logical_to_spec(("batch", "act_length")[:len(ids_shape)], rules), ids_shape, mesh))
-  split = lambda axes: {a for a in axes if mesh.shape[a] > 1}
-  token_axes = split(a for t in tokens for a in _axis_names(t))
-  column_axes = split(_axis_names(columns))
+  splitting = lambda axes: {a for a in axes if mesh.shape[a] > 1}  # the axes that split
+  token_axes = splitting(a for t in tokens for a in _axis_names(t))
+  column_axes = splitting(_axis_names(columns))
   # The rows' parts are summed over the vocabulary's axes: they must hold the same tokens.
-  if not column_axes or token_axes == column_axes or token_axes & split(_axis_names(vocab)):
+  if not column_axes or token_axes == column_axes or token_axes & splitting(_axis_names(vocab)):
     return None
   return EmbeddingSplit(mesh, vocab if axes_size(mesh, vocab) > 1 else None, columns, tokens)
 
