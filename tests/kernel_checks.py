@@ -1,7 +1,8 @@
 """Checks the kernel test files share (they import jax, which `helpers` does not at
 import): a tiny model run through a kernel runtime against the XLA model, and the
 layer kernels' inputs, loss-weighted gradients and bfloat16 check, which the TPU
-(`test_layer_tpu`) and GPU (`test_layer_gpu`) kernels are held to alike."""
+(`test_layer_tpu`) and GPU (`test_layer_gpu`) kernels are held to alike; the fused
+layers' (`test_layer_fused_tpu`, `test_layer_fused_gpu`) inputs and gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +131,38 @@ def assert_norm_matches_plain(norm, shape, groups):
   assert o1.shape == shape and o1.dtype == jnp.float32 and rel(o1, o2) < 1e-5
   for name, a, b in zip(("y", "z", "weight"), g1, g2):
     assert a.shape == b.shape and rel(a, b) < 1e-5, name
+
+
+def mixer_inputs(b, l, h, p, g, n, k=4):
+  """Random arguments of `layer_math.mixer_core` (z|x, B|C, dt, the weights, the fronts, an
+  initial state) and a key for the loss's weights, as the fused layers' tests take them."""
+  ks = jax.random.split(jax.random.PRNGKey(l * h + g), 12)
+  i = h * p
+  w = dict(conv_x=0.5 * jax.random.normal(ks[4], (k, i)), conv_x_bias=0.1 * jax.random.normal(ks[5], (i,)),
+           conv_bc=0.5 * jax.random.normal(ks[6], (k, 2, g * n)),
+           conv_bc_bias=0.1 * jax.random.normal(ks[7], (2, g * n)), dt_bias=0.1 * jax.random.normal(ks[8], (h,)),
+           A_log=jnp.log(jnp.linspace(1.0, 8.0, h)), D=jax.random.normal(ks[9], (h,)))
+  fronts = jax.random.split(ks[11], 3)
+  # z|x joined, as in_proj's GEMM writes them: the kernels read z's and x's blocks out
+  # of it and write dz|dx back into one cotangent.
+  return (jax.random.normal(ks[0], (b, l, 2 * i)), jax.random.normal(ks[2], (b, l, 2, g * n)),
+          jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
+          jax.random.normal(fronts[0], (b, k - 1, i)), jax.random.normal(fronts[1], (b, k - 1, 2, g * n)),
+          0.1 * jax.random.normal(ks[10], (b, h, p, n)), fronts[2])
+
+
+def mixer_run(fn, args, seq, chunk, g, dt_limit, grads):
+  """`fn` (a `mixer_core`) on `mixer_inputs`' args: its outputs, and with `grads` the gradient of
+  a random weighted sum of them with respect to every input."""
+  *inputs, key = args
+
+  def outputs(zx, bc, dt_raw, w, fx, fbc, s0):
+    return fn(zx, bc, dt_raw, w, chunk, ngroups=g, dt_limit=dt_limit, front_x=fx, front_bc=fbc,
+              initial_state=s0, seq_idx=seq)
+
+  out = jax.jit(outputs)(*inputs)
+  if not grads:
+    return out, None
+  wts = [jax.random.normal(kk, o.shape) for kk, o in zip(jax.random.split(key, 3), out)]
+  loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outputs(*a), wts))
+  return out, jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*inputs)

@@ -92,8 +92,8 @@ def test_tiny_moe_train_step_compiles_for_b200_with_the_gpu_kernels(tmp_path):
   full-finetune layout: experts over expert 8, and ('auto' at fsdp 1) the non-expert
   weights, gradients and moments split over the expert group too (fsdp_expert), so the
   state a GPU holds is an eighth of the whole but the few small vectors left whole.
-  ssd_impl, layer_impl and moe_impl auto resolve to the GPU kernels (SSD, layer,
-  tokamax's grouped matmul), whose cost estimates join XLA's counts (XLA counts a
+  ssd_impl, layer_impl and moe_impl auto resolve to the GPU kernels (SSD, the fused
+  layer, tokamax's grouped matmul), whose cost estimates join XLA's counts (XLA counts a
   Pallas call as nothing on GPUs). Skips, saying why, without the gpu extra."""
   missing = missing_gpu_wheels()
   if missing:
@@ -122,7 +122,7 @@ def test_tiny_moe_train_step_compiles_for_b200_with_the_gpu_kernels(tmp_path):
   assert rep["devices"] == 8 and rep["chip"] == "NVIDIA B200" and rep["mesh"]["expert"] == 8
   assert rep["layout"] == "fsdp_expert"
   rt = rep["runtime"]
-  assert (rt["ssd_impl"], rt["layer_impl"], rt["moe_impl"]) == ("triton", "triton", "tokamax")
+  assert (rt["ssd_impl"], rt["layer_impl"], rt["moe_impl"]) == ("triton", "fused_triton", "tokamax")
   # The state (float32 weights and two float32 moments): 8 devices hold it once, and
   # 9% more (A, D, dt bias and the conv stay whole). The fsdp layout would hold every
   # non-expert weight on every GPU: 5.1 times.

@@ -22,38 +22,7 @@ from mamba_train.ops.layer_math import mixer_core
 from mamba_train.ops.ssd import ssd_chunked
 
 from helpers import libtpu_compiles, rel
-from kernel_checks import assert_model_matches_xla
-
-
-def _inputs(b, l, h, p, g, n, k=4):
-  ks = jax.random.split(jax.random.PRNGKey(l * h + g), 12)
-  i = h * p
-  w = dict(conv_x=0.5 * jax.random.normal(ks[4], (k, i)), conv_x_bias=0.1 * jax.random.normal(ks[5], (i,)),
-           conv_bc=0.5 * jax.random.normal(ks[6], (k, 2, g * n)),
-           conv_bc_bias=0.1 * jax.random.normal(ks[7], (2, g * n)), dt_bias=0.1 * jax.random.normal(ks[8], (h,)),
-           A_log=jnp.log(jnp.linspace(1.0, 8.0, h)), D=jax.random.normal(ks[9], (h,)))
-  fronts = jax.random.split(ks[11], 3)
-  # z|x joined, as in_proj's GEMM writes them: the kernels read z's and x's blocks out
-  # of it and write dz|dx back into one cotangent.
-  return (jax.random.normal(ks[0], (b, l, 2 * i)), jax.random.normal(ks[2], (b, l, 2, g * n)),
-          jax.random.normal(ks[3], (b, l, h)) - 2.0, w,
-          jax.random.normal(fronts[0], (b, k - 1, i)), jax.random.normal(fronts[1], (b, k - 1, 2, g * n)),
-          0.1 * jax.random.normal(ks[10], (b, h, p, n)), fronts[2])
-
-
-def _run(fn, args, seq, chunk, g, dt_limit, grads):
-  *inputs, key = args
-
-  def outputs(zx, bc, dt_raw, w, fx, fbc, s0):
-    return fn(zx, bc, dt_raw, w, chunk, ngroups=g, dt_limit=dt_limit, front_x=fx, front_bc=fbc,
-              initial_state=s0, seq_idx=seq)
-
-  out = jax.jit(outputs)(*inputs)
-  if not grads:
-    return out, None
-  wts = [jax.random.normal(kk, o.shape) for kk, o in zip(jax.random.split(key, 3), out)]
-  loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outputs(*a), wts))
-  return out, jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*inputs)
+from kernel_checks import assert_model_matches_xla, mixer_inputs, mixer_run
 
 
 @pytest.mark.parametrize("merged", [True, False], ids=["states_in_vmem", "states_saved"])
@@ -71,13 +40,13 @@ def test_fused_mixer_matches_plain_form_with_documents_and_groups(merged, monkey
   if not merged:
     monkeypatch.setattr(layer_fused_bwd_tpu, "MERGED_STATES_VMEM", 0)
   b, l, h, p, g, n = 2, 40, 96, 2, 3, 8
-  args = _inputs(b, l, h, p, g, n)
+  args = mixer_inputs(b, l, h, p, g, n)
   seq = jnp.array([[0] * 14 + [1] * 3 + [2] * 23, [0] * 40], jnp.int32)
   kernel = lambda *a, **kw: mixer_core_tpu(*a, **kw, interpret=True)
   plain = lambda *a, **kw: mixer_core(*a, **kw, ssd=ssd_chunked)
-  got, dgot = _run(kernel, args, seq, 16, g, (0.0, 0.2), True)
-  want, dwant = _run(plain, args, seq, 16, g, (0.0, 0.2), True)
-  assert rel(want[2], _run(plain, args, None, 16, g, (0.0, 0.2), False)[0][2]) > 1e-3  # documents matter
+  got, dgot = mixer_run(kernel, args, seq, 16, g, (0.0, 0.2), True)
+  want, dwant = mixer_run(plain, args, seq, 16, g, (0.0, 0.2), True)
+  assert rel(want[2], mixer_run(plain, args, None, 16, g, (0.0, 0.2), False)[0][2]) > 1e-3  # documents matter
   for a, c in zip(got, want):
     assert rel(a, c) < 1e-5
   for (path, a), c in zip(jax.tree_util.tree_flatten_with_path(dgot)[0], jax.tree.leaves(dwant)):

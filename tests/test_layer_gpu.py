@@ -46,11 +46,15 @@ def test_kernels_bfloat16_within_the_plain_forms_error():
 
 def test_model_with_layer_kernels_matches_xla_model():
   """A one-layer tiny model with 2 groups over packed documents at a ragged length,
-  logits and every parameter's gradient: the GPU kernels as a GPU runs them
-  (`layer_impl` and `ssd_impl` auto on GPU: triton, here in the interpreter; remat
-  save_matmuls) against the XLA model (no remat)."""
+  logits and every parameter's gradient: the GPU kernels as a GPU runs them where the
+  fused layer does not (`layer_impl` auto on GPU is 'fused_triton', whose conv and norm
+  are these kernels; here in the interpreter; remat save_matmuls) against the XLA model
+  (no remat)."""
   from mamba_train import Runtime, config_for
-  assert Runtime().resolve("gpu").layer_impl == "triton" and Runtime().resolve("cpu").layer_impl == "xla"
+  from mamba_train.ops import table
+  gpu = Runtime().resolve("gpu")
+  assert gpu.layer_impl == "fused_triton" and Runtime().resolve("cpu").layer_impl == "xla"
+  assert table.build(gpu, config_for("tiny")).chose("conv") == "triton"
   assert_model_matches_xla(config_for("tiny", n_layer=1, chunk_size=16, ngroups=2),
                            Runtime(ssd_impl="triton_interpret", layer_impl="triton_interpret", ssd_form="parallel",
                                    remat="save_matmuls"),

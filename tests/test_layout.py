@@ -203,7 +203,7 @@ _MATH = ("mamba_train.ops.ssd", "mamba_train.ops.ssd3", "mamba_train.ops.layer_m
 _KERNEL_MODULES = ("mamba_train.ops.ssd_tpu", "mamba_train.ops.ssd_gpu", "mamba_train.ops.layer_tpu",
                    "mamba_train.ops.layer_gpu", "mamba_train.ops.decode_tpu", "mamba_train.ops.experts_tpu",
                    "mamba_train.ops.experts_gpu", "mamba_train.ops.attention_tpu", "mamba_train.ops.attention_gpu",
-                   "mamba_train.ops.layer_fused_tpu",
+                   "mamba_train.ops.layer_fused_tpu", "mamba_train.ops.layer_fused_gpu",
                    "mamba_train.ops.layer_fused_fwd_tpu", "mamba_train.ops.layer_fused_bwd_tpu",
                    "mamba_train.ops.ssd3_tpu")
 # The one place that chooses among them, and the one that defines the runtime's knobs.

@@ -1,9 +1,9 @@
 """The sequence mesh axis: one sequence split over devices gives the unsharded
 model's logits, final states, gradients and training losses; checkpoints move
 between sequence=4 and sequence=1; and the scan holds at 65k+ positions against
-the sequential recurrence. The fused Mamba-2 layer (ops/layer_fused_tpu.py,
-interpreted) against the XLA model on one device: under data x fsdp x tensor, and
-its fallback to the plain forms under a split sequence.
+the sequential recurrence. The fused Mamba-2 layer (ops/layer_fused_tpu.py, and
+the GPU's ops/layer_fused_gpu.py; interpreted) against the XLA model on one device:
+under data x fsdp x tensor, and the TPU one's fallback to the plain forms under a split sequence.
 
 The multi-device checks run in one subprocess on 8 simulated CPU devices (the
 device count is fixed when jax starts; compiling is most of the cost); the tests
@@ -49,8 +49,10 @@ STEPS = 3
 # fsdp x tensor the kernels run per device's batch and heads (`HeadSplit.mixer`); under a
 # split sequence the table falls back to the plain forms (its one walk over the chunks
 # carries the conv's halo and the state within a device), here with the SSD kernel per slice.
+# The GPU's fused layer (`layer_impl='fused_triton'`) under data x fsdp x tensor too.
 FUSED_LAYER = {"d2f2t2_fusedlayer": {"data": 2, "fsdp": 2, "tensor": 2},
-               "s2f2t2_fusedlayer": {"sequence": 2, "fsdp": 2, "tensor": 2}}
+               "s2f2t2_fusedlayer": {"sequence": 2, "fsdp": 2, "tensor": 2},
+               "d2f2t2_fusedlayer_gpu": {"data": 2, "fsdp": 2, "tensor": 2}}
 # Document starts: 17 (the conv's taps at 17-19 reach back across the chunk boundary at
 # 16 into another document), 21 (across the sequence split's device edge at 20), 5, 30.
 FUSED_DOCS = ((17, 21), (5,), (), (30,))
@@ -195,6 +197,7 @@ def _fused_layer(out_dir, cfg, loss_and_grads, flat, rng):
   b, l = len(FUSED_DOCS), 40
   xla_rt = Runtime().resolve("cpu")
   fused_rt = Runtime(ssd_impl="mosaic", layer_impl="fused", interpret=True).resolve("cpu")
+  gpu_rt = Runtime(ssd_impl="triton", layer_impl="fused_triton", interpret=True).resolve("cpu")
   params = Mamba2LM(cfg, rngs=nnx.Rngs(2), runtime=xla_rt).params()
   ids = jnp.asarray(rng.integers(0, 64, (b, l)), jnp.int32)
   seq = np.zeros((b, l), np.int32)
@@ -212,12 +215,14 @@ def _fused_layer(out_dir, cfg, loss_and_grads, flat, rng):
     t0 = time.process_time()
     mesh = make_mesh(mesh_cfg)
 
-    def sharded(*a, mesh=mesh):
+    rt = gpu_rt if name.endswith("_gpu") else fused_rt
+
+    def sharded(*a, mesh=mesh, rt=rt):
       with sharding.use_rules(mesh):
-        return loss_and_grads(*a, rt=fused_rt, cfg=cfg)
+        return loss_and_grads(*a, rt=rt, cfg=cfg)
 
     with sharding.use_rules(mesh):
-      chose[name] = next(c for c in ops_for(cfg, fused_rt).choices if c[0] == "mixer")[1:]
+      chose[name] = next(c for c in ops_for(cfg, rt).choices if c[0] == "mixer")[1:]
     traced = jax.jit(sharded).trace(*inputs)
     kernels[name] = sorted(set(re.findall(r"name=(\w+)", str(traced.jaxpr))))  # the Pallas calls that ran
     np.savez(os.path.join(out_dir, f"{name}.npz"), **flat(traced.lower().compile()(*inputs)))
@@ -252,8 +257,8 @@ def test_split_sequence_equals_unsharded(runs, name):
 def test_fused_layer_on_a_mesh_equals_xla_on_one_device(runs, name):
   """The fused layer's logits, final states (conv and SSM, from random initial ones) and
   every gradient (parameters and initial states) against the XLA model on one device;
-  the table ran the kernel under data x fsdp x tensor and fell back, naming the split
-  sequence, under sequence."""
+  the table ran the kernels (the TPU's; the GPU's, `fused_triton`) under data x fsdp x
+  tensor and fell back, naming the split sequence, under sequence."""
   results, out = runs
   impl, why = results["fused_layer"]["chose"][name]
   kernels = results["fused_layer"]["kernels"][name]
@@ -261,6 +266,9 @@ def test_fused_layer_on_a_mesh_equals_xla_on_one_device(runs, name):
     assert (impl, why) == ("xla", "fused takes no split sequence (the 'sequence' mesh axis)")
     # The SSD kernels per slice, forward and backward (the FORWARD meshes run the XLA SSD).
     assert "ssd_one_pass_save" in kernels and "ssd_one_pass_bwd" in kernels, kernels
+  elif name.endswith("_gpu"):
+    assert (impl, why) == ("fused_triton", "runtime")
+    assert {"mixer_fused_gpu_save", "mixer_fused_gpu_bwd", "mixer_fused_gpu_conv_t"} <= set(kernels), kernels
   else:
     assert (impl, why) == ("fused", "runtime")
   ref, got = dict(np.load(out / "fused_ref.npz")), dict(np.load(out / f"{name}.npz"))

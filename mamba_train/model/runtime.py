@@ -37,7 +37,8 @@ SSD_FORMS = ("auto", "scan", "parallel")
 # it: 'xla', 'mosaic' (Pallas TPU kernels), 'triton' (Pallas Triton kernels, NVIDIA
 # GPUs), and outside libraries by name ('megablox', 'tokamax', 'splash', 'cudnn').
 SSD_IMPLS = ("auto",) + table.names("ssd_impl")
-LAYER_IMPLS = ("auto",) + table.names("layer_impl")  # the conv + SiLU and the gated RMSNorm
+# The conv + SiLU and the gated RMSNorm, or ('fused', 'fused_triton') the layer between the matmuls.
+LAYER_IMPLS = ("auto",) + table.names("layer_impl")
 DECODE_IMPLS = ("auto",) + table.names("decode_impl")  # a Mamba-2 layer's decoding step between its matmuls
 MOE_IMPLS = ("auto",) + table.names("moe_impl")  # the routed experts' grouped matmuls
 ATTENTION_FORMS = ("auto",) + table.names("attention")  # softmax(q k^T) v in attention layers
@@ -103,15 +104,17 @@ FUSED_LAYER_CHIPS = ("TPU v6 lite", "TPU v6e", "TPU7x")
 
 def default_layer_impl(backend: str, device_kind: str = "") -> str:
   """The layer between in_proj and out_proj as one kernel ('fused') on the TPUs of
-  FUSED_LAYER_CHIPS; the layer kernels of `layer_gpu` on NVIDIA GPUs
-  (docs/bench/gpu.md); the plain forms elsewhere, other TPUs (and a TPU of unknown
-  kind) included: the Mosaic kernels of `layer_tpu` ('mosaic') move more bytes than
-  XLA's fusions in the scanned 1.3b train step, whose remat recomputes them in the
-  backward pass where XLA fuses the recompute into its consumers
+  FUSED_LAYER_CHIPS; as Pallas Triton kernels ('fused_triton', `layer_fused_gpu`) on
+  NVIDIA GPUs, where the 1.3b step's counts for h100-8 and b200-8, scanned and unrolled
+  alike, say they move fewer bytes than the separate layer kernels of `layer_gpu`
+  (docs/bench/gpu.md, "The fused GPU layer"); the plain forms elsewhere, other TPUs (and
+  a TPU of unknown kind) included: the Mosaic kernels of `layer_tpu` ('mosaic') move more
+  bytes than XLA's fusions in the scanned 1.3b train step, whose remat recomputes them in
+  the backward pass where XLA fuses the recompute into its consumers
   (docs/bench/tpu_ssd.md, "The layer's elementwise chain as Mosaic kernels")."""
   if backend == "tpu" and device_kind.startswith(FUSED_LAYER_CHIPS):
     return "fused"
-  return "triton" if backend in ("gpu", "cuda") else "xla"
+  return "fused_triton" if backend in ("gpu", "cuda") else "xla"
 
 
 def tokamax_imports() -> bool:
@@ -196,7 +199,10 @@ class Runtime(FrozenFields):
   # 'mosaic' (the TPU kernels, at parallel_chunk_size), 'triton' (the GPU kernels, at
   # most parallel_chunk_size), or 'auto' (`default_impl`).
   ssd_impl: str = "auto"
-  # Who computes the conv + SiLU and the gated RMSNorm (LAYER_IMPLS).
+  # Who computes the conv + SiLU and the gated RMSNorm (LAYER_IMPLS): 'xla', 'mosaic'
+  # (TPU kernels), 'triton' (GPU kernels); or the layer between in_proj and out_proj as
+  # one op, 'fused' (TPU) or 'fused_triton' (GPU), the conv and norm as 'xla' and
+  # 'triton' where it does not run; 'auto' (`default_layer_impl`).
   layer_impl: str = "auto"
   # Run the layers as an unrolled loop instead of a `lax.scan`: compile time then
   # grows with depth. XLA's cost analysis counts a loop body once, so an unrolled

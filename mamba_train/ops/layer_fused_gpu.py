@@ -62,7 +62,7 @@ _F32 = jnp.float32
 # Names a remat policy can save ('save_in_proj_ssd', and 'save_matmuls' with the layers
 # unrolled: `table.build`): with the gated y, its squares and the entering states kept,
 # the backward pass runs no forward kernel again.
-SAVE_NAMES = ("mixer_fused_gpu_gated", "mixer_fused_gpu_ssq", "mixer_fused_gpu_states")
+SAVE_NAMES = ("mixer_fused_gpu_gated", "mixer_fused_gpu_ssq", "mixer_fused_gpu_states", "mixer_fused_gpu_final")
 
 
 def joins(d_inner: int, nheads: int, ngroups: int, d_state: int) -> bool:
@@ -409,8 +409,7 @@ def _conv_t_call(dpre, wx, dzx, sq, q, interpret):
 # The kernels' VJP, and the function with `mixer_core`'s signature.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
-def _core(zx, fx, wx, bx, dt, A, bcs, D, h0, sq, q, interpret):
+def _primal(zx, fx, wx, bx, dt, A, bcs, D, h0, sq, q, interpret):
   B, C = _bc(bcs, zx.dtype)
   gated, ssq, fin = _fwd_call(zx, fx.astype(zx.dtype), wx, bx, dt, A, B, C, D, h0, sq, q, interpret)
   return gated, ssq, fin
@@ -425,7 +424,7 @@ def _core_fwd(zx, fx, wx, bx, dt, A, bcs, D, h0, sq, q, interpret):
   B, C = _bc(bcs, zx.dtype)
   gated, ssq, fin, st = _fwd_call(zx, fx.astype(zx.dtype), wx, bx, dt, A, B, C, D, h0, sq, q, interpret, save=True)
   gated, ssq = checkpoint_name(gated, SAVE_NAMES[0]), checkpoint_name(ssq, SAVE_NAMES[1])
-  st = checkpoint_name(st, SAVE_NAMES[2])
+  st, fin = checkpoint_name(st, SAVE_NAMES[2]), checkpoint_name(fin, SAVE_NAMES[3])
   return (gated, ssq, fin), (zx, fx, wx, bx, dt, A, bcs, D, st, sq)
 
 
@@ -457,12 +456,23 @@ def _core_bwd(q, interpret, res, ct):
           dbcs, jnp.sum(dd, axis=(0, 1)), dinit, None)
 
 
+# Two VJPs of the same rules. Under a remat that keeps none of the kernel's outputs
+# (`keep_states` false), `optimize_remat`: the forward pass runs the kernel that writes no
+# states, and the backward pass reruns the saving one. Where the remat keeps the states
+# (or there is no remat), the forward pass runs the saving kernel once, and the
+# backward pass no forward kernel.
+_core = jax.custom_vjp(_primal, nondiff_argnums=(10, 11))
 _core.defvjp(_core_fwd, _core_bwd, optimize_remat=True)
+_core_kept = jax.custom_vjp(_primal, nondiff_argnums=(10, 11))
+_core_kept.defvjp(_core_fwd, _core_bwd)
 
 
 def mixer_core_gpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0, float("inf")),
-                   front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False):
-  """`layer_math.mixer_core` as Pallas Triton kernels, forward and backward (see the module doc)."""
+                   front_x=None, front_bc=None, initial_state=None, seq_idx=None, interpret: bool = False,
+                   keep_states: bool = False):
+  """`layer_math.mixer_core` as Pallas Triton kernels, forward and backward (see the module doc).
+  keep_states: the remat keeps the forward's outputs and states (SAVE_NAMES), or there
+  is no remat (`table.build` says): the forward pass then writes them once."""
   b, l, two_i = zx.shape
   i, h, g, k = two_i // 2, dt_raw.shape[-1], ngroups, w["conv_x"].shape[0]
   n = bc.shape[-1] // g
@@ -487,7 +497,8 @@ def mixer_core_gpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0
   h0 = jnp.zeros((b, h, p, n), _F32) if initial_state is None else initial_state.astype(_F32)
   D = jnp.zeros((h,), _F32) if w.get("D") is None else w["D"].astype(_F32)
   sq = None if seq_idx is None else pad(seq_idx.astype(jnp.int32), "edge")
-  gated, ssq, final = _core(pad(zx), front_x, w["conv_x"].astype(_F32), w["conv_x_bias"].astype(_F32), pad(dt),
+  core = _core_kept if keep_states else _core
+  gated, ssq, final = core(pad(zx), front_x, w["conv_x"].astype(_F32), w["conv_x_bias"].astype(_F32), pad(dt),
                             -jnp.exp(w["A_log"].astype(_F32)), bcs, D, h0, sq, q, interpret)
   ssq = ssq[:, :l].reshape(b, l, g, h // g).sum(-1)
   return gated[:, :l], ssq, final.astype(_F32)

@@ -11,7 +11,7 @@ math never branches on an implementation name.
 
 The runtime field that picks each operation's row (`Runtime` spells each name
 once; old spellings are aliases there): ssd_impl -> ssd; layer_impl -> conv and
-norm, or with 'fused' the mixer (the layer between in_proj and out_proj as one op,
+norm, or with 'fused' (TPU) or 'fused_triton' (GPU) the mixer (the layer between in_proj and out_proj as one op,
 the conv and norm plain where it does not run); decode_impl -> decode; moe_impl ->
 experts; attention -> attention. A Pallas kernel runs on any backend in Pallas'
 interpreter (`Runtime.interpret`: for tests).
@@ -85,6 +85,11 @@ TABLE: dict[tuple[str, str], Impl] = {
                              [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                              "one Pallas TPU kernel from in_proj's outputs to the gated y and its norm "
                              "statistics (conv, SSD, gate), and one for its backward"),
+    ("mixer", "fused_triton"): _row("layer_fused_gpu", "mixer_core_gpu", ["gpu"], True,
+                                    [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
+                                    "Pallas Triton kernels: one from in_proj's outputs to the gated y and its norm "
+                                    "statistics (x's conv, SSD, gate; the conv of B and C, and dt, in XLA), two for its "
+                                    "backward"),
     ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
                           [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                           "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
@@ -117,6 +122,10 @@ TABLE: dict[tuple[str, str], Impl] = {
     ("attention", "splash"): _row("attention_tpu", "splash", ["tpu"], True, [MESH, DOCUMENTS],
                                   "JAX's Pallas splash attention kernel (lengths a multiple of 128)"),
 }
+
+# The layer_impl names that run the layer between the matmuls as one op (the 'mixer'
+# rows), and the conv's and norm's rows where it does not run.
+FUSED = {"fused": "xla", "fused_triton": "triton"}
 
 # The runtime field that chooses each operation's row.
 FIELDS = {"ssd": "ssd_impl", "ssd3": "ssd_impl", "decode3": "decode_impl", "conv": "layer_impl", "norm": "layer_impl",
@@ -213,8 +222,10 @@ class Mesh:
 
 def _impl(op: str, runtime) -> str:
   impl = getattr(runtime, FIELDS[op])
-  if impl == "fused" and op in ("conv", "norm"):  # the fused mixer holds them; plain where it does not run
-    return "xla"
+  # The fused mixer holds them; where it does not run, the plain forms (TPU) or the
+  # GPU's own kernels.
+  if impl in FUSED and op in ("conv", "norm"):
+    return FUSED[impl]
   if impl == "auto":
     raise ValueError(f"runtime.{FIELDS[op]} 'auto' is not resolved: call Runtime.resolve(backend) first")
   if (op, impl) not in TABLE:
@@ -307,7 +318,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
 
   # --- the layer between the matmuls as one op ---
   mixer = None
-  if runtime.layer_impl == "fused":
+  if runtime.layer_impl in FUSED:
     split_groups = mesh.heads is not None and mesh.heads.head_devices > 1 and cfg.ngroups % mesh.heads.head_devices
     m = choose("mixer", {SEQUENCE: seq is not None and "split sequence (the 'sequence' mesh axis)",
                          WINDOW: bool(cfg.ssd_window) and "window (ssd_window)",
@@ -315,6 +326,10 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
     if m != "xla":
       mixer = _kernel("mixer", m, runtime)
       save_names = (*save_names, *_module("mixer", m).SAVE_NAMES)
+      if m == "fused_triton":  # whether the remat keeps its states (`layer_fused_gpu`'s two VJPs)
+        kept = runtime.remat in ("none", "save_in_proj_ssd") or (runtime.remat == "save_matmuls"
+                                                                  and impl == "triton" and runtime.unroll_layers)
+        mixer = functools.partial(mixer, keep_states=kept)
       if mesh.heads is not None:
         mixer = functools.partial(mesh.heads.mixer, mixer)
 
