@@ -132,7 +132,7 @@ def random_batch(cfg: Mamba2Config, batch: int, seq_len: int, seed: int = 0) -> 
 
 
 # ----------------------------------------------------------------------------
-# Pallas GPU kernels against the plain forms they replace (gpu_ssd, gpu_layer).
+# Pallas GPU kernels against the plain forms they replace (gpu_ssd, gpu_layer, gpu_fused).
 
 
 def rel_error(a, b) -> float:
@@ -150,6 +150,36 @@ def time_forms(fns: Callable, inputs, repeats: int):
     for mode, fn in (("fwd", fwd), ("fwd+bwd", bwd)):
       compiled, info = compile_fn(fn, *inputs)
       yield impl, mode, median_time(lambda compiled=compiled: compiled(*inputs), repeats), info
+
+
+def byte_rows(bench: str, shape: str, fns: Callable, inputs, tokens: int, repeats: int, copy_bytes_per_s: float,
+              **fields) -> list[dict]:
+  """`time_forms`' rows of one shape, each with the bytes the kernels' own cost estimates
+  say they move (the same work for both forms: what a fused chain has to move at least)
+  over its time, against the run's copy bandwidth; with the kernels' speedup."""
+  from mamba_train.tools import hlo  # the kernels' estimates from a traced program
+  rows = []
+  for impl, mode, sec, info in time_forms(fns, inputs, repeats):
+    est = hlo.kernel_estimates(fns("kernels")[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
+    moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
+    rows.append({"bench": bench, "shape": shape, "impl": impl, "mode": mode, **fields, "seconds": sec,
+                 "tokens_per_s": tokens / sec, "kernel_bytes": moved,
+                 "frac_copy_bandwidth": moved / sec / copy_bytes_per_s, **info})
+    log(f"  {shape} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
+        f"the kernels' bytes ({100 * moved / sec / copy_bytes_per_s:.0f}% of copy), compile {info['compile_s']:.1f} s")
+  add_speedups(rows, shape)
+  return rows
+
+
+def byte_table(rows: list[dict], names: dict[str, str], speedup: str) -> list[str]:
+  """`byte_rows`' markdown table; names: each impl's label; speedup: the last column's header."""
+  lines = [f"| shape | impl | mode | tokens/s | kernels' bytes / s | of copy bandwidth | compile s | {speedup} |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['shape']} | {names[r['impl']]} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
+                 f"{r['kernel_bytes'] / r['seconds'] / 1e9:,.0f} GB/s | {100 * r['frac_copy_bandwidth']:.0f}% | "
+                 f"{r['compile_s']:.2g} | " + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
+  return lines
 
 
 def add_speedups(rows: list[dict], shape: str) -> None:

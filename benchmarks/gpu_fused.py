@@ -12,7 +12,8 @@ first runs).
 
 Each row: median of --repeats after a warm-up, compile timed apart; tokens/s, the
 bytes the fused kernels' cost estimates say they move over the time (GB/s) against
-this run's copy bandwidth, and the fused layer's speed over the plain one's.
+this run's copy bandwidth, and the fused layer's speed over the plain one's
+(`common.byte_rows`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
+from benchmarks.common import F32, byte_rows, byte_table, kernels_main, rel_error
 from mamba_train.ops import layer_fused_gpu, layer_math, ssd_gpu
-from mamba_train.tools import hlo
 
 # (name, b, l, heads, head size, groups, state, chunk): a layer of each model at 4 x 2048 a GPU.
 SHAPES = [("130m", 4, 2048, 24, 64, 1, 128, 64), ("1.3b", 4, 2048, 64, 64, 1, 128, 64)]
@@ -81,31 +81,13 @@ def bench(args) -> list[dict]:
   for shape in (DRY_SHAPES if args.dry_run else SHAPES):
     name, b, l, h, p, g, n, q = shape
     inputs, cot = _inputs(b, l, h, p, g, n, dtype)
-    tokens = b * l
-    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, cot, q, g), inputs, args.repeats):
-      # The fused kernels' own byte estimates: what the layer has to move at least.
-      est = hlo.kernel_estimates(_fns("kernels", cot, q, g)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
-      moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
-      rows.append({"bench": "gpu_fused", "shape": name, "impl": impl, "mode": mode, "batch": b,
-                   "seq_len": l, "d_inner": h * p, "dtype": args.dtype, "seconds": sec,
-                   "tokens_per_s": tokens / sec, "kernel_bytes": moved,
-                   "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
-      log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
-          f"the fused kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
-          f"compile {info['compile_s']:.1f} s")
-    add_speedups(rows, name)
+    rows += byte_rows("gpu_fused", name, lambda impl: _fns(impl, cot, q, g), inputs, b * l, args.repeats,
+                      rf["copy_bytes_per_s"], batch=b, seq_len=l, d_inner=h * p, dtype=args.dtype)
   return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-  lines = ["| shape | layer | mode | tokens/s | fused kernels' bytes / s | of copy bandwidth | compile s | fused / plain |",
-           "|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    impl = "fused" if r["impl"] == "kernels" else "plain + SSD kernel"
-    lines.append(f"| {r['shape']} | {impl} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['kernel_bytes'] / r['seconds'] / 1e9:,.0f} GB/s | {100 * r['frac_copy_bandwidth']:.0f}% | "
-                 f"{r['compile_s']:.2g} | " + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
-  return lines
+  return byte_table(rows, {"kernels": "fused", "xla": "plain + SSD kernel"}, "fused / plain")
 
 
 def main(argv=None):

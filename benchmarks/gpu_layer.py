@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import F32, add_speedups, kernels_main, log, rel_error, time_forms
+from benchmarks.common import F32, byte_rows, byte_table, kernels_main, rel_error
 from mamba_train.ops import layer_gpu, layer_math
-from mamba_train.tools import hlo
 
 # (name, b, l, d_inner, ngroups * d_state): a layer of each model at 4 x 2048 a GPU.
 SHAPES = [("130m", 4, 2048, 1536, 128), ("1.3b", 4, 2048, 4096, 128)]
@@ -79,31 +78,13 @@ def bench(args) -> list[dict]:
   for shape in (DRY_SHAPES if args.dry_run else SHAPES):
     name, b, l, i, gn = shape
     inputs, cot = _inputs(b, l, i, gn, dtype)
-    tokens = b * l
-    for impl, mode, sec, info in time_forms(lambda impl: _fns(impl, cot), inputs, args.repeats):
-      # The kernels' own byte estimates (the same work for both forms): what a
-      # fused chain has to move at least.
-      est = hlo.kernel_estimates(_fns("kernels", cot)[0 if mode == "fwd" else 1].trace(*inputs).jaxpr)
-      moved = sum(e.bytes_accessed for calls in est.values() for _, e in calls)
-      rows.append({"bench": "gpu_layer", "shape": name, "impl": impl, "mode": mode, "batch": b,
-                   "seq_len": l, "d_inner": i, "dtype": args.dtype, "seconds": sec,
-                   "tokens_per_s": tokens / sec, "kernel_bytes": moved,
-                   "frac_copy_bandwidth": moved / sec / rf["copy_bytes_per_s"], **info})
-      log(f"  {name} {impl:8s} {mode:8s}: {tokens / sec:12.0f} tok/s, {moved / sec / 1e9:8.1f} GB/s of "
-          f"the kernels' bytes ({100 * moved / sec / rf['copy_bytes_per_s']:.0f}% of copy), "
-          f"compile {info['compile_s']:.1f} s")
-    add_speedups(rows, name)
+    rows += byte_rows("gpu_layer", name, lambda impl: _fns(impl, cot), inputs, b * l, args.repeats,
+                      rf["copy_bytes_per_s"], batch=b, seq_len=l, d_inner=i, dtype=args.dtype)
   return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-  lines = ["| shape | impl | mode | tokens/s | kernels' bytes / s | of copy bandwidth | compile s | kernels / xla |",
-           "|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['kernel_bytes'] / r['seconds'] / 1e9:,.0f} GB/s | {100 * r['frac_copy_bandwidth']:.0f}% | "
-                 f"{r['compile_s']:.2g} | " + (f"{r['kernels_speedup']:.2f}x |" if r["impl"] == "kernels" else " |"))
-  return lines
+  return byte_table(rows, {"kernels": "kernels", "xla": "xla"}, "kernels / xla")
 
 
 def main(argv=None):

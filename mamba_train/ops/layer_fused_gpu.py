@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mamba_train.ops import layer_math, ssd_gpu
-from mamba_train.ops.ssd_gpu import _NT, _TN, _chunk_terms, _doc_in, _masks, _params
+from mamba_train.ops.ssd_gpu import _TN, _bwd_doc_in, _chunk_terms, _doc_in, _masks, _params
 
 _F32 = jnp.float32
 
@@ -109,15 +109,6 @@ def _prologue(x_ref, f_ref, w_ref, bias_ref, sq_ref, z, q, k, ids, cdt):
   return pre, sig, taps, xs.astype(cdt).astype(_F32)
 
 
-def _ssd_chunk(xf, dt, A, D, bmat, cmat, state, lmat, decay_in, cdt):
-  """`ssd_gpu`'s chunk output with the D skip (float32), and x dt."""
-  xdt = xf * dt[:, None]
-  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-  y = jax.lax.dot((cb * lmat).astype(cdt), xdt.astype(cdt), preferred_element_type=_F32)
-  y += jax.lax.dot_general(cmat, state.astype(cdt), _NT, preferred_element_type=_F32) * decay_in[:, None]
-  return y + xf * D, xdt, cb
-
-
 # ----------------------------------------------------------------------------
 # Forward: conv + SiLU, the SSD with the state in registers, the gate.
 
@@ -145,8 +136,8 @@ def _fwd_kernel(*refs, q, nc, k, seq, save):
     dt = dt_ref[rows].astype(_F32)
     lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, upto, after, sq, doc_in)
     bmat, cmat = b_ref[rows, :], c_ref[rows, :]
-    y, xdt, _ = _ssd_chunk(xf, dt, A, D, bmat, cmat, state, lmat, decay_in, cdt)
-    yc = y.astype(cdt).astype(_F32)  # the SSD's output in the compute dtype, as the plain form's
+    y, xdt, _ = ssd_gpu.chunk_out(xf, dt, bmat, cmat, state, lmat, decay_in, cdt)
+    yc = (y + xf * D).astype(cdt).astype(_F32)  # the SSD's output in the compute dtype, as the plain form's
     sz, _ = _silu(z_ref[rows, :].astype(_F32))
     gated = yc * sz
     g_ref[rows, :] = gated.astype(g_ref.dtype)
@@ -228,8 +219,7 @@ def _bwd_kernel(*refs, q, nc, k, seq):
   dzx_ref, dpre_ref, ddt_ref, da_ref, dd_ref, db_ref, dc_ref, dinit_ref, dw_ref, dbias_ref = rest
   p = z_ref.shape[-1]
   cdt = z_ref.dtype
-  upto, after = _masks(q)
-  afterf = after.astype(_F32)
+  masks = _masks(q)
   A = a_ref[...].astype(_F32)
   D = d_ref[...].astype(_F32)
 
@@ -237,20 +227,15 @@ def _bwd_kernel(*refs, q, nc, k, seq):
     dstate, dws, dbias = carry
     z = nc - 1 - i
     rows = pl.ds(z * q, q)
-    doc_in = 0
-    sq = None
-    if seq:
-      sq = sq_ref[rows]
-      prev = sq_ref[pl.ds(jnp.maximum(z * q - 1, 0), 1)]
-      doc_in = jnp.where(z == 0, jnp.min(sq), jnp.max(prev))
+    sq = sq_ref[rows] if seq else None
+    doc_in = _bwd_doc_in(sq_ref, sq, z, q) if seq else 0
     pre, sig_pre, taps, xf = _prologue(x_ref, f_ref, w_ref, bias_ref, sq_ref, z, q, k, sq, cdt)
     dt = dt_ref[rows].astype(_F32)
-    lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, upto, after, sq, doc_in)
+    lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, *masks, sq, doc_in)
     bmat, cmat = b_ref[rows, :], c_ref[rows, :]
     state = st_ref[pl.ds(z * p, p), :]
-    sc_state = state.astype(cdt)
-    y, xdt, cb = _ssd_chunk(xf, dt, A, D, bmat, cmat, state, lmat, decay_in, cdt)
-    yc = y.astype(cdt).astype(_F32)
+    y, xdt, cb = ssd_gpu.chunk_out(xf, dt, bmat, cmat, state, lmat, decay_in, cdt)
+    yc = (y + xf * D).astype(cdt).astype(_F32)
     zf = z_ref[rows, :].astype(_F32)
     sz, sig_z = _silu(zf)
     gated = yc * sz
@@ -258,35 +243,10 @@ def _bwd_kernel(*refs, q, nc, k, seq):
     dgat = dg_ref[rows, :].astype(_F32) + 2.0 * gated * dssq_ref[rows][:, None]
     dzx_ref[rows, :] = (dgat * yc * layer_math.dsilu(zf, sig_z)).astype(dzx_ref.dtype)
     dy = (dgat * sz).astype(cdt)
-    dyf = dy.astype(_F32)
-    # The SSD chunk's backward, as `ssd_gpu._bwd_kernel`'s.
-    m = (cb * lmat).astype(cdt)
-    dd = jnp.sum(dyf * xf, axis=1)
-    scs = jax.lax.dot_general(cmat, sc_state, _NT, preferred_element_type=_F32)
-    dcs = jnp.sum(dyf * scs, axis=1) * decay_in
-    dsc = (dyf * decay_in[:, None]).astype(cdt)
-    dh_in = jax.lax.dot_general(dsc, cmat, _TN, preferred_element_type=_F32)
-    dc = jax.lax.dot(dsc, sc_state, preferred_element_type=_F32)
-    dm = jax.lax.dot_general(dy, xdt.astype(cdt), _NT, preferred_element_type=_F32)
-    dxdt = jax.lax.dot_general(m, dy, _TN, preferred_element_type=_F32)
-    dcb = (dm * lmat).astype(cdt)
-    dc += jax.lax.dot(dcb, bmat, preferred_element_type=_F32)
-    db = jax.lax.dot_general(dcb, cmat, _TN, preferred_element_type=_F32)
-    dseg = dm * cb * lmat
-    per_k = jax.lax.dot_general(dseg, afterf, _NT, precision=jax.lax.Precision.HIGHEST,
-                                preferred_element_type=_F32)
-    da = jnp.sum(jnp.where(upto, per_k, 0.0), axis=0)
-    dstate_c = dstate.astype(cdt)
-    dxw = jax.lax.dot_general(bmat, dstate_c, _NT, preferred_element_type=_F32)
-    db += jax.lax.dot((xdt * w[:, None]).astype(cdt), dstate_c, preferred_element_type=_F32)
-    dxdt += dxw * w[:, None]
-    dte = jnp.sum(dxw * xdt, axis=1) * w
-    dthrough = jnp.sum(dstate * state) * through
-    da += jnp.sum(jnp.where(upto, dcs[:, None], 0.0), axis=0)
-    da += jnp.sum(jnp.where(after, dte[None, :], 0.0), axis=1)
-    da += dthrough
+    dxdt, dd, da, db, dc, dstate_in = ssd_gpu.chunk_bwd(xf, dt, dy, bmat, cmat, state, dstate, xdt, cb,
+                                                        (lmat, decay_in, w, through), masks, cdt)
     # The SSD's x in the compute dtype, so its cotangent is rounded there, as the plain form's.
-    dxs = (dxdt * dt[:, None] + dyf * D).astype(cdt).astype(_F32)
+    dxs = (dxdt * dt[:, None] + dy.astype(_F32) * D).astype(cdt).astype(_F32)
     dpre = dxs * layer_math.dsilu(pre, sig_pre)
     dpre_ref[rows, :] = dpre
     ddt_ref[rows] = jnp.sum(dxdt * xf, axis=1)
@@ -295,7 +255,7 @@ def _bwd_kernel(*refs, q, nc, k, seq):
     pltriton.atomic_add(db_ref, (rows, slice(None)), db)
     pltriton.atomic_add(dc_ref, (rows, slice(None)), dc)
     dws = tuple(acc + jnp.sum(dpre * v, axis=0) for acc, v in zip(dws, taps))
-    return dstate * through + dh_in, dws, dbias + jnp.sum(dpre, axis=0)
+    return dstate_in, dws, dbias + jnp.sum(dpre, axis=0)
 
   zero = jnp.zeros((p,), _F32)
   dstate, dws, dbias = jax.lax.fori_loop(0, nc, body, (dfin_ref[...].astype(_F32), (zero,) * k, zero))

@@ -132,6 +132,64 @@ def _doc_in(sq, z, prev):
   return jnp.where(z == 0, jnp.min(sq), prev)
 
 
+def _bwd_doc_in(sq_ref, sq, z, q):
+  """`_doc_in` in a reverse walk: the previous chunk's last id read from the ids."""
+  prev = sq_ref[pl.ds(jnp.maximum(z * q - 1, 0), 1)]
+  return jnp.where(z == 0, jnp.min(sq), jnp.max(prev))
+
+
+def chunk_out(xf, dt, bmat, cmat, state, lmat, decay_in, cdt):
+  """A chunk's output without the D skip (float32 (t, p)), x dt, and C B^T: the
+  diagonal block (x dt) M^T, M = (C B^T) * L, plus (C H^T) * decay_in."""
+  xdt = xf * dt[:, None]
+  cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
+  y = jax.lax.dot((cb * lmat).astype(cdt), xdt.astype(cdt), preferred_element_type=_F32)  # (t, p)
+  y += jax.lax.dot_general(cmat, state.astype(cdt), _NT, preferred_element_type=_F32) * decay_in[:, None]
+  return y, xdt, cb
+
+
+def chunk_bwd(xf, dt, dy, bmat, cmat, state, dstate, xdt, cb, terms, masks, cdt):
+  """A chunk's backward from y's cotangent dy (t, p) (compute dtype) and the cotangent
+  of the state leaving the chunk (float32 (p, n)). terms: `_chunk_terms`' (L, decay_in,
+  w, through); masks: `_masks`' (upto, after). Returns d(x dt) (s, p), D's rows (t,),
+  d a (k,), dB (s, n), dC (t, n) and the cotangent of the state entering the chunk."""
+  lmat, decay_in, w, through = terms
+  upto, after = masks
+  dyf = dy.astype(_F32)
+  sc_state = state.astype(cdt)
+  m = (cb * lmat).astype(cdt)
+  # y = (x dt) M^T + (C H^T) * decay_in + x D, M = (C B^T) * L.
+  dd = jnp.sum(dyf * xf, axis=1)  # (t,)
+  sc = jax.lax.dot_general(cmat, sc_state, _NT, preferred_element_type=_F32)  # (t, p)
+  dcs = jnp.sum(dyf * sc, axis=1) * decay_in  # d of the prefix sums, (t,)
+  dsc = (dyf * decay_in[:, None]).astype(cdt)
+  dh_in = jax.lax.dot_general(dsc, cmat, _TN, preferred_element_type=_F32)  # (p, n)
+  dc = jax.lax.dot(dsc, sc_state, preferred_element_type=_F32)  # (t, n)
+  dm = jax.lax.dot_general(dy, xdt.astype(cdt), _NT, preferred_element_type=_F32)  # (t, s)
+  dxdt = jax.lax.dot_general(m, dy, _TN, preferred_element_type=_F32)  # (s, p)
+  dcb = (dm * lmat).astype(cdt)  # zero where the mask cuts
+  dc += jax.lax.dot(dcb, bmat, preferred_element_type=_F32)
+  db = jax.lax.dot_general(dcb, cmat, _TN, preferred_element_type=_F32)  # (s, n)
+  # seg[t, s] = sum_{s < k <= t} a_k, so d a_k = sum_{t >= k} sum_{s < k} dseg[t, s]:
+  # a masked matmul at HIGHEST, then a masked column sum (sums of the terms covered).
+  dseg = dm * cb * lmat
+  per_k = jax.lax.dot_general(dseg, after.astype(_F32), _NT, precision=_HIGHEST, preferred_element_type=_F32)
+  da = jnp.sum(jnp.where(upto, per_k, 0.0), axis=0)  # (k,)
+  # The state leaving the chunk: H_out = H_in * through + (x dt * w)^T B.
+  dstate_c = dstate.astype(cdt)
+  dxw = jax.lax.dot_general(bmat, dstate_c, _NT, preferred_element_type=_F32)  # (s, p)
+  db += jax.lax.dot((xdt * w[:, None]).astype(cdt), dstate_c, preferred_element_type=_F32)
+  dxdt += dxw * w[:, None]
+  dte = jnp.sum(dxw * xdt, axis=1) * w  # d of the sums to the chunk end, (s,)
+  dthrough = jnp.sum(dstate * state) * through
+  # d a_k from the prefix sums (t >= k), the sums to the end (s < k) and the
+  # chunk's whole decay (every k): masked sums of the terms covered.
+  da += jnp.sum(jnp.where(upto, dcs[:, None], 0.0), axis=0)
+  da += jnp.sum(jnp.where(after, dte[None, :], 0.0), axis=1)
+  da += dthrough
+  return dxdt, dd, da, db, dc, dstate * through + dh_in
+
+
 # ----------------------------------------------------------------------------
 # Forward: the state carried through the chunks in registers.
 
@@ -160,10 +218,7 @@ def _fwd_kernel(*refs, q, nc, seq, save):
     lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, upto, after, sq, doc_in)
     xf = x_ref[rows, :].astype(_F32)  # (s, p)
     bmat, cmat = b_ref[rows, :], c_ref[rows, :]  # (q, n) in the compute dtype
-    xdt = xf * dt[:, None]
-    cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-    y = jax.lax.dot((cb * lmat).astype(cdt), xdt.astype(cdt), preferred_element_type=_F32)  # (t, p)
-    y += jax.lax.dot_general(cmat, state.astype(cdt), _NT, preferred_element_type=_F32) * decay_in[:, None]
+    y, xdt, _ = chunk_out(xf, dt, bmat, cmat, state, lmat, decay_in, cdt)
     y += xf * D
     y_ref[rows, :] = y.astype(y_ref.dtype)
     # The chunk's own end state from its inputs, then the state leaving the chunk.
@@ -236,69 +291,33 @@ def _bwd_kernel(*refs, q, nc, seq):
   dx_ref, ddt_ref, da_ref, dd_ref, db_ref, dc_ref, dinit_ref = rest
   p = x_ref.shape[-1]
   cdt = x_ref.dtype
-  upto, after = _masks(q)
-  afterf = after.astype(_F32)
+  masks = _masks(q)
   A = a_ref[...].astype(_F32)
   D = d_ref[...].astype(_F32)
 
   def body(i, dstate):
     z = nc - 1 - i
     rows = pl.ds(z * q, q)
-    doc_in = 0
-    sq = None
-    if seq:
-      sq = sq_ref[rows]
-      # the previous chunk's last id (position 0's for the first chunk)
-      prev = sq_ref[pl.ds(jnp.maximum(z * q - 1, 0), 1)]
-      doc_in = jnp.where(z == 0, jnp.min(sq), jnp.max(prev))
+    sq = sq_ref[rows] if seq else None
+    doc_in = _bwd_doc_in(sq_ref, sq, z, q) if seq else 0
     dt = dt_ref[rows].astype(_F32)
-    lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, upto, after, sq, doc_in)
+    lmat, decay_in, w, through, _, _ = _chunk_terms(dt * A, *masks, sq, doc_in)
     xf = x_ref[rows, :].astype(_F32)
     bmat, cmat = b_ref[rows, :], c_ref[rows, :]
     dy = dy_ref[rows, :]  # (t, p) in the compute dtype
-    dyf = dy.astype(_F32)
     state = st_ref[pl.ds(z * p, p), :]  # (p, n) float32: the state entering chunk z
-    sc_state = state.astype(cdt)
     xdt = xf * dt[:, None]
     cb = jax.lax.dot_general(cmat, bmat, _NT, preferred_element_type=_F32)  # (t, s)
-    m = (cb * lmat).astype(cdt)
-    # y = (x dt) M^T + (C H^T) * decay_in + x D, M = (C B^T) * L.
-    dd = jnp.sum(dyf * xf, axis=1)  # (t,)
-    sc = jax.lax.dot_general(cmat, sc_state, _NT, preferred_element_type=_F32)  # (t, p)
-    dcs = jnp.sum(dyf * sc, axis=1) * decay_in  # d of the prefix sums, (t,)
-    dsc = (dyf * decay_in[:, None]).astype(cdt)
-    dh_in = jax.lax.dot_general(dsc, cmat, _TN, preferred_element_type=_F32)  # (p, n)
-    dc = jax.lax.dot(dsc, sc_state, preferred_element_type=_F32)  # (t, n)
-    dm = jax.lax.dot_general(dy, xdt.astype(cdt), _NT, preferred_element_type=_F32)  # (t, s)
-    dxdt = jax.lax.dot_general(m, dy, _TN, preferred_element_type=_F32)  # (s, p)
-    dcb = (dm * lmat).astype(cdt)  # zero where the mask cuts
-    dc += jax.lax.dot(dcb, bmat, preferred_element_type=_F32)
-    db = jax.lax.dot_general(dcb, cmat, _TN, preferred_element_type=_F32)  # (s, n)
-    # seg[t, s] = sum_{s < k <= t} a_k, so d a_k = sum_{t >= k} sum_{s < k} dseg[t, s]:
-    # a masked matmul at HIGHEST, then a masked column sum (sums of the terms covered).
-    dseg = dm * cb * lmat
-    per_k = jax.lax.dot_general(dseg, afterf, _NT, precision=_HIGHEST, preferred_element_type=_F32)  # (t, k)
-    da = jnp.sum(jnp.where(upto, per_k, 0.0), axis=0)  # (k,)
-    # The state leaving the chunk: H_out = H_in * through + (x dt * w)^T B.
-    dstate_c = dstate.astype(cdt)
-    dxw = jax.lax.dot_general(bmat, dstate_c, _NT, preferred_element_type=_F32)  # (s, p)
-    db += jax.lax.dot((xdt * w[:, None]).astype(cdt), dstate_c, preferred_element_type=_F32)
-    dxdt += dxw * w[:, None]
-    dte = jnp.sum(dxw * xdt, axis=1) * w  # d of the sums to the chunk end, (s,)
-    dthrough = jnp.sum(dstate * state) * through
-    # d a_k from the prefix sums (t >= k), the sums to the end (s < k) and the
-    # chunk's whole decay (every k): masked sums of the terms covered.
-    da += jnp.sum(jnp.where(upto, dcs[:, None], 0.0), axis=0)
-    da += jnp.sum(jnp.where(after, dte[None, :], 0.0), axis=1)
-    da += dthrough
-    dx_ref[rows, :] = (dxdt * dt[:, None] + dyf * D).astype(dx_ref.dtype)
+    dxdt, dd, da, db, dc, dstate_in = chunk_bwd(xf, dt, dy, bmat, cmat, state, dstate, xdt, cb,
+                                                (lmat, decay_in, w, through), masks, cdt)
+    dx_ref[rows, :] = (dxdt * dt[:, None] + dy.astype(_F32) * D).astype(dx_ref.dtype)
     ddt_ref[rows] = jnp.sum(dxdt * xf, axis=1)
     da_ref[rows] = da
     dd_ref[rows] = dd
     # B and C are shared with the group's other heads (other programs).
     pltriton.atomic_add(db_ref, (rows, slice(None)), db)
     pltriton.atomic_add(dc_ref, (rows, slice(None)), dc)
-    return dstate * through + dh_in  # the cotangent of the state entering chunk z
+    return dstate_in  # the cotangent of the state entering chunk z
 
   dinit_ref[...] = jax.lax.fori_loop(0, nc, body, dfin_ref[...].astype(_F32))
 

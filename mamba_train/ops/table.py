@@ -11,10 +11,11 @@ math never branches on an implementation name.
 
 The runtime field that picks each operation's row (`Runtime` spells each name
 once; old spellings are aliases there): ssd_impl -> ssd; layer_impl -> conv and
-norm, or with 'fused' (TPU) or 'fused_triton' (GPU) the mixer (the layer between in_proj and out_proj as one op,
-the conv and norm plain where it does not run); decode_impl -> decode; moe_impl ->
-experts; attention -> attention. A Pallas kernel runs on any backend in Pallas'
-interpreter (`Runtime.interpret`: for tests).
+norm, or with 'fused' (TPU) or 'fused_triton' (GPU) the mixer (the layer between
+in_proj and out_proj as one op, the conv and norm plain or the GPU's kernels where it
+does not run); decode_impl -> decode; moe_impl -> experts; attention -> attention.
+A Pallas kernel runs on any backend in Pallas' interpreter (`Runtime.interpret`: for
+tests).
 
 Kernel modules are imported when a row is chosen, not before: importing the model
 loads none it does not run. Like the kernels, this module imports nothing else of
@@ -88,8 +89,8 @@ TABLE: dict[tuple[str, str], Impl] = {
     ("mixer", "fused_triton"): _row("layer_fused_gpu", "mixer_core_gpu", ["gpu"], True,
                                     [MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                                     "Pallas Triton kernels: one from in_proj's outputs to the gated y and its norm "
-                                    "statistics (x's conv, SSD, gate; the conv of B and C, and dt, in XLA), two for its "
-                                    "backward"),
+                                    "statistics (x's conv, SSD, gate; the conv of B and C, and dt, in XLA), two for "
+                                    "its backward"),
     ("ssd3", "xla"): _row("ssd3", "ssd3_chunked", ALL, False,
                           [SEQUENCE, MESH, DOCUMENTS, INITIAL_STATE, ANY_LENGTH, FLOAT32],
                           "Mamba-3's chunked exponential-trapezoidal scan in einsums; the reference"),
