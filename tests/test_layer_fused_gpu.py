@@ -5,9 +5,10 @@ Pallas' interpreter on CPU: float32 outputs and every gradient at 1e-5 over pack
 documents whose boundaries sit inside the conv's reach across a chunk boundary,
 initial states (SSM and conv), a ragged length over several chunks, 3 groups and 1,
 dt clamped; bfloat16 within the plain form's own bfloat16 error; the model with
-`layer_impl='fused_triton'` against the XLA model (1e-6), what the remat keeps; and the
-kernels compiled for an H100 (sm_90a) and a B200 (sm_100a) on this CPU through the
-CUDA plugin (no GPU needed). Under a data x fsdp x tensor mesh: test_sequence_parallel."""
+`layer_impl='fused_triton'` against the XLA model (2e-6); the table's choice and its
+fallbacks; and the kernels compiled for an H100 (sm_90a) and a B200 (sm_100a) on this
+CPU through the CUDA plugin (no GPU needed), with what each remat runs of them. Under a
+data x fsdp x tensor mesh: test_sequence_parallel."""
 
 import os
 import subprocess
@@ -105,6 +106,34 @@ def test_model_with_fused_gpu_layer_matches_xla_model():
   # 1.2e-6 under the suite's YNNPACK dots (8e-7 under XLA's own); the layer alone, above,
   # holds 1e-5 at every gradient with D's at 1e-7.
   assert_model_matches_xla(cfg, rt, xla, tol=2e-6)
+
+
+def test_table_runs_the_gpu_kernels_where_they_apply():
+  """The selection, decided without devices: the fused GPU layer per device's heads
+  where whole groups sit on each; where it does not run (a group split over devices, a
+  window, a split sequence), the plain mixer with the GPU's conv and norm kernels where
+  they apply, naming why. (The numbers on a data x fsdp x tensor mesh:
+  tests/test_sequence_parallel.py.)"""
+  import types
+
+  from mamba_train import Runtime, config_for
+  from mamba_train.ops import table
+  from mamba_train.parallel.heads import HeadSplit
+  rt = Runtime(ssd_impl="triton", layer_impl="fused_triton", interpret=True).resolve("cpu")
+  heads = lambda devices: table.Mesh(heads=HeadSplit(None, "data", "tensor", devices), active=True)
+  whole = table.build(rt, config_for("tiny", ngroups=2), heads(2))
+  assert ("mixer", "fused_triton", "runtime") in whole.choices and whole.mixer is not None
+  spans = table.build(rt, config_for("tiny", ngroups=1), heads(2))
+  assert ("mixer", "xla", "fused_triton takes no group split over devices (ngroups % heads' devices)") in spans.choices
+  assert spans.mixer is None and spans.chose("conv") == "triton"
+  windowed = table.build(rt, config_for("tiny", ssd_window=64))
+  assert ("mixer", "xla", "fused_triton takes no window (ssd_window)") in windowed.choices and windowed.mixer is None
+  stub = lambda *a, **k: None  # a split sequence's maps, not run here
+  seq = table.build(rt, config_for("tiny"), table.Mesh(sequence=types.SimpleNamespace(ssd=stub, conv=stub),
+                                                       active=True))
+  assert ("mixer", "xla", "fused_triton takes no split sequence (the 'sequence' mesh axis)") in seq.choices
+  assert ("conv", "xla", "triton takes no split sequence (the 'sequence' mesh axis)") in seq.choices
+  assert seq.chose("ssd") == "triton" and seq.mixer is None
 
 
 _COMPILE = """
