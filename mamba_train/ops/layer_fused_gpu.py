@@ -37,8 +37,9 @@ by XLA's autodiff.
 
 Triton's rules as `ssd_gpu`'s: the head size p and the state size n powers of two,
 at least 16 (every released size: p 64, n 128), the chunk a power of two up to 64;
-other sizes run the plain form over `ssd_gpu`'s kernels (`joins`). Lengths are
-padded to whole chunks with dt = 0 (a copy of z|x only then).
+other sizes (and a conv longer than a chunk) run the plain form over `ssd_gpu`'s
+kernels (`joins`). Lengths are padded to whole chunks with dt = 0 (a copy of z|x only
+then).
 
 `interpret=True` runs the kernels in Pallas' interpreter (the CPU tests). Imports of
 the package: the plain forms and `ssd_gpu`'s per-chunk math.
@@ -436,12 +437,13 @@ def mixer_core_gpu(zx, bc, dt_raw, w, chunk: int, *, ngroups: int, dt_limit=(0.0
   b, l, two_i = zx.shape
   i, h, g, k = two_i // 2, dt_raw.shape[-1], ngroups, w["conv_x"].shape[0]
   n = bc.shape[-1] // g
-  if not joins(i, h, g, n) or k < 2:
+  q = ssd_gpu.kernel_chunk(chunk)
+  # Only the first chunk's taps may read the front (whose document is that chunk's first).
+  if not joins(i, h, g, n) or not 2 <= k <= q + 1:
     ssd = functools.partial(ssd_gpu.ssd_gpu, interpret=interpret)
     return layer_math.mixer_core(zx, bc, dt_raw, w, chunk, ngroups=ngroups, dt_limit=dt_limit, front_x=front_x,
                                  front_bc=front_bc, initial_state=initial_state, seq_idx=seq_idx, ssd=ssd)
   p, cd = i // h, zx.dtype
-  q = ssd_gpu.kernel_chunk(chunk)
   L = -(-l // q) * q
   front_x = jnp.zeros((b, k - 1, i), cd) if front_x is None else front_x
   front_bc = jnp.zeros((b, k - 1, *bc.shape[2:]), cd) if front_bc is None else front_bc
