@@ -275,6 +275,8 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
     if seq is not None:
       ssd = functools.partial(seq.ssd, ssd, _state_outputs(), kernel=True)
   save_names = () if impl == "xla" else _module("ssd", impl).SAVE_NAMES
+  # `save_matmuls` keeps the GPU kernels' outputs only with the layers unrolled (`gpu_saved` below).
+  gpu_unrolled = impl == "triton" and runtime.unroll_layers
 
   # --- Mamba-3's scan (a kernel name without a Mamba-3 row falls back to the plain form) ---
   ssd3, step3, chunk3 = None, TABLE["decode3", "xla"].load(), min(cfg.chunk_size, runtime.parallel_chunk_size)
@@ -328,8 +330,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
       mixer = _kernel("mixer", m, runtime)
       save_names = (*save_names, *_module("mixer", m).SAVE_NAMES)
       if m == "fused_triton":  # whether the remat keeps its states (`layer_fused_gpu`'s two VJPs)
-        kept = runtime.remat in ("none", "save_in_proj_ssd") or (runtime.remat == "save_matmuls"
-                                                                  and impl == "triton" and runtime.unroll_layers)
+        kept = runtime.remat in ("none", "save_in_proj_ssd") or (runtime.remat == "save_matmuls" and gpu_unrolled)
         mixer = functools.partial(mixer, keep_states=kept)
       if mesh.heads is not None:
         mixer = functools.partial(mesh.heads.mixer, mixer)
@@ -369,7 +370,7 @@ def build(runtime, cfg, mesh: Mesh = Mesh()) -> Ops:
   # saved value into its stack and out again (the SSD's float32 entering states alone
   # 1.1e9 bytes a layer), more than rerunning the forward kernels moves.
   gpu_saved = ()
-  if impl == "triton" and runtime.unroll_layers:
+  if gpu_unrolled:
     gpu_saved = tuple(save_names)
     if layer == "triton" and norm_impl == "triton":
       gpu_saved += _module("conv", "triton").SAVE_NAMES
